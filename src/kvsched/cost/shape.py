@@ -1,0 +1,34 @@
+"""The shape of one batch: what every cost model needs, as aggregates over its requests."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class BatchShape:
+    """Aggregates of one iteration (fields may also be numpy arrays, one entry per batch).
+
+    prefill_tokens: prompt tokens computed by prefill chunks in this batch.
+    prefill_seqs:   requests with a prefill chunk.
+    prefill_attn:   causal query-key pairs of the chunks, sum of c * (p + (c + 1) / 2) for a
+                    chunk of c tokens over p cached tokens.
+    prefill_ctx:    KV tokens the chunks read and write, sum of p + c.
+    decode_seqs:    requests decoding one token.
+    decode_ctx:     KV tokens the decodes attend over, sum of context lengths including the
+                    token computed in this batch (prompt + tokens generated so far).
+    """
+    prefill_tokens: float = 0
+    prefill_seqs: float = 0
+    prefill_attn: float = 0
+    prefill_ctx: float = 0
+    decode_seqs: float = 0
+    decode_ctx: float = 0
+
+    @property
+    def tokens(self):
+        """Tokens computed in the batch (a decode computes one)."""
+        return self.prefill_tokens + self.decode_seqs
+
+    @property
+    def seqs(self):
+        return self.prefill_seqs + self.decode_seqs

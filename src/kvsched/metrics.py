@@ -1,0 +1,193 @@
+"""Records -> summary with vLLM's benchmark names (benchmarks/benchmark_serving.py).
+
+TTFT, TPOT and E2EL are per request (percentiles by numpy's linear interpolation, as vLLM);
+ITL is over every inter-token gap of every request, kept in a log-spaced histogram so the
+count, mean and std are exact and the percentiles exact to the bin (relative width 1e-3)
+for any number of tokens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvsched.errors import KvschedError
+
+
+class GapHistogram:
+    """Inter-token gaps in seconds: log bins of relative width `resolution` from `low` up."""
+
+    def __init__(self, resolution: float = 1e-3, low: float = 1e-7, high: float = 1e6) -> None:
+        self._log_low = math.log(low)
+        self._scale = 1.0 / math.log1p(resolution)
+        self._ratio = 1.0 + resolution
+        self.low = low
+        self.counts = [0] * (int((math.log(high) - self._log_low) * self._scale) + 2)
+        self.n = 0
+        self.total = 0.0
+        self.total_sq = 0.0
+        self.max = 0.0
+
+    def add(self, gap: float, n: int = 1) -> None:
+        if n <= 0:
+            return
+        k = int((math.log(gap) - self._log_low) * self._scale) + 1 if gap > self.low else 0
+        self.counts[min(k, len(self.counts) - 1)] += n
+        self.n += n
+        self.total += gap * n
+        self.total_sq += gap * gap * n
+        if gap > self.max:
+            self.max = gap
+
+    def quantile(self, q: float) -> float:
+        """Gap at quantile q (0..1): the geometric centre of the bin holding that rank."""
+        if self.n == 0:
+            return math.nan
+        rank = max(1, math.ceil(q * self.n))
+        k = int(np.searchsorted(np.cumsum(self.counts), rank))
+        if k == 0:
+            return self.low
+        lo = math.exp(self._log_low + (k - 1) / self._scale)
+        return min(lo * math.sqrt(self._ratio), self.max)
+
+    def mean(self) -> float:
+        return self.total / self.n if self.n else math.nan
+
+    def std(self) -> float:
+        if not self.n:
+            return math.nan
+        m = self.mean()
+        return math.sqrt(max(0.0, self.total_sq / self.n - m * m))
+
+
+@dataclass
+class Goodput:
+    """SLOs in ms for request_goodput (vLLM's --goodput ttft:MS tpot:MS e2el:MS)."""
+    ttft: float | None = None
+    tpot: float | None = None
+    e2el: float | None = None
+
+    @classmethod
+    def parse(cls, items: list[str]) -> "Goodput":
+        out = cls()
+        for item in items:
+            for part in item.split():
+                key, sep, value = part.partition(":")
+                if not sep or key not in ("ttft", "tpot", "e2el"):
+                    raise KvschedError(f"--goodput expects ttft:MS, tpot:MS or e2el:MS, got {part!r}")
+                try:
+                    ms = float(value)
+                except ValueError:
+                    raise KvschedError(f"--goodput {key}: {value!r} is not a number") from None
+                if not ms > 0:
+                    raise KvschedError(f"--goodput {key} must be > 0 ms, got {value}")
+                setattr(out, key, ms)
+        return out
+
+
+@dataclass
+class RunRecords:
+    """Everything a run produced, as arrays over requests plus run-level counters."""
+    ids: np.ndarray
+    arrival: np.ndarray
+    prompt: np.ndarray
+    output: np.ndarray
+    admitted: np.ndarray
+    first_token: np.ndarray
+    finished: np.ndarray
+    preemptions: np.ndarray
+    recomputed: np.ndarray
+    itl_max: np.ndarray
+    tbt_violations: np.ndarray
+    rejected: np.ndarray
+    itl: GapHistogram
+    iterations: int
+    kv_capacity_tokens: int
+    kv_time_integral: float     # sum of (KV tokens held during a batch) * batch time
+    kv_peak_tokens: int
+    peak_queue: int
+    busy_time: float
+    wall_seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _stats(name: str, values_s: np.ndarray) -> dict[str, float]:
+    ms = values_s * 1000.0
+    if len(ms) == 0:
+        return {f"{k}_{name}_ms": math.nan for k in ("mean", "median", "std", "p90", "p99")}
+    p = np.percentile(ms, [50, 90, 99])
+    return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(p[0]),
+            f"std_{name}_ms": float(ms.std()), f"p90_{name}_ms": float(p[1]),
+            f"p99_{name}_ms": float(p[2])}
+
+
+def summarize(rec: RunRecords, goodput: Goodput | None = None, trim: int = 0) -> dict[str, Any]:
+    """The run summary. `trim` drops the first and last `trim` requests (arrival order) and
+    measures throughput over the window from the arrival of request trim+1 to that of the
+    trim-th last, counting requests finished inside it (stability-capacity.txt, section 5.2)."""
+    n = len(rec.arrival)
+    done = np.isfinite(rec.finished)
+    keep = done.copy()
+    if trim:
+        if trim < 0 or 2 * trim >= n:
+            raise KvschedError(f"--trim {trim} leaves no requests out of {n}")
+        keep[:trim] = False
+        keep[n - trim:] = False
+        start, end = float(rec.arrival[trim]), float(rec.arrival[n - trim - 1])
+        in_window = done & (rec.finished >= start) & (rec.finished <= end)
+    else:
+        start = float(rec.arrival.min()) if n else 0.0
+        end = float(rec.finished[done].max()) if done.any() else start
+        in_window = done
+    duration = end - start
+    ttft = rec.first_token[keep] - rec.arrival[keep]
+    e2el = rec.finished[keep] - rec.arrival[keep]
+    multi = keep & (rec.output > 1)
+    tpot = (rec.finished[multi] - rec.first_token[multi]) / (rec.output[multi] - 1)
+    rate = (lambda x: x / duration if duration > 0 else math.nan)
+    out_tokens = int(rec.output[in_window].sum())
+    in_tokens = int(rec.prompt[in_window].sum())
+    summary: dict[str, Any] = {
+        "completed": int(done.sum()),
+        "rejected": int(rec.rejected.sum()),
+        "total_input": int(rec.prompt[done].sum()),
+        "total_output": int(rec.output[done].sum()),
+        "duration": duration,
+        "request_throughput": rate(int(in_window.sum())),
+        "request_goodput": None,
+        "output_throughput": rate(out_tokens),
+        "total_token_throughput": rate(in_tokens + out_tokens),
+    }
+    if goodput is not None and any(v is not None for v in (goodput.ttft, goodput.tpot, goodput.e2el)):
+        good = in_window.copy()
+        if goodput.ttft is not None:
+            good &= (rec.first_token - rec.arrival) * 1000 <= goodput.ttft
+        if goodput.tpot is not None:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                tp = np.where(rec.output > 1, (rec.finished - rec.first_token) / (rec.output - 1), 0.0)
+            good &= tp * 1000 <= goodput.tpot
+        if goodput.e2el is not None:
+            good &= (rec.finished - rec.arrival) * 1000 <= goodput.e2el
+        summary["request_goodput"] = rate(int(good.sum()))
+    for name, values in (("ttft", ttft), ("tpot", tpot)):
+        summary.update(_stats(name, values))
+    h = rec.itl
+    summary.update({"mean_itl_ms": h.mean() * 1000, "median_itl_ms": h.quantile(0.5) * 1000,
+                    "std_itl_ms": h.std() * 1000, "p90_itl_ms": h.quantile(0.9) * 1000,
+                    "p99_itl_ms": h.quantile(0.99) * 1000})
+    summary.update(_stats("e2el", e2el))
+    cap = rec.kv_capacity_tokens
+    summary.update({
+        "mean_kv_usage": rec.kv_time_integral / rec.busy_time / cap if rec.busy_time > 0 else 0.0,
+        "peak_kv_usage": rec.kv_peak_tokens / cap,
+        "kv_capacity_tokens": cap,
+        "peak_queue_length": rec.peak_queue,
+        "preemptions": int(rec.preemptions.sum()),
+        "iterations": rec.iterations,
+        "simulated_seconds": float(rec.finished[done].max() - rec.arrival.min()) if done.any() else 0.0,
+        "wall_seconds": rec.wall_seconds,
+    })
+    summary.update(rec.extra)
+    return summary

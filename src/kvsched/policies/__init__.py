@@ -1,0 +1,40 @@
+"""Scheduling policies behind one interface (see `base.Plan` and `base.ServerView`)."""
+from __future__ import annotations
+
+from typing import Any
+
+from kvsched.errors import KvschedError
+from kvsched.hardware import GPU
+from kvsched.params import build
+from kvsched.policies.base import Plan, Policy, ServerView
+from kvsched.policies.baselines import Orca, RequestLevel, Sarathi, VllmV0, VllmV1
+
+POLICIES: dict[str, type] = {cls.name: cls for cls in (VllmV1, Sarathi, VllmV0, Orca, RequestLevel)}
+
+SOURCES = {
+    "vllm-v1": "vLLM v1 scheduler (vllm/v1/core/sched/scheduler.py)",
+    "sarathi": "Sarathi-Serve; rad-slai.txt Appendix E.2, Algorithm 4",
+    "vllm-v0": "vLLM v0 default scheduler (prefill-first exclusive batching)",
+    "orca": "Orca (OSDI 22): iteration-level scheduling, no chunking",
+    "request-level": "FasterTransformer style; rad-slai.txt Appendix E.1, Algorithm 3",
+}
+
+
+def engine_defaults(gpu: GPU) -> dict[str, int]:
+    """vLLM's defaults: 8192 tokens / 1024 sequences on GPUs with >= 70 GiB, else 2048 / 256."""
+    big = gpu.memory_gib >= 70
+    return {"max_num_batched_tokens": 8192 if big else 2048, "max_num_seqs": 1024 if big else 256}
+
+
+def make_policy(name: str, overrides: dict[str, Any], gpu: GPU) -> Policy:
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise KvschedError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}") from None
+    defaults = {}
+    if cls in (VllmV1, VllmV0, Orca):
+        defaults = engine_defaults(gpu)
+    return build(cls, f"policy {name}", overrides, defaults)
+
+
+__all__ = ["POLICIES", "SOURCES", "Plan", "Policy", "ServerView", "make_policy", "engine_defaults"]

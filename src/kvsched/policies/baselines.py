@@ -1,0 +1,258 @@
+"""Baseline schedulers of today's engines, written against the engine-agnostic contract.
+
+All use recompute preemption with vLLM's victim order: the most recently admitted running
+request first (LIFO), until the step fits; no request is admitted in a step that preempted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvsched.policies.base import Plan, ServerView
+
+
+def make_room(v: ServerView, reserve: int = 0,
+              release: Callable[[int], int] | None = None) -> tuple[list[int], int, int]:
+    """Preempt newest-first until one decode step of every remaining decoder fits.
+
+    `reserve` blocks are held back (promised to running prefills); `release(i)` is what
+    preempting i frees, reservation included (default: its KV blocks). Returns (victims,
+    free blocks after the decode step, decoders left).
+    """
+    free = v.kv_free_blocks - reserve
+    need = v.decode_new_blocks
+    nd = v.num_decoding
+    victims: list[int] = []
+    if need > free:
+        release = release or v.kv_blocks
+        for i in reversed(v.running):
+            if need <= free:
+                break
+            victims.append(i)
+            free += release(i)
+            if v.is_decoding(i):
+                need -= v.needs_block(i)
+                nd -= 1
+    return victims, free - need, nd
+
+
+def _check_limits(name: str, tokens: int, seqs: int) -> None:
+    if tokens < 1 or seqs < 1:
+        raise ValueError(f"{name}: token budget and max_num_seqs must be >= 1")
+    if seqs > tokens:
+        raise ValueError(f"max_num_seqs ({seqs}) exceeds the token budget ({tokens}): every "
+                         "decode takes one token of the budget (vLLM rejects this too)")
+
+
+class _Base:
+    name = "base"
+
+    def on_finish(self, i: int, view: ServerView) -> None:
+        """Baselines keep no per-request state."""
+
+
+@dataclass
+class VllmV1(_Base):
+    """vLLM v1 scheduler: one token budget per step, running requests first (decodes, then
+    unfinished chunked prefills in admission order), then waiting requests FCFS with the
+    last one chunked to fit. KV is allocated per chunk; a running prefill whose chunk does
+    not fit preempts the newest running requests (itself last, ending the step's running
+    phase). Defaults are vLLM's: 8192 tokens / 1024 sequences on GPUs with >= 70 GiB,
+    else 2048 / 256."""
+    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget per step"})
+    max_num_seqs: int | None = field(default=None, metadata={"help": "max running requests"})
+    name = "vllm-v1"
+
+    def __post_init__(self) -> None:
+        _check_limits(self.name, self.max_num_batched_tokens, self.max_num_seqs)
+
+    def schedule(self, v: ServerView) -> Plan:
+        victims, free, nd = make_room(v)
+        budget = self.max_num_batched_tokens - nd
+        chunks: list[tuple[int, int]] = []
+        gone = set(victims)
+        newest = (i for i in reversed(v.running) if i not in gone)
+        for i in v.prefilling:
+            if i in gone:
+                break                       # reached the preempted tail of the running list
+            done = v.prefill_done(i)
+            c = min(budget, v.prefill_target(i) - done)
+            if c <= 0:
+                break
+            need = v.blocks_for(done + c) - v.blocks_for(done)
+            while need > free:              # victims are newer than i: none has a chunk yet
+                j = next(newest)
+                victims.append(j)
+                gone.add(j)
+                if j == i:
+                    break
+                free += v.kv_blocks(j)
+                if v.is_decoding(j):
+                    free += v.needs_block(j)
+                    budget += 1
+            if i in gone:
+                break
+            chunks.append((i, c))
+            free -= need
+            budget -= c
+        admit: list[int] = []
+        if not victims:
+            seqs = len(v.running)
+            for i in v.waiting:
+                if seqs >= self.max_num_seqs or budget <= 0:
+                    break
+                c = min(budget, v.prefill_target(i))
+                need = v.blocks_for(c)
+                if need > free:
+                    break
+                admit.append(i)
+                chunks.append((i, c))
+                free -= need
+                budget -= c
+                seqs += 1
+        decoders_left = v.num_decoding - sum(1 for j in victims if v.is_decoding(j))
+        return Plan(admit, chunks, decoders_left > 0, victims)
+
+
+@dataclass
+class Sarathi(_Base):
+    """Sarathi-Serve (rad-slai.txt, Appendix E.2, Algorithm 4): every decode, then ongoing
+    chunked prefills, then new prefills in arrival order, under a token budget (the chunk
+    size) and max_num_seqs. As in its vLLM-v0 block manager, a request is admitted only if
+    KV for its whole prompt is free (reserved for its remaining chunks)."""
+    chunk_size: int = field(default=512, metadata={"help": "token budget per batch"})
+    max_num_seqs: int = field(default=128, metadata={"help": "max running requests"})
+    name = "sarathi"
+
+    def __post_init__(self) -> None:
+        _check_limits(self.name, self.chunk_size, self.max_num_seqs)
+
+    def schedule(self, v: ServerView) -> Plan:
+        blocks, target = v.blocks_for, v.prefill_target
+        reserve = sum(blocks(target(i)) - v.kv_blocks(i) for i in v.prefilling)
+
+        def release(i: int) -> int:
+            return blocks(target(i)) if not v.is_decoding(i) else v.kv_blocks(i)
+
+        victims, free, nd = make_room(v, reserve, release)
+        budget = self.chunk_size - nd
+        gone = set(victims)
+        chunks: list[tuple[int, int]] = []
+        for i in v.prefilling:
+            if budget <= 0:
+                break
+            if i not in gone:
+                c = min(budget, target(i) - v.prefill_done(i))
+                chunks.append((i, c))
+                budget -= c
+        admit: list[int] = []
+        if not victims:
+            seqs = len(v.running)
+            for i in v.waiting:
+                if budget <= 0 or seqs >= self.max_num_seqs:
+                    break
+                need = blocks(target(i))
+                if need > free:
+                    break
+                c = min(budget, target(i))
+                admit.append(i)
+                chunks.append((i, c))
+                free -= need
+                budget -= c
+                seqs += 1
+        return Plan(admit, chunks, nd > 0, victims)
+
+
+@dataclass
+class VllmV0(_Base):
+    """vLLM v0 default scheduler: exclusive batching that prioritises prefills. Whenever
+    waiting requests can be admitted (FCFS, whole prompts, token budget, max_num_seqs, KV
+    for the prompt beyond a watermark of free blocks), the step is prefill-only; otherwise
+    it is decode-only, preempting the newest requests if decodes do not fit. A prompt
+    longer than the budget runs alone (vLLM v0 would refuse it). The watermark applies
+    only while requests run, so a lone request that fits is never starved."""
+    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget per prefill step"})
+    max_num_seqs: int | None = field(default=None, metadata={"help": "max running requests"})
+    watermark: float = field(default=0.01, metadata={"help": "fraction of KV blocks kept free at admission"})
+    name = "vllm-v0"
+
+    def __post_init__(self) -> None:
+        _check_limits(self.name, self.max_num_batched_tokens, self.max_num_seqs)
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+    def schedule(self, v: ServerView) -> Plan:
+        admit, chunks = admit_whole_prompts(
+            v, v.kv_free_blocks, self.max_num_batched_tokens, self.max_num_seqs - len(v.running),
+            int(self.watermark * v.kv_capacity_blocks) if v.num_decoding else 0, alone_ok=True)
+        if admit:
+            return Plan(admit, chunks, False, [])
+        victims, _, nd = make_room(v)
+        return Plan([], [], nd > 0, victims)
+
+
+def admit_whole_prompts(v: ServerView, free: int, budget: int, seats: int, keep_free: int = 0,
+                        alone_ok: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+    """FCFS admission of whole prompts (no chunking) while tokens, seats and KV allow.
+    A prompt longer than the budget may run alone when `alone_ok`."""
+    admit: list[int] = []
+    chunks: list[tuple[int, int]] = []
+    for i in v.waiting:
+        t = v.prefill_target(i)
+        if seats <= 0 or (t > budget and (admit or not alone_ok)):
+            break
+        need = v.blocks_for(t)
+        if free - need < keep_free:
+            break
+        admit.append(i)
+        chunks.append((i, t))
+        free -= need
+        budget -= t
+        seats -= 1
+    return admit, chunks
+
+
+@dataclass
+class Orca(_Base):
+    """Orca: iteration-level scheduling with mixed batches and no chunking. Every decode runs
+    each step and new requests join with their whole prompt (FCFS) while the token budget,
+    max_num_seqs and KV allow; a prompt longer than the budget runs alone once no decode is
+    running. Defaults follow vllm-v1's for the GPU."""
+    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget per step"})
+    max_num_seqs: int | None = field(default=None, metadata={"help": "max running requests"})
+    name = "orca"
+
+    def __post_init__(self) -> None:
+        _check_limits(self.name, self.max_num_batched_tokens, self.max_num_seqs)
+
+    def schedule(self, v: ServerView) -> Plan:
+        victims, free, nd = make_room(v)
+        admit: list[int] = []
+        chunks: list[tuple[int, int]] = []
+        if not victims:
+            admit, chunks = admit_whole_prompts(
+                v, free, self.max_num_batched_tokens - nd, self.max_num_seqs - len(v.running),
+                alone_ok=nd == 0)
+        return Plan(admit, chunks, nd > 0, victims)
+
+
+@dataclass
+class RequestLevel(_Base):
+    """Request-level batching, FasterTransformer style (rad-slai.txt, Appendix E.1,
+    Algorithm 3): take up to b waiting requests FCFS, prefill all their prompts in one
+    batch, then run decode-only batches until every one of them has finished; only then
+    admit the next b. Requests whose prompts do not fit in free KV wait for the next cycle;
+    decodes that outgrow KV preempt the newest (it rejoins the queue front)."""
+    b: int = field(default=64, metadata={"help": "requests per cycle"})
+    name = "request-level"
+
+    def __post_init__(self) -> None:
+        if self.b < 1:
+            raise ValueError(f"b must be >= 1, got {self.b}")
+
+    def schedule(self, v: ServerView) -> Plan:
+        if v.num_decoding:
+            victims, _, nd = make_room(v)
+            return Plan([], [], nd > 0, victims)
+        admit, chunks = admit_whole_prompts(v, v.kv_free_blocks, 1 << 62, self.b)
+        return Plan(admit, chunks, False, [])

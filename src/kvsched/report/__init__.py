@@ -1,0 +1,1 @@
+"""Tables and (later) plots of run summaries."""

@@ -1,0 +1,108 @@
+"""Requests in their decode phase, advanced together by one clock.
+
+Every decode step adds one token to every member, so a member's state is its state at
+join plus (clock - clock at join). That makes a step O(1) whatever the batch size:
+- completions: a heap of the clock at which each member reaches its output length;
+- KV growth: a member opens a new block when its KV length is a multiple of the block
+  size, and KV length - clock is constant per member, so members are counted by that
+  residue and a step needs `residue[-clock mod B]` new blocks;
+- inter-token gaps: the gap of step k is the same for every member that also decoded at
+  step k - 1, so gaps are kept per step (a buffer trimmed to the oldest member) and a
+  member's maximum gap and SLO misses are read off its window when it leaves.
+"""
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+
+class DecodeSet:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.clock = 0
+        self.n = 0
+        self.ctx = 0                           # sum of members' KV tokens
+        self.residue = [0] * block_size
+        self.members: dict[int, tuple[int, int, int, float]] = {}   # id -> (clock, kv, gen, time)
+        self.fresh: list[int] = []             # joined since the last step
+        self.last_time = 0.0
+        self._heap: list[tuple[int, int]] = []
+        self._finish: dict[int, int] = {}
+        self._gaps = np.zeros(1024)
+        self._base = 0                         # clock of _gaps[0]
+
+    @property
+    def new_blocks(self) -> int:
+        return self.residue[-self.clock % self.block_size]
+
+    def kv(self, i: int) -> int:
+        c0, k0, _, _ = self.members[i]
+        return k0 + self.clock - c0
+
+    def gen(self, i: int) -> int:
+        c0, _, g0, _ = self.members[i]
+        return g0 + self.clock - c0
+
+    def join(self, i: int, kv: int, gen: int, output: int, time: float) -> None:
+        c = self.clock
+        self.members[i] = (c, kv, gen, time)
+        self.fresh.append(i)
+        self.n += 1
+        self.ctx += kv
+        self.residue[(kv - c) % self.block_size] += 1
+        f = c + output - gen
+        self._finish[i] = f
+        heapq.heappush(self._heap, (f, i))
+
+    def step(self, end: float) -> float:
+        """One decode step ending at `end`; returns its gap for members that decoded the
+        step before (the fresh ones have their own first gap: end - their join time)."""
+        self.clock += 1
+        gap = end - self.last_time
+        k = self.clock - self._base
+        if k >= len(self._gaps):
+            self._trim()
+            k = self.clock - self._base
+        self._gaps[k] = gap
+        self.last_time = end
+        self.ctx += self.n
+        return gap
+
+    def due(self) -> list[int]:
+        """Members whose output is complete at the current clock."""
+        out = []
+        heap, clock, finish = self._heap, self.clock, self._finish
+        while heap and heap[0][0] <= clock:
+            f, i = heapq.heappop(heap)
+            if finish.get(i) == f:          # stale entries (left and rejoined) are skipped
+                del finish[i]
+                out.append(i)
+        return out
+
+    def leave(self, i: int) -> tuple[int, int, float, np.ndarray]:
+        """Remove a member: (kv tokens, tokens generated, time of its last token, gaps of its
+        decode steps after the first one)."""
+        c0, k0, g0, t0 = self.members.pop(i)
+        self._finish.pop(i, None)
+        steps = self.clock - c0
+        kv = k0 + steps
+        self.n -= 1
+        self.ctx -= kv
+        self.residue[(k0 - c0) % self.block_size] -= 1
+        if steps == 0:
+            self.fresh.remove(i)
+        last = self.last_time if steps else t0
+        window = self._gaps[c0 + 2 - self._base:self.clock + 1 - self._base]
+        return kv, g0 + steps, last, window
+
+    def _trim(self) -> None:
+        """Drop gaps older than every member's window; grow if still more than half full."""
+        keep_from = min((m[0] for m in self.members.values()), default=self.clock) + 1
+        kept = self._gaps[keep_from - self._base:self.clock - self._base]
+        size = len(self._gaps)
+        if 2 * (len(kept) + 1) > size:
+            size *= 2
+        gaps = np.zeros(size)
+        gaps[:len(kept)] = kept
+        self._gaps, self._base = gaps, keep_from

@@ -1,0 +1,131 @@
+"""Token-length distributions. Each samples integer lengths >= 1 from a numpy Generator."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from kvsched.errors import KvschedError
+
+
+class LengthDist(Protocol):
+    mean: float
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray: ...
+
+
+def _positive(name: str, **values: float) -> None:
+    for key, v in values.items():
+        if not v > 0:
+            raise KvschedError(f"{name}: {key} must be > 0, got {v}")
+
+
+@dataclass(frozen=True)
+class Fixed:
+    value: int
+
+    def __post_init__(self) -> None:
+        if int(self.value) != self.value or self.value < 1:
+            raise KvschedError(f"fixed: length must be an integer >= 1, got {self.value}")
+
+    @property
+    def mean(self) -> float:
+        return float(self.value)
+
+    def sample(self, rng, n):
+        return np.full(n, self.value, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """Integers uniform on [low, high], both included."""
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.low <= self.high:
+            raise KvschedError(f"uniform: need 1 <= low <= high, got {self.low}, {self.high}")
+
+    @property
+    def mean(self) -> float:
+        return (self.low + self.high) / 2
+
+    def sample(self, rng, n):
+        return rng.integers(self.low, self.high + 1, size=n, dtype=np.int64)
+
+
+def Jitter(mean: float) -> Uniform:
+    """Uniform between 0.5x and 1.5x of a mean (exclusive-batching-eb.txt, section 4.1,
+    'Workloads': per-request lengths drawn uniformly between 0.5x and 1.5x the mean)."""
+    _positive("jitter", mean=mean)
+    low = max(1, int(round(0.5 * mean)))
+    return Uniform(low, max(low, int(round(1.5 * mean))))
+
+
+@dataclass(frozen=True)
+class Geometric:
+    """Geometric on {1, 2, ...} with the given mean (p = 1 / mean): a constant hazard of
+    finishing each token, the memoryless output model of exclusive-batching-eb.txt."""
+    mean: float
+
+    def __post_init__(self) -> None:
+        if not self.mean >= 1:
+            raise KvschedError(f"geometric: mean must be >= 1, got {self.mean}")
+
+    def sample(self, rng, n):
+        return rng.geometric(1.0 / self.mean, size=n).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Gamma:
+    """Gamma(shape, scale = mean / shape), rounded to the nearest integer, at least 1
+    (rounding moves the mean by well under a token for means >> 1)."""
+    shape: float
+    mean: float
+
+    def __post_init__(self) -> None:
+        _positive("gamma", shape=self.shape, mean=self.mean)
+
+    def sample(self, rng, n):
+        x = rng.gamma(self.shape, self.mean / self.shape, size=n)
+        return np.maximum(1, np.rint(x)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Empirical:
+    """Resample (with replacement) from observed lengths."""
+    values: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.values or min(self.values) < 1:
+            raise KvschedError("empirical: need at least one length, all >= 1")
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.values))
+
+    def sample(self, rng, n):
+        return rng.choice(np.asarray(self.values, dtype=np.int64), size=n, replace=True)
+
+
+def parse_length(spec: str) -> LengthDist:
+    """'fixed:512', 'uniform:128:1024', 'jitter:512', 'geometric:300', 'gamma:2:300'."""
+    name, _, rest = spec.partition(":")
+    args = rest.split(":") if rest else []
+    makers = {"fixed": (Fixed, 1, int), "uniform": (Uniform, 2, int), "jitter": (Jitter, 1, float),
+              "geometric": (Geometric, 1, float), "gamma": (Gamma, 2, float)}
+    if name not in makers:
+        raise KvschedError(f"unknown length distribution {spec!r}; use one of "
+                           "fixed:N, uniform:A:B, jitter:MEAN, geometric:MEAN, gamma:SHAPE:MEAN")
+    maker, arity, kind = makers[name]
+    if len(args) != arity:
+        raise KvschedError(f"length distribution {spec!r} takes {arity} value(s)")
+    try:
+        return maker(*(kind(a) for a in args))
+    except ValueError:
+        raise KvschedError(f"length distribution {spec!r}: values must be numbers") from None
+
+
+def empirical(values: Sequence[int]) -> Empirical:
+    return Empirical(tuple(int(v) for v in values))

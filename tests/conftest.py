@@ -1,0 +1,67 @@
+"""Shared helpers: run a policy on a small workload with every record switched on."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import os
+
+import pytest
+from hypothesis import settings
+
+from kvsched.cost import make_cost_model
+from kvsched.hardware import get_gpu, get_model
+from kvsched.kvcache import PagedKV
+from kvsched.policies import make_policy
+from kvsched.sim.server import Server
+
+settings.register_profile("default", max_examples=150)
+settings.register_profile("ci", max_examples=400)
+settings.register_profile("deep", max_examples=2000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+class Checked:
+    """Wraps a policy and checks server invariants from per-request state at every step
+    (independently of the server's running counters)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name = inner, inner.name
+        self.finished: list[int] = []
+        self.admission_order: list[int] = []
+
+    def schedule(self, v):
+        used = sum(v.blocks_for(v.kv_tokens(i)) for i in v.running)
+        assert used == v.kv_used_blocks <= v.kv_capacity_blocks
+        for i in v.running:
+            if v.is_decoding(i):
+                assert v.kv_tokens(i) == v.prompt_len(i) + v.generated(i) - 1
+                assert v.generated(i) < v._output[i]
+        plan = self.inner.schedule(v)
+        self.admission_order.extend(i for i in plan.admit if v._admitted[i] == float("inf"))
+        return plan
+
+    def on_finish(self, i, v) -> None:
+        assert v.generated(i) == v._output[i]
+        self.finished.append(i)
+        self.inner.on_finish(i, v)
+
+
+def run(workload, policy="vllm-v1", params=None, *, cost="constant", cost_params=None,
+        kv_tokens=100_000, block_size=1, gpu="a100-80gb", model="llama-3-8b", checked=True,
+        strict=False):
+    pol = make_policy(policy, params or {}, get_gpu(gpu))
+    if checked:
+        pol = Checked(pol)
+    cm = make_cost_model(cost, cost_params or {}, get_model(model), get_gpu(gpu))
+    server = Server(workload, pol, cm, PagedKV(kv_tokens, block_size), max_model_len=None,
+                    record_timeline=True, record_batches=True, strict=strict)
+    return server, server.run(), pol
+
+
+@pytest.fixture
+def traces_dir() -> Path:
+    if not TRACES.is_dir():
+        pytest.skip(f"shared traces not found at {TRACES}")
+    return TRACES

@@ -1,0 +1,71 @@
+"""Invariants over random workloads, policies, block sizes and capacities (hypothesis)."""
+import numpy as np
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kvsched.policies import POLICIES
+from kvsched.workload import Workload
+
+from conftest import run
+
+POLICY_PARAMS = {
+    "vllm-v1": {"max_num_batched_tokens": 64, "max_num_seqs": 8},
+    "sarathi": {"chunk_size": 32, "max_num_seqs": 8},
+    "vllm-v0": {"max_num_batched_tokens": 64, "max_num_seqs": 8},
+    "orca": {"max_num_batched_tokens": 64, "max_num_seqs": 8},
+    "request-level": {"b": 4},
+}
+
+
+@st.composite
+def scenarios(draw):
+    n = draw(st.integers(1, 30))
+    gaps = draw(st.lists(st.floats(0, 2.0), min_size=n, max_size=n))
+    prompt = draw(st.lists(st.integers(1, 120), min_size=n, max_size=n))
+    output = draw(st.lists(st.integers(1, 60), min_size=n, max_size=n))
+    block = draw(st.sampled_from([1, 2, 4, 16]))
+    need = max(p + o - 1 for p, o in zip(prompt, output))
+    min_blocks = -(-need // block)
+    kv = block * draw(st.integers(min_blocks, min_blocks * 6))
+    policy = draw(st.sampled_from(sorted(POLICIES)))
+    cost = draw(st.sampled_from(["constant", "linear"]))
+    w = Workload.build(np.cumsum(gaps), prompt, output)
+    return w, policy, block, kv, cost
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_invariants(sc):
+    w, policy, block, kv, cost = sc
+    server, rec, checked = run(w, policy, POLICY_PARAMS[policy], cost=cost, kv_tokens=kv, block_size=block)
+    cap = server.kv.capacity_blocks * block
+    # KV use never exceeds capacity (checked per step by Checked, and per batch here)
+    assert all(b[5] <= cap for b in server.batches)
+    # every request finishes, each with exactly its output tokens (Checked.on_finish)
+    assert np.isfinite(rec.finished).all() and sorted(checked.finished) == list(range(len(w)))
+    assert (rec.first_token <= rec.finished).all() and (rec.arrival <= rec.admitted).all()
+    # prefill tokens computed = prompt tokens + tokens recomputed after preemption
+    assert sum(b[2] for b in server.batches) == int(w.prompt.sum() + rec.recomputed.sum())
+    # every decode step is one output token; prefill completions give the rest
+    decode_tokens = sum(b[4] for b in server.batches)
+    assert decode_tokens <= int((w.output - 1).sum())
+    assert server.kv.used == 0
+
+
+@settings(deadline=None)
+@given(scenarios())
+def test_fcfs_start_order_with_ample_memory(sc):
+    w, policy, block, _, cost = sc
+    kv = int((w.prompt + w.output).sum()) + 16 * len(w) + 16
+    _, rec, checked = run(w, policy, POLICY_PARAMS[policy], cost=cost, kv_tokens=kv, block_size=block)
+    assert rec.preemptions.sum() == 0
+    assert checked.admission_order == list(range(len(w)))
+
+
+@settings(deadline=None, max_examples=30)
+@given(scenarios(), st.integers(0, 2**32 - 1))
+def test_deterministic(sc, seed):
+    w, policy, block, kv, cost = sc
+    a = run(w, policy, POLICY_PARAMS[policy], cost=cost, kv_tokens=kv, block_size=block)[1]
+    b = run(w, policy, POLICY_PARAMS[policy], cost=cost, kv_tokens=kv, block_size=block)[1]
+    assert a.finished.tobytes() == b.finished.tobytes()
+    assert a.first_token.tobytes() == b.first_token.tobytes()
