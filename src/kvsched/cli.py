@@ -29,8 +29,13 @@ DEFAULT_RATE = 8.0
 DEFAULT_REQUESTS = 1000
 
 
+def _say(kind: str, message: str) -> None:
+    """One unwrapped line on stderr (a terminal console would wrap it)."""
+    sys.stderr.write(f"kvsched: {kind}: {' '.join(str(message).split())}\n")
+
+
 def _fail(message: str) -> None:
-    err.print(f"kvsched: error: {message}", markup=False, highlight=False)
+    _say("error", message)
     raise typer.Exit(2)
 
 
@@ -44,7 +49,7 @@ def _guard(fn: Callable[[], None]) -> None:
             _fail(str(exc))
         finally:
             for w in caught:
-                err.print(f"kvsched: warning: {w.message}", markup=False, highlight=False)
+                _say("warning", w.message)
 
 
 class _Progress:

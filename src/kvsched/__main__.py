@@ -1,0 +1,3 @@
+from kvsched.cli import app
+
+app(prog_name="kvsched")

@@ -1,0 +1,68 @@
+"""Batch-time models against their formulas, scalar and vectorised."""
+import numpy as np
+import pytest
+
+from kvsched.cost import BatchShape, make_cost_model
+from kvsched.errors import KvschedError
+from kvsched.hardware import get_gpu, get_model
+
+M, G = get_model("qwen2-7b"), get_gpu("a30")
+
+
+def model(name, **p):
+    return make_cost_model(name, {k: str(v) for k, v in p.items()}, M, G)
+
+
+def test_constant_and_linear():
+    s = BatchShape(prefill_tokens=100, prefill_seqs=1, decode_seqs=3, decode_ctx=60)
+    assert model("constant", b=0.05).time(s) == 0.05
+    assert model("linear", d0=0.01, d1=0.001).time(s) == pytest.approx(0.01 + 0.001 * 160)
+
+
+def test_phase_picks_the_batch_kind():
+    pm = model("phase", alpha_p=1, beta_p=0.1, alpha_d=2, beta_d=0.2, alpha_mb=3, c0=0.01, c1=0.02, c2=0.04)
+    assert pm.time(BatchShape(prefill_tokens=10)) == pytest.approx(1 + 0.1 * 10)
+    assert pm.time(BatchShape(decode_seqs=5, decode_ctx=50)) == pytest.approx(2 + 0.2 * 5)
+    r = 5 / 15
+    assert pm.time(BatchShape(prefill_tokens=10, decode_seqs=5)) == pytest.approx(3 + (0.01 + 0.02 * r + 0.04 * r * r) * 15)
+
+
+def test_roofline_decode_is_memory_bound_and_prefill_compute_bound():
+    rm = model("roofline", overhead=0)
+    decode = rm.time(BatchShape(decode_seqs=1, decode_ctx=1000))
+    assert decode == pytest.approx((M.weight_bytes + 1000 * M.kv_bytes_per_token) / (G.bandwidth * 0.8))
+    p = 4096
+    prefill = rm.time(BatchShape(prefill_tokens=p, prefill_seqs=1, prefill_attn=p * (p + 1) / 2, prefill_ctx=p))
+    flops = 2 * M.params * p + 4 * M.layers * M.heads * M.head_dim * p * (p + 1) / 2
+    assert prefill == pytest.approx(flops / (G.flops * 0.5))
+
+
+def test_moe_reads_only_touched_experts():
+    moe = make_cost_model("roofline", {"overhead": "0"}, get_model("qwen3-30b-a3b"), get_gpu("h200"))
+    one = moe.time(BatchShape(decode_seqs=1, decode_ctx=1))
+    many = moe.time(BatchShape(decode_seqs=512, decode_ctx=512))
+    assert one < many and many <= 1.01 * get_model("qwen3-30b-a3b").weight_bytes / (4.8e12 * 0.8) + 1e-3
+
+
+@pytest.mark.parametrize("name", ["constant", "linear", "phase", "roofline"])
+def test_vectorised_equals_scalar(name):
+    rng = np.random.default_rng(0)
+    n = 50
+    pt = rng.integers(0, 2000, n) * (rng.random(n) < 0.7)
+    nd = rng.integers(0, 200, n)
+    nd[pt == 0] = np.maximum(nd[pt == 0], 1)
+    arrays = BatchShape(pt.astype(float), (pt > 0).astype(float), pt * (pt + 1) / 2.0, pt.astype(float),
+                        nd.astype(float), nd * 300.0)
+    cm = model(name)
+    vec = cm.time(arrays)
+    for k in range(n):
+        scalar = cm.time(BatchShape(float(pt[k]), float(pt[k] > 0), pt[k] * (pt[k] + 1) / 2.0, float(pt[k]),
+                                    float(nd[k]), nd[k] * 300.0))
+        assert vec[k] == pytest.approx(scalar, rel=1e-12)
+
+
+@pytest.mark.parametrize("name,params", [("constant", {"b": 0}), ("linear", {"d0": 0, "d1": 0}),
+                                         ("phase", {"alpha_p": -1}), ("roofline", {"memory_efficiency": 2})])
+def test_bad_parameters(name, params):
+    with pytest.raises(KvschedError):
+        model(name, **params)
