@@ -68,14 +68,15 @@ class Server:
         self._computed = [0] * n
         self._gen = [0] * n
         self._status = [ARRIVING] * n
-        self._admitted = [INF] * n
-        self._first = [INF] * n
-        self._finished = [INF] * n
+        # records live in preallocated arrays, so memory does not grow as requests finish
+        self._admitted = np.full(n, INF)
+        self._first = np.full(n, INF)
+        self._finished = np.full(n, INF)
+        self._itl_max = np.zeros(n)
+        self._viol = np.zeros(n, np.int64)
+        self._preempts = np.zeros(n, np.int64)
+        self._recomputed = np.zeros(n, np.int64)
         self._last_tok = [0.0] * n
-        self._itl_max = [0.0] * n
-        self._viol = [0] * n
-        self._preempts = [0] * n
-        self._recomputed = [0] * n
         self._rejected = self._find_rejected(max_model_len, strict)
         self._queue: deque[int] = deque()
         self.waiting = _Queue(self._queue)
@@ -220,10 +221,9 @@ class Server:
         bs = self.block_size
         return RunRecords(
             ids=self.workload.ids, arrival=self.workload.arrival, prompt=self.workload.prompt, output=self.workload.output,
-            admitted=np.array(self._admitted), first_token=np.array(self._first),
-            finished=np.array(self._finished), preemptions=np.array(self._preempts),
-            recomputed=np.array(self._recomputed), itl_max=np.array(self._itl_max),
-            tbt_violations=np.array(self._viol), rejected=self._rejected, itl=self.itl,
+            admitted=self._admitted, first_token=self._first, finished=self._finished,
+            preemptions=self._preempts, recomputed=self._recomputed, itl_max=self._itl_max,
+            tbt_violations=self._viol, rejected=self._rejected, itl=self.itl,
             iterations=self.iterations, kv_capacity_tokens=self.kv.capacity_tokens,
             kv_time_integral=kv_integral * bs, kv_peak_tokens=peak_kv * bs, peak_queue=peak_queue,
             busy_time=busy, wall_seconds=_time.perf_counter() - wall0)
@@ -358,6 +358,10 @@ class Server:
         self._done += 1
         self.recent_finished.append((self._prompt[i], self._output[i]))
         self.policy.on_finish(i, self)
+        # drop this request's own int/float objects: later reads see shared ones
+        self._gen[i] = self._output[i]
+        self._computed[i] = 0
+        self._last_tok[i] = 0.0
 
     def _preempt(self, i: int) -> None:
         st = self._status[i]
