@@ -140,16 +140,8 @@ def simulate_cmd(
         sc = _scenario(trace, rate, num_requests, seed, prompt_len, output_len, output_known, model, gpu,
                        kv_capacity, block_size, memory_utilization, max_model_len, cost, cost_set,
                        goodput, trim, strict)
-        params = parse_assignments(set_, "--set")
-        bar = _Progress(not json_, policy)
-        try:
-            result = simulate(sc, policy, params, record_timeline=out is not None,
-                              record_batches=record_batches and out is not None, progress=bar)
-        finally:
-            bar.close()
-        if out is not None:
-            result.write(out)
-        _emit([result], json_)
+        _run_policies(sc, {policy: parse_assignments(set_, "--set")}, json_, out, record_batches,
+                      keyed=False)
     _guard(body)
 
 
@@ -173,25 +165,34 @@ def compare_cmd(
         sc = _scenario(trace, rate, num_requests, seed, prompt_len, output_len, output_known, model, gpu,
                        kv_capacity, block_size, memory_utilization, max_model_len, cost, cost_set,
                        goodput, trim, strict)
-        per_policy = _scoped_params(parse_assignments(set_, "--set"), names)
-        results = []
-        for name in names:
-            bar = _Progress(not json_, name)
-            try:
-                results.append(simulate(sc, name, per_policy[name], record_timeline=out is not None,
-                                        record_batches=record_batches and out is not None, progress=bar))
-            finally:
-                bar.close()
-        if out is not None:
-            def fill(d: Path) -> None:
-                for r in results:
-                    (d / r.policy).mkdir()
-                    r._write_files(d / r.policy)
-                (d / "compare.json").write_text(json.dumps({r.policy: r.summary for r in results}, indent=2,
-                                                           default=str) + "\n")
-            write_atomically(out, fill)
-        _emit(results, json_)
+        _run_policies(sc, _scoped_params(parse_assignments(set_, "--set"), names), json_, out,
+                      record_batches, keyed=True)
     _guard(body)
+
+
+def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], json_: bool, out: Optional[Path],
+                  record_batches: bool, keyed: bool) -> None:
+    """Simulate each policy on the scenario, write --out (one folder per policy when keyed)
+    only once all have run, and print the table or JSON."""
+    results = []
+    for name, params in runs.items():
+        bar = _Progress(not json_, name)
+        try:
+            results.append(simulate(sc, name, params, record_timeline=out is not None,
+                                    record_batches=record_batches and out is not None, progress=bar))
+        finally:
+            bar.close()
+    if out is not None:
+        def fill(d: Path) -> None:
+            for r in results:
+                target = d / r.policy if keyed else d
+                target.mkdir(exist_ok=True)
+                r.write_files(target)
+            if keyed:
+                (d / "compare.json").write_text(json.dumps({r.policy: r.summary for r in results},
+                                                           indent=2, default=str) + "\n")
+        write_atomically(out, fill)
+    _emit(results, json_, keyed)
 
 
 def _scoped_params(params: dict[str, str], names: list[str]) -> dict[str, dict[str, str]]:
@@ -212,13 +213,13 @@ def _scoped_params(params: dict[str, str], names: list[str]) -> dict[str, dict[s
     return out
 
 
-def _emit(results: list[Result], as_json: bool) -> None:
+def _emit(results: list[Result], as_json: bool, keyed: bool) -> None:
     if as_json:
-        payload = results[0].summary if len(results) == 1 else {r.policy: r.summary for r in results}
+        payload = {r.policy: r.summary for r in results} if keyed else results[0].summary
         typer.echo(json.dumps(payload, default=str, allow_nan=True))
         return
     console = Console()
-    if len(results) == 1:
+    if not keyed:
         console.print(summary_table(results[0].summary))
     else:
         console.print(comparison_table([r.summary for r in results]))

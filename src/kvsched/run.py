@@ -58,9 +58,9 @@ class Result:
     def write(self, out: Path) -> None:
         """Write summary.json, requests.csv, timeline.csv (and batches.csv) into `out`,
         via a temporary folder so a failure leaves nothing half written."""
-        write_atomically(out, self._write_files)
+        write_atomically(out, self.write_files)
 
-    def _write_files(self, d: Path) -> None:
+    def write_files(self, d: Path) -> None:
         (d / "summary.json").write_text(json.dumps(_jsonable(self.summary), indent=2) + "\n")
         r = self.records
         with open(d / "requests.csv", "w", newline="") as f:
