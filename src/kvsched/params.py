@@ -74,7 +74,3 @@ def describe(cls: type) -> list[tuple[str, str, str]]:
         rows.append((f.name, "auto" if default is None else str(default), f.metadata.get("help", "")))
     return rows
 
-
-def require(cond: bool, owner: str, message: str) -> None:
-    if not cond:
-        raise ValueError(message) if owner == "" else KvschedError(f"{owner}: {message}")
