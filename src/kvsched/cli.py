@@ -1,6 +1,7 @@
 """The `kvsched` command: simulate, compare, policies, info."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -8,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -91,8 +93,7 @@ def _scenario(trace, rate, num_requests, seed, prompt_len, output_len, output_kn
                              DEFAULT_REQUESTS if num_requests is None else num_requests,
                              seed=seed, output_known=output_known)
     if output_known and trace is not None:
-        workload = type(workload).build(workload.arrival, workload.prompt, workload.output,
-                                        output_known=True, ids=workload.ids, source=workload.source)
+        workload = dataclasses.replace(workload, output_known=np.ones(len(workload), bool))
     return Scenario(workload, model=model, gpu=gpu, cost=cost,
                     cost_params=parse_assignments(cost_set, "--cost-set"), kv_capacity=kv_capacity,
                     memory_utilization=memory_utilization, block_size=block_size,

@@ -71,8 +71,8 @@ def load_trace(path: str | Path, *, rate: float | None = None, num_requests: int
     if not timed and not all(n in header for n in LENGTHS):
         raise KvschedError(f"{path}:1: unknown header {','.join(header)!r}; expected "
                            f"{','.join(TIMED)} or {','.join(LENGTHS)},...")
-    names = TIMED if timed else ("",) + LENGTHS
-    cols = _columns(path, header, rows, names[1:] if not timed else names)
+    names = TIMED if timed else LENGTHS
+    cols = _columns(path, header, rows, names)
     prompt = np.array([_int(path, ln, names[-2], t) for ln, t in cols[-2]], np.int64)
     output = np.array([_int(path, ln, names[-1], t) for ln, t in cols[-1]], np.int64)
     arrival = None
