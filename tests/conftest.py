@@ -51,7 +51,7 @@ class Checked:
 def run(workload, policy="vllm-v1", params=None, *, cost="constant", cost_params=None,
         kv_tokens=100_000, block_size=1, gpu="a100-80gb", model="llama-3-8b", checked=True,
         strict=False):
-    pol = make_policy(policy, params or {}, get_gpu(gpu))
+    pol = make_policy(policy, params or {}, get_gpu(gpu)) if isinstance(policy, str) else policy
     if checked:
         pol = Checked(pol)
     cm = make_cost_model(cost, cost_params or {}, get_model(model), get_gpu(gpu))

@@ -97,8 +97,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, needle):
 
 @pytest.mark.parametrize("content,needle", [
     ("arrival_time,prompt_tokens,output_tokens\n0.0,10,5\n0.5,abc,5\n", ":3: prompt_tokens 'abc' is not a number"),
-    ("arrival_time,prompt_tokens,output_tokens\n0.0,10,5\n0.5,10\n", ":3: expected 3 fields, got 2"),
-    ("arrival_time,prompt_tokens,output_tokens\n-1,10,5\n", ":2: arrival_time must be finite and >= 0"),
+    ("arrival_time,prompt_tokens,output_tokens\n0.0,10,5\n0.5,10\n", ":3: expected 3 fields"),
+    ("arrival_time,prompt_tokens,output_tokens\n-1,10,5\n", ":2: arrival_time must be a finite number >= 0"),
     ("arrival_time,prompt_tokens,output_tokens\n0,10,0\n", ":2: output_tokens must be an integer >= 1"),
     ("time,in,out\n0,1,1\n", ":1: unknown header"),
     ("", "empty file"),

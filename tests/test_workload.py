@@ -67,8 +67,8 @@ def test_timed_trace_first_n_and_resampling(tmp_path):
     assert len(big) == 1000 and set(big.prompt.tolist()) <= {10, 20, 30}
     assert set(np.round(np.diff(big.arrival), 9).tolist()) <= {1.0, 2.0}
     assert np.array_equal(big.prompt, load_trace(f, num_requests=1000, seed=5).prompt)
-    poisson = load_trace(f, rate=2.0)
-    assert poisson.prompt.tolist() == [10, 20, 30] and poisson.arrival.tolist() != [0, 1, 3]
+    scaled = load_trace(f, rate=2.0)                # the trace's own times, rescaled to 2 req/s
+    assert scaled.prompt.tolist() == [10, 20, 30] and np.allclose(scaled.arrival, [0, 1 / 3, 1])
 
 
 def test_shared_length_traces(traces_dir):

@@ -1,7 +1,8 @@
 """The `kvsched` command: simulate, compare, policies, info."""
 from __future__ import annotations
 
-import dataclasses
+import functools
+import inspect
 import json
 import sys
 import time
@@ -9,7 +10,6 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
-import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -19,16 +19,17 @@ from kvsched.hardware import GPUS, MODELS, get_gpu, get_model, kv_capacity_token
 from kvsched.metrics import Goodput
 from kvsched.params import describe, parse_assignments
 from kvsched.policies import POLICIES, SOURCES, engine_defaults
-from kvsched.report.table import comparison_table, summary_table
+from kvsched.report.table import comparison_table, summary_table, workload_table
 from kvsched.run import Result, Scenario, simulate, write_atomically
-from kvsched.workload import load_trace, parse_length, synthetic
+from kvsched.workload.presets import PRESETS
+from kvsched.workload.readers import FORMATS
+from kvsched.workload.source import DEFAULT_LENGTH, DEFAULT_RATE, WorkloadOptions, load
+from kvsched.workload.stats import describe as workload_stats
+from kvsched.workload.traces import export_csv
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Simulate LLM serving under KV-cache limits and compare schedulers.")
 err = Console(stderr=True)
-
-DEFAULT_RATE = 8.0
-DEFAULT_REQUESTS = 1000
 
 
 def _say(kind: str, message: str) -> None:
@@ -77,23 +78,9 @@ class _Progress:
             self.bar.stop()
 
 
-def _scenario(trace, rate, num_requests, seed, prompt_len, output_len, output_known, model, gpu,
-              kv_capacity, block_size, memory_utilization, max_model_len, cost, cost_set, goodput,
-              trim, strict) -> Scenario:
-    if rate is not None and not rate > 0:
-        raise KvschedError(f"--rate must be > 0 requests per second, got {rate}")
-    if num_requests is not None and num_requests < 1:
-        raise KvschedError(f"--num-requests must be >= 1, got {num_requests}")
+def _scenario(workload, model, gpu, kv_capacity, block_size, memory_utilization, max_model_len,
+              cost, cost_set, goodput, trim, strict) -> Scenario:
     get_model(model), get_gpu(gpu)
-    if trace is not None:
-        workload = load_trace(trace, rate=rate, num_requests=num_requests, seed=seed)
-    else:
-        workload = synthetic(parse_length(prompt_len), parse_length(output_len),
-                             DEFAULT_RATE if rate is None else rate,
-                             DEFAULT_REQUESTS if num_requests is None else num_requests,
-                             seed=seed, output_known=output_known)
-    if output_known and trace is not None:
-        workload = dataclasses.replace(workload, output_known=np.ones(len(workload), bool))
     return Scenario(workload, model=model, gpu=gpu, cost=cost,
                     cost_params=parse_assignments(cost_set, "--cost-set"), kv_capacity=kv_capacity,
                     memory_utilization=memory_utilization, block_size=block_size,
@@ -101,14 +88,42 @@ def _scenario(trace, rate, num_requests, seed, prompt_len, output_len, output_kn
                     strict=strict)
 
 
+# The workload flags of every command that takes a workload (names are a contract).
+WORKLOAD_FLAGS = {
+    "workload": (Optional[str], typer.Option(None, "--workload", "-w", help="a preset (kvsched workloads), a .toml workload file or a trace file")),
+    "trace": (Optional[Path], typer.Option(None, "--trace", help="trace file: Azure 2023 CSV, Mooncake JSONL, length-only CSV, or arrival_time,prompt_tokens,output_tokens[,tier] CSV/JSONL")),
+    "format": (str, typer.Option("auto", "--format", help=f"trace format: {', '.join(FORMATS)}")),
+    "rate": (Optional[float], typer.Option(None, "--rate", help=f"mean arrival rate, requests/s: Poisson for synthetic and length-only workloads (built in: {DEFAULT_RATE:g}); a timed trace's times rescaled to it")),
+    "arrivals": (Optional[str], typer.Option(None, "--arrivals", help="poisson:RATE, gamma:RATE:CV, piecewise:R1:S1,R2:S2,..., sine:MEAN:AMP:PERIOD, closed:C, replay, replay:RATE, replay:xF")),
+    "num_requests": (Optional[int], typer.Option(None, "--num-requests", help="requests (per phase); a trace's first N rows, resampled with replacement beyond them")),
+    "seed": (int, typer.Option(0, "--seed")),
+    "prompt_len": (Optional[str], typer.Option(None, "--prompt-len", help=f"synthetic prompt lengths (built in: {DEFAULT_LENGTH}): fixed:N, uniform:LOW:HIGH, jitter:MEAN, geometric:MEAN, gamma:SHAPE:MEAN")),
+    "output_len": (Optional[str], typer.Option(None, "--output-len", help=f"synthetic output lengths (built in: {DEFAULT_LENGTH}), same forms")),
+    "output_known": (bool, typer.Option(False, "--output-known", help="schedulers may see output lengths")),
+    "tiers": (list[str], typer.Option([], "--tier", help="user tier NAME:SHARE[:ttft=S][:tbt=S][:priority=P] (repeatable)")),
+    "phases": (list[str], typer.Option([], "--phase", help="a phase: 'requests=N prompt=.. output=.. arrivals=..' or 'trace=FILE ..' (repeatable, in order)")),
+    "cap_len": (Optional[int], typer.Option(None, "--cap-len", help="cap prompt + output at this many tokens (reports how many were capped)")),
+    "window": (Optional[str], typer.Option(None, "--window", help="trace time window START:END, seconds from its first request")),
+    "spread": (Optional[float], typer.Option(None, "--spread", help="spread replayed times uniformly over [t, t + S) seconds (Mooncake's 3 s grid)")),
+}
+
+
+def workload_flags(fn: Callable) -> Callable:
+    """Add the workload flags to a command; it receives them as `wopts: WorkloadOptions`."""
+    sig = inspect.signature(fn)
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=kind)
+             for name, (kind, opt) in WORKLOAD_FLAGS.items()]
+    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in sig.parameters.values() if p.name != "wopts"]
+
+    @functools.wraps(fn)
+    def command(**kwargs):
+        wopts = WorkloadOptions(**{name: kwargs.pop(name) for name in WORKLOAD_FLAGS})
+        return fn(wopts=wopts, **kwargs)
+    command.__signature__ = sig.replace(parameters=own + extra)
+    return command
+
+
 # Options shared by simulate and compare (names are a contract; see README).
-Trace = typer.Option(None, "--trace", help="CSV trace: arrival_time,prompt_tokens,output_tokens or a length-only CSV")
-Rate = typer.Option(None, "--rate", help=f"Poisson arrival rate, requests/s (default {DEFAULT_RATE} for the built-in workload)")
-NumRequests = typer.Option(None, "--num-requests", help="requests (resamples a trace with replacement when larger)")
-Seed = typer.Option(0, "--seed")
-PromptLen = typer.Option("jitter:512", "--prompt-len", help="built-in workload prompt lengths: fixed:N, uniform:A:B, jitter:MEAN, geometric:MEAN, gamma:SHAPE:MEAN")
-OutputLen = typer.Option("jitter:512", "--output-len", help="built-in workload output lengths (same forms)")
-OutputKnown = typer.Option(False, "--output-known", help="schedulers may see output lengths")
 ModelOpt = typer.Option("llama-3-8b", "--model")
 GpuOpt = typer.Option("a100-80gb", "--gpu")
 KvCap = typer.Option(None, "--kv-capacity", help="KV capacity in tokens (default: from model, GPU and memory utilization)")
@@ -126,11 +141,11 @@ RecordBatches = typer.Option(False, "--record-batches", help="with --out: also b
 
 
 @app.command("simulate")
+@workload_flags
 def simulate_cmd(
+    wopts: WorkloadOptions,
     policy: str = typer.Option("vllm-v1", "--policy"),
     set_: list[str] = typer.Option([], "--set", help="policy parameter key=value (repeatable)"),
-    trace: Optional[Path] = Trace, rate: Optional[float] = Rate, num_requests: Optional[int] = NumRequests,
-    seed: int = Seed, prompt_len: str = PromptLen, output_len: str = OutputLen, output_known: bool = OutputKnown,
     model: str = ModelOpt, gpu: str = GpuOpt, kv_capacity: Optional[int] = KvCap, block_size: int = BlockSize,
     memory_utilization: float = MemUtil, max_model_len: Optional[int] = MaxLen, cost: str = CostOpt,
     cost_set: list[str] = CostSet, goodput: list[str] = GoodputOpt, trim: int = Trim, strict: bool = Strict,
@@ -138,20 +153,19 @@ def simulate_cmd(
 ) -> None:
     """Simulate one policy on a workload."""
     def body() -> None:
-        sc = _scenario(trace, rate, num_requests, seed, prompt_len, output_len, output_known, model, gpu,
-                       kv_capacity, block_size, memory_utilization, max_model_len, cost, cost_set,
-                       goodput, trim, strict)
+        sc = _scenario(load(wopts), model, gpu, kv_capacity, block_size, memory_utilization,
+                       max_model_len, cost, cost_set, goodput, trim, strict)
         _run_policies(sc, {policy: parse_assignments(set_, "--set")}, json_, out, record_batches,
                       keyed=False)
     _guard(body)
 
 
 @app.command("compare")
+@workload_flags
 def compare_cmd(
+    wopts: WorkloadOptions,
     policies: str = typer.Option(",".join(POLICIES), "--policies", help="comma-separated policy names"),
     set_: list[str] = typer.Option([], "--set", help="POLICY.key=value, or key=value for every policy that has key"),
-    trace: Optional[Path] = Trace, rate: Optional[float] = Rate, num_requests: Optional[int] = NumRequests,
-    seed: int = Seed, prompt_len: str = PromptLen, output_len: str = OutputLen, output_known: bool = OutputKnown,
     model: str = ModelOpt, gpu: str = GpuOpt, kv_capacity: Optional[int] = KvCap, block_size: int = BlockSize,
     memory_utilization: float = MemUtil, max_model_len: Optional[int] = MaxLen, cost: str = CostOpt,
     cost_set: list[str] = CostSet, goodput: list[str] = GoodputOpt, trim: int = Trim, strict: bool = Strict,
@@ -163,9 +177,8 @@ def compare_cmd(
         unknown = [p for p in names if p not in POLICIES]
         if unknown or not names:
             raise KvschedError(f"unknown policy {unknown[0] if unknown else policies!r}; known: {', '.join(POLICIES)}")
-        sc = _scenario(trace, rate, num_requests, seed, prompt_len, output_len, output_known, model, gpu,
-                       kv_capacity, block_size, memory_utilization, max_model_len, cost, cost_set,
-                       goodput, trim, strict)
+        sc = _scenario(load(wopts), model, gpu, kv_capacity, block_size, memory_utilization,
+                       max_model_len, cost, cost_set, goodput, trim, strict)
         _run_policies(sc, _scoped_params(parse_assignments(set_, "--set"), names), json_, out,
                       record_batches, keyed=True)
     _guard(body)
@@ -271,6 +284,58 @@ def info_cmd(model: Optional[str] = typer.Option(None, "--model"), gpu: Optional
             tokens = kv_capacity_tokens(models[0], gpus[0], memory_utilization)
             console.print(f"KV capacity of {models[0].name} on {gpus[0].name} at {memory_utilization:.0%} "
                           f"memory: {tokens:,} tokens ({models[0].weight_bytes / 2**30:.1f} GiB of weights)")
+    _guard(body)
+
+
+workload_app = typer.Typer(no_args_is_help=True, help="Describe and export workloads.")
+app.add_typer(workload_app, name="workload")
+
+
+@app.command("workloads")
+def workloads_cmd() -> None:
+    """List the workload presets with their sources."""
+    t = Table(title="Workload presets (use with --workload NAME)", title_justify="left")
+    for c in ("name", "source", "what"):
+        t.add_column(c)
+    for p in PRESETS.values():
+        t.add_row(p.name, p.source, p.description)
+    Console().print(t)
+
+
+def _with_source(source: Optional[str], wopts: WorkloadOptions) -> WorkloadOptions:
+    if source is not None:
+        if wopts.workload is not None or wopts.trace is not None:
+            raise KvschedError("give the workload once: as SOURCE or with --workload/--trace")
+        wopts.workload = source
+    return wopts
+
+
+@workload_app.command("stats")
+@workload_flags
+def workload_stats_cmd(wopts: WorkloadOptions,
+                       source: Optional[str] = typer.Argument(None, help="trace file, preset or .toml workload file"),
+                       json_: bool = JsonOpt) -> None:
+    """Count, span, mean rate, CV of gaps, token percentiles, prefix reuse, phases and tiers."""
+    def body() -> None:
+        wopts.keep_hashes = True
+        stats = workload_stats(load(_with_source(source, wopts)))
+        if json_:
+            typer.echo(json.dumps(stats))
+        else:
+            Console().print(workload_table(stats))
+    _guard(body)
+
+
+@workload_app.command("export")
+@workload_flags
+def workload_export_cmd(wopts: WorkloadOptions,
+                        source: Optional[str] = typer.Argument(None, help="trace file, preset or .toml workload file"),
+                        out: Path = typer.Option(..., "--out", help="CSV file to write")) -> None:
+    """Write a workload as the generic CSV arrival_time,prompt_tokens,output_tokens[,tier]."""
+    def body() -> None:
+        w = load(_with_source(source, wopts))
+        export_csv(w, out)
+        _say("info", f"wrote {len(w)} requests to {out}")
     _guard(body)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from rich.console import Group
 from rich.table import Table
 
 ROWS = [
@@ -51,3 +52,43 @@ def comparison_table(summaries: Sequence[dict[str, Any]]) -> Table:
     for key, label in ROWS:
         t.add_row(label, *(_fmt(key, s.get(key)) for s in summaries))
     return t
+
+
+def _num(v: float | None, digits: int = 1) -> str:
+    """Integers as integers, other values with `digits` decimals: never rounds a .5 away."""
+    if v is None:
+        return "-"
+    return f"{int(v):,}" if float(v).is_integer() else f"{v:,.{digits}f}"
+
+
+def workload_table(s: dict[str, Any]) -> Group:
+    """`kvsched workload stats` as two tables: arrivals and more, then token percentiles."""
+    t = Table()
+    t.add_column("statistic")
+    t.add_column("value", justify="right")
+    t.add_row("source", str(s["source"]))
+    t.add_row("requests", f"{s['requests']:,}")
+    if s["closed_loop_concurrency"] is not None:
+        t.add_row("arrivals", "closed loop, c = " + " -> ".join(map(str, s["closed_loop_concurrency"])))
+    else:
+        t.add_row("span s", _num(s["span_s"], 3))
+        t.add_row("mean rate req/s", _num(s["mean_rate"], 3))
+        t.add_row("CV of inter-arrival gaps", _num(s["cv_interarrival"], 3))
+    if s["repeated_prefix_block_share"] is not None:
+        t.add_row("repeated prefix blocks", f"{s['repeated_prefix_block_share']:.1%}")
+    t.add_row("output lengths known", "yes" if s["output_known"] else "no")
+    for p in s["phases"]:
+        how = f"c = {p['concurrency']}" if "concurrency" in p else f"{_num(p['mean_rate'], 3)} req/s"
+        t.add_row(f"phase {p['name']}", f"{p['requests']:,} requests, mean {_num(p['mean_input'])} in / "
+                                        f"{_num(p['mean_output'])} out, {how}")
+    for tier in s["tiers"]:
+        slo = ", ".join(f"{k.split('_')[0].upper()} {tier[k]:g} s" for k in ("ttft_slo_s", "tbt_slo_s") if tier[k] is not None)
+        t.add_row(f"tier {tier['name']}", f"{tier['share']:.1%} (priority {tier['priority']}{', ' + slo if slo else ''})")
+    tokens = Table(title_justify="left")
+    cols = ("mean", "median", "p90", "p99", "max")
+    tokens.add_column("tokens")
+    for c in cols:
+        tokens.add_column(c, justify="right")
+    for kind in ("input", "output"):
+        tokens.add_row(kind, *(_num(s[f"{kind}_tokens"][c]) for c in cols))
+    return Group(t, tokens)

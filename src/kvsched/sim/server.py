@@ -5,7 +5,8 @@ request with o output tokens then needs o - 1 decode steps; KV holds every token
 far (prompt, then one more per decode step: at most prompt + o - 1); preemption is by
 recompute: KV freed, the request goes to the front of the queue and later prefills its prompt
 plus the tokens it had generated. A request whose KV footprint can never fit, or that is
-longer than the model allows, is rejected when it arrives.
+longer than the model allows, is rejected when it arrives. Closed-loop workloads issue
+request i when fewer than concurrency[i] requests are in flight (waiting or running).
 """
 from __future__ import annotations
 
@@ -94,6 +95,8 @@ class Server:
         self.timeline: list[tuple[float, int, int, int]] | None = [] if record_timeline else None
         self.batches: list[tuple] | None = [] if record_batches else None
         self.iterations = 0
+        self.issued = 0         # requests that have arrived so far (index order)
+        self.in_flight = 0      # arrived, not rejected and not finished
 
     # ----- the view policies read ------------------------------------------------------
     @property
@@ -185,13 +188,25 @@ class Server:
         peak_kv = peak_queue = 0
         self._done = 0
         policy = self.policy
+        closed = self.workload.concurrency.tolist() if self.workload.closed_loop else None
         while self._done < remaining:
             now = self.now
-            while nxt < n and arrival[nxt] <= now:
-                if not rejected[nxt]:
-                    status[nxt] = WAITING
-                    queue.append(nxt)
-                nxt += 1
+            if closed is None:
+                while nxt < n and arrival[nxt] <= now:
+                    if not rejected[nxt]:
+                        status[nxt] = WAITING
+                        queue.append(nxt)
+                        self.in_flight += 1
+                    nxt += 1
+            else:                               # closed loop: issue while seats are free
+                while nxt < n and self.in_flight < closed[nxt]:
+                    arrival[nxt] = now
+                    if not rejected[nxt]:
+                        status[nxt] = WAITING
+                        queue.append(nxt)
+                        self.in_flight += 1
+                    nxt += 1
+            self.issued = nxt
             if len(queue) > peak_queue:
                 peak_queue = len(queue)
             if not queue and not self._running:
@@ -205,10 +220,11 @@ class Server:
             if dt is None:                      # empty plan: wait for the next arrival
                 while nxt < n and rejected[nxt]:
                     nxt += 1
-                if nxt >= n:
+                if nxt >= n or closed is not None:
                     raise PlanError(
                         f"policy {policy.name} returned an empty plan with {len(queue)} waiting and "
-                        f"{len(self._running)} running requests and no arrivals left (deadlock)")
+                        f"{len(self._running)} running requests and no arrivals left (deadlock"
+                        f"{'; in a closed loop requests arrive only when others finish' if closed else ''})")
                 self.now = max(now, arrival[nxt])
                 continue
             kv_integral += held * dt
@@ -220,7 +236,7 @@ class Server:
                 progress(self._done, remaining)
         bs = self.block_size
         return RunRecords(
-            ids=self.workload.ids, arrival=self.workload.arrival, prompt=self.workload.prompt, output=self.workload.output,
+            ids=self.workload.ids, arrival=np.array(arrival, np.float64), prompt=self.workload.prompt, output=self.workload.output,
             admitted=self._admitted, first_token=self._first, finished=self._finished,
             preemptions=self._preempts, recomputed=self._recomputed, itl_max=self._itl_max,
             tbt_violations=self._viol, rejected=self._rejected, itl=self.itl,
@@ -356,6 +372,7 @@ class Server:
         del self._running[i]
         self.kv.used -= -(-kv_tokens // self.block_size)
         self._done += 1
+        self.in_flight -= 1
         self.recent_finished.append((self._prompt[i], self._output[i]))
         self.policy.on_finish(i, self)
         # drop this request's own int/float objects: later reads see shared ones

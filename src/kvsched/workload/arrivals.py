@@ -1,13 +1,260 @@
-"""Arrival processes."""
+"""Arrival processes. Open-loop ones give arrival times (seconds from the phase start);
+`Closed` issues requests from the simulation itself; `Replay` re-times a trace's stamps.
+
+Spec strings (CLI `--arrivals`, workload files):
+    poisson:RATE                 Poisson process, RATE requests/s
+    gamma:RATE:CV                renewal process with Gamma gaps: mean 1/RATE, coefficient of
+                                 variation CV (CV > 1 is burstier than Poisson)
+    piecewise:R1:S1,R2:S2,...    Poisson at R1 for S1 seconds, then R2 for S2 s, ..., cyclic
+    sine:MEAN:AMPLITUDE:PERIOD   Poisson at MEAN * (1 + AMPLITUDE sin(2 pi t / PERIOD))
+    closed:C                     closed loop at concurrency C
+    replay | replay:RATE | replay:xF   a timed trace's own stamps, as they are, scaled to a
+                                 mean rate RATE, or sped up F times
+"""
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Protocol
 
 import numpy as np
 
 from kvsched.errors import KvschedError
 
 
+class OpenLoop(Protocol):
+    mean_rate: float
+
+    def times(self, rng: np.random.Generator, n: int) -> np.ndarray: ...
+
+    def with_rate(self, rate: float) -> "OpenLoop": ...
+
+
+def _check_rate(rate: float, what: str = "rate") -> float:
+    if not (isinstance(rate, (int, float)) and rate > 0 and math.isfinite(rate)):
+        raise KvschedError(f"arrivals: {what} must be a positive number of requests per second, got {rate}")
+    return float(rate)
+
+
+@dataclass(frozen=True)
+class Poisson:
+    rate: float
+
+    def __post_init__(self) -> None:
+        _check_rate(self.rate)
+
+    @property
+    def mean_rate(self) -> float:
+        return self.rate
+
+    def times(self, rng, n):
+        return np.cumsum(rng.exponential(1.0 / self.rate, size=n))
+
+    def with_rate(self, rate):
+        return Poisson(rate)
+
+    def __str__(self) -> str:
+        return f"poisson:{self.rate:g}"
+
+
+@dataclass(frozen=True)
+class GammaArrivals:
+    """Gamma-distributed gaps with shape 1/CV^2 and scale CV^2/rate: mean 1/rate, CV as given
+    (CV = 1 is Poisson)."""
+    rate: float
+    cv: float
+
+    def __post_init__(self) -> None:
+        _check_rate(self.rate)
+        if not (self.cv > 0 and math.isfinite(self.cv)):
+            raise KvschedError(f"arrivals: gamma CV must be > 0, got {self.cv}")
+
+    @property
+    def mean_rate(self) -> float:
+        return self.rate
+
+    def times(self, rng, n):
+        k = 1.0 / self.cv ** 2
+        return np.cumsum(rng.gamma(k, 1.0 / (k * self.rate), size=n))
+
+    def with_rate(self, rate):
+        return GammaArrivals(rate, self.cv)
+
+    def __str__(self) -> str:
+        return f"gamma:{self.rate:g}:{self.cv:g}"
+
+
+def _thinned(rng: np.random.Generator, intensity: Callable[[np.ndarray], np.ndarray],
+             peak: float, mean: float, n: int) -> np.ndarray:
+    """n points of a non-homogeneous Poisson process by thinning (Lewis and Shedler):
+    candidates at the peak rate, each kept with probability intensity(t) / peak."""
+    out, got, t0 = [], 0, 0.0
+    while got < n:
+        k = max(256, int(1.2 * (n - got) * peak / mean))
+        cand = t0 + np.cumsum(rng.exponential(1.0 / peak, size=k))
+        keep = cand[rng.random(k) * peak < intensity(cand)]
+        out.append(keep)
+        got += len(keep)
+        t0 = float(cand[-1])
+    return np.concatenate(out)[:n]
+
+
+@dataclass(frozen=True)
+class Piecewise:
+    """Piecewise-constant rate, repeating: segments of (rate, seconds). A time-varying
+    arrival rate lambda^t of fluid-wait-nested-wait.txt section 7.1 (there continuous;
+    `Sinusoid` is the continuous one)."""
+    segments: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        if not self.segments:
+            raise KvschedError("arrivals: piecewise needs at least one RATE:SECONDS segment")
+        for rate, dur in self.segments:
+            if not (rate >= 0 and math.isfinite(rate)) or not (dur > 0 and math.isfinite(dur)):
+                raise KvschedError(f"arrivals: piecewise segment {rate:g}:{dur:g} needs a rate >= 0 "
+                                   "and a duration > 0")
+        if max(r for r, _ in self.segments) <= 0:
+            raise KvschedError("arrivals: piecewise needs a segment with a rate > 0")
+
+    @property
+    def mean_rate(self) -> float:
+        return sum(r * d for r, d in self.segments) / sum(d for _, d in self.segments)
+
+    def times(self, rng, n):
+        rates = np.array([r for r, _ in self.segments])
+        ends = np.cumsum([d for _, d in self.segments])
+        period = float(ends[-1])
+
+        def intensity(t):
+            return rates[np.minimum(np.searchsorted(ends, np.mod(t, period), side="right"), len(rates) - 1)]
+        return _thinned(rng, intensity, float(rates.max()), self.mean_rate, n)
+
+    def with_rate(self, rate):
+        f = _check_rate(rate) / self.mean_rate
+        return Piecewise(tuple((r * f, d) for r, d in self.segments))
+
+    def __str__(self) -> str:
+        return "piecewise:" + ",".join(f"{r:g}:{d:g}" for r, d in self.segments)
+
+
+@dataclass(frozen=True)
+class Sinusoid:
+    """lambda(t) = mean * (1 + amplitude * sin(2 pi t / period)), 0 <= amplitude <= 1: a
+    continuous time-varying rate as in fluid-wait-nested-wait.txt section 7.1."""
+    mean: float
+    amplitude: float
+    period: float
+
+    def __post_init__(self) -> None:
+        _check_rate(self.mean, "sine mean rate")
+        if not 0 <= self.amplitude <= 1:
+            raise KvschedError(f"arrivals: sine amplitude must be in [0, 1], got {self.amplitude}")
+        if not (self.period > 0 and math.isfinite(self.period)):
+            raise KvschedError(f"arrivals: sine period must be > 0 seconds, got {self.period}")
+
+    @property
+    def mean_rate(self) -> float:
+        return self.mean
+
+    def times(self, rng, n):
+        w = 2 * math.pi / self.period
+        return _thinned(rng, lambda t: self.mean * (1 + self.amplitude * np.sin(w * t)),
+                        self.mean * (1 + self.amplitude), self.mean, n)
+
+    def with_rate(self, rate):
+        return replace(self, mean=_check_rate(rate))
+
+    def __str__(self) -> str:
+        return f"sine:{self.mean:g}:{self.amplitude:g}:{self.period:g}"
+
+
+@dataclass(frozen=True)
+class Closed:
+    """Closed loop at concurrency c: c requests in flight; the next is issued the moment one
+    finishes (exclusive-batching-eb.txt section 4.1; `vllm bench serve --max-concurrency`)."""
+    concurrency: int
+
+    def __post_init__(self) -> None:
+        if int(self.concurrency) != self.concurrency or self.concurrency < 1:
+            raise KvschedError(f"arrivals: closed-loop concurrency must be an integer >= 1, got {self.concurrency}")
+
+    def __str__(self) -> str:
+        return f"closed:{self.concurrency}"
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A timed trace's own stamps. `rate` rescales time so the mean rate (n - 1) / span is
+    `rate`; `speedup` divides time by a factor; `spread` moves each stamp uniformly into
+    [t, t + spread) (seeded), for traces on a coarse grid such as Mooncake's 3 s buckets."""
+    rate: float | None = None
+    speedup: float = 1.0
+    spread: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rate is not None:
+            _check_rate(self.rate, "replay rate")
+        if not (self.speedup > 0 and math.isfinite(self.speedup)):
+            raise KvschedError(f"arrivals: replay speed-up must be > 0, got {self.speedup}")
+        if not (self.spread >= 0 and math.isfinite(self.spread)):
+            raise KvschedError(f"arrivals: spread must be >= 0 seconds, got {self.spread}")
+
+    def apply(self, stamps: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        t = np.asarray(stamps, np.float64)
+        if self.spread:
+            t = t + rng.uniform(0.0, self.spread, size=len(t))
+        if self.rate is not None:
+            span = float(t.max() - t.min()) if len(t) > 1 else 0.0
+            if span <= 0:
+                raise KvschedError("arrivals: cannot scale a trace whose requests all arrive at once to a rate")
+            t = (t - t.min()) * ((len(t) - 1) / span / self.rate) + t.min()
+        return t / self.speedup
+
+    def with_rate(self, rate):
+        return replace(self, rate=_check_rate(rate), speedup=1.0)
+
+    def __str__(self) -> str:
+        base = "replay" + (f":{self.rate:g}" if self.rate else "") + (
+            f":x{self.speedup:g}" if self.speedup != 1 else "")
+        return base + (f" (spread {self.spread:g} s)" if self.spread else "")
+
+
+Arrivals = Poisson | GammaArrivals | Piecewise | Sinusoid | Closed | Replay
+
+_FORMS = ("poisson:RATE, gamma:RATE:CV, piecewise:R1:S1,R2:S2,..., sine:MEAN:AMPLITUDE:PERIOD, "
+          "closed:C, replay, replay:RATE or replay:xF")
+
+
+def parse_arrivals(spec: str) -> Arrivals:
+    """Parse an arrival-process spec string (forms in the module docstring)."""
+    name, _, rest = str(spec).strip().partition(":")
+    try:
+        if name == "poisson" and rest:
+            return Poisson(float(rest))
+        if name == "gamma" and rest.count(":") == 1:
+            return GammaArrivals(*map(float, rest.split(":")))
+        if name == "sine" and rest.count(":") == 2:
+            return Sinusoid(*map(float, rest.split(":")))
+        if name == "closed" and rest:
+            return Closed(int(rest))
+        if name == "piecewise" and rest:
+            segs = [seg.split(":") for seg in rest.split(",")]
+            if any(len(s) != 2 for s in segs):
+                raise KvschedError(f"arrivals {spec!r}: piecewise segments are RATE:SECONDS")
+            return Piecewise(tuple((float(r), float(d)) for r, d in segs))
+        if name == "replay":
+            if not rest:
+                return Replay()
+            if rest.startswith("x"):
+                return Replay(speedup=float(rest[1:]))
+            return Replay(rate=float(rest))
+    except ValueError:
+        raise KvschedError(f"arrivals {spec!r}: values must be numbers (forms: {_FORMS})") from None
+    raise KvschedError(f"unknown arrival process {spec!r}; use one of {_FORMS}")
+
+
 def poisson_arrivals(rng: np.random.Generator, rate: float, n: int) -> np.ndarray:
     """n arrival times of a Poisson process at `rate` requests/s, the first at t = 0 + gap."""
     if not (rate > 0 and np.isfinite(rate)):
         raise KvschedError(f"--rate must be a positive number of requests per second, got {rate}")
-    return np.cumsum(rng.exponential(1.0 / rate, size=n))
+    return Poisson(rate).times(rng, n)

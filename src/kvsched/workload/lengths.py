@@ -109,6 +109,29 @@ class Empirical:
         return rng.choice(np.asarray(self.values, dtype=np.int64), size=n, replace=True)
 
 
+@dataclass(frozen=True)
+class Quantiles:
+    """Lengths from a piecewise-linear quantile function through (probability, length)
+    knots, probabilities from 0 to 1: matches the given percentiles by construction (used
+    for stand-ins of traces known only by their published percentiles)."""
+    knots: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        p = [k[0] for k in self.knots]
+        x = [k[1] for k in self.knots]
+        if len(p) < 2 or p[0] != 0 or p[-1] != 1 or any(b <= a for a, b in zip(p, p[1:])) \
+                or any(b < a for a, b in zip(x, x[1:])) or x[0] < 1:
+            raise KvschedError("quantiles: need knots from p=0 to p=1, increasing, lengths >= 1 and non-decreasing")
+
+    @property
+    def mean(self) -> float:
+        return sum((b[0] - a[0]) * (a[1] + b[1]) / 2 for a, b in zip(self.knots, self.knots[1:]))
+
+    def sample(self, rng, n):
+        p, x = zip(*self.knots)
+        return np.maximum(1, np.rint(np.interp(rng.random(n), p, x))).astype(np.int64)
+
+
 def parse_length(spec: str) -> LengthDist:
     """'fixed:512', 'uniform:128:1024', 'jitter:512', 'geometric:300', 'gamma:2:300'."""
     name, _, rest = spec.partition(":")

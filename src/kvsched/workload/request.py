@@ -30,11 +30,44 @@ class Request:
 
 
 @dataclass(frozen=True)
+class Ragged:
+    """One integer list per request (Mooncake `hash_ids`), stored flat: request i owns
+    values[offsets[i]:offsets[i + 1]]."""
+    values: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.values[self.offsets[i]:self.offsets[i + 1]]
+
+    def take(self, idx: np.ndarray) -> "Ragged":
+        """The lists of requests `idx`, in that order (repeats allowed)."""
+        idx = np.asarray(idx, np.int64)
+        lengths = np.diff(self.offsets)[idx]
+        offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+        shift = np.repeat(self.offsets[:-1][idx] - offsets[:-1], lengths)
+        return Ragged(self.values[np.arange(offsets[-1], dtype=np.int64) + shift], offsets)
+
+    @staticmethod
+    def concat(parts: Sequence["Ragged"]) -> "Ragged":
+        values = np.concatenate([p.values for p in parts]) if parts else np.zeros(0, np.int64)
+        sizes = np.concatenate([np.diff(p.offsets) for p in parts]) if parts else np.zeros(0, np.int64)
+        return Ragged(values.astype(np.int64), np.concatenate(([0], np.cumsum(sizes))).astype(np.int64))
+
+
+@dataclass(frozen=True)
 class Workload:
     """Requests as arrays. Index i is request i; `ids` keeps the caller's ids.
 
     `output_known` says, per request, whether schedulers may see the output length
     (the fluid WAIT policy assumes they can, Nested WAIT that they cannot).
+    `phase` indexes `phases` (names of the workload's consecutive phases).
+    `concurrency` > 0 makes request i closed-loop: it is issued the moment fewer than
+    concurrency[i] requests are in flight (`vllm bench serve --max-concurrency`), so its
+    arrival time is decided by the simulation; the stored arrival is then 0. 0 = open loop.
+    `prefix` keeps each prompt's prefix-block hashes when the trace has them.
     """
     arrival: np.ndarray
     prompt: np.ndarray
@@ -44,14 +77,30 @@ class Workload:
     tiers: tuple[Tier, ...] = ()
     ids: np.ndarray = field(default=None)  # type: ignore[assignment]
     source: str = "synthetic"
+    phase: np.ndarray = field(default=None)  # type: ignore[assignment]
+    phases: tuple[str, ...] = ("all",)
+    concurrency: np.ndarray = field(default=None)  # type: ignore[assignment]
+    prefix: Ragged | None = None
 
     def __post_init__(self) -> None:
         n = len(self.arrival)
         if self.ids is None:
             object.__setattr__(self, "ids", np.arange(n, dtype=np.int64))
-        for name in ("prompt", "output", "output_known", "tier_index", "ids"):
+        if self.phase is None:
+            object.__setattr__(self, "phase", np.zeros(n, np.int16))
+        if self.concurrency is None:
+            object.__setattr__(self, "concurrency", np.zeros(n, np.int32))
+        for name in ("prompt", "output", "output_known", "tier_index", "ids", "phase", "concurrency"):
             if len(getattr(self, name)) != n:
                 raise KvschedError(f"workload: {name} has {len(getattr(self, name))} entries, expected {n}")
+        if self.prefix is not None and len(self.prefix) != n:
+            raise KvschedError(f"workload: prefix has {len(self.prefix)} entries, expected {n}")
+        if n and self.phase.max() >= len(self.phases):
+            raise KvschedError("workload: phase index out of range")
+        if n and self.concurrency.min() < 0:
+            raise KvschedError("workload: concurrency must be >= 0")
+        if n and self.closed_loop and self.concurrency.min() == 0:
+            raise KvschedError("workload: closed-loop and open-loop requests cannot be mixed")
         if n and (not np.all(np.isfinite(self.arrival)) or self.arrival.min() < 0):
             raise KvschedError("workload: arrival times must be finite and >= 0")
         if n and np.any(np.diff(self.arrival) < 0):
@@ -63,17 +112,23 @@ class Workload:
 
     @classmethod
     def build(cls, arrival, prompt, output, *, output_known=False, tier_index=None,
-              tiers: Sequence[Tier] = (), ids=None, source: str = "synthetic") -> "Workload":
+              tiers: Sequence[Tier] = (), ids=None, source: str = "synthetic", phase=None,
+              phases: Sequence[str] = ("all",), concurrency=None,
+              prefix: Ragged | None = None) -> "Workload":
         """Arrays in any order -> a workload sorted by arrival (stable, so ties keep order)."""
         arrival = np.asarray(arrival, dtype=np.float64)
         n = len(arrival)
         order = np.argsort(arrival, kind="stable")
-        known = np.broadcast_to(np.asarray(output_known, dtype=bool), (n,))
-        tix = np.full(n, -1, np.int16) if tier_index is None else np.asarray(tier_index, np.int16)
-        ids = np.arange(n, dtype=np.int64) if ids is None else np.asarray(ids, np.int64)
+
+        def column(values, dtype, default):
+            a = np.full(n, default, dtype) if values is None else np.asarray(values, dtype)
+            return np.array(np.broadcast_to(a, (n,))[order])
         return cls(arrival[order], np.asarray(prompt, np.int64)[order],
-                   np.asarray(output, np.int64)[order], np.array(known[order]), tix[order],
-                   tuple(tiers), ids[order], source)
+                   np.asarray(output, np.int64)[order], column(output_known, bool, False),
+                   column(tier_index, np.int16, -1), tuple(tiers),
+                   np.arange(n, dtype=np.int64)[order] if ids is None else np.asarray(ids, np.int64)[order],
+                   source, column(phase, np.int16, 0), tuple(phases), column(concurrency, np.int32, 0),
+                   None if prefix is None else prefix.take(order))
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request]) -> "Workload":
@@ -94,6 +149,10 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.arrival)
+
+    @property
+    def closed_loop(self) -> bool:
+        return bool(len(self.concurrency)) and int(self.concurrency.max()) > 0
 
     def tier_of(self, i: int) -> Tier | None:
         t = int(self.tier_index[i])

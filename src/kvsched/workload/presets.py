@@ -1,0 +1,163 @@
+"""The papers' workloads by name (`kvsched workloads` lists them).
+
+Where a paper leaves a number open, the preset picks one and says so in its description
+(marked "assumed"); `--rate`, `--arrivals`, `--num-requests` and the other workload flags
+override any of them.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from kvsched.errors import KvschedError
+from kvsched.workload.arrivals import Closed, Poisson
+from kvsched.workload.lengths import Fixed, Jitter, Quantiles, Uniform
+from kvsched.workload.request import Tier
+from kvsched.workload.spec import Phase, RequestType, TierShare, WorkloadSpec
+
+EB = "exclusive-batching-eb.txt"
+STAB = "stability-capacity.txt"
+FLUID = "fluid-wait-nested-wait.txt"
+SLAI = "rad-slai.txt"
+
+# ShareGPT (openchat_sharegpt4) percentiles from ../shared/traces/README.md (min, median,
+# p90, p99, max); the stand-in matches median and p90 (rad-slai.txt, Table 1: 1730/5696
+# prompt, 415/834 decode).
+SHAREGPT_FILE = "sharegpt-lengths.csv"
+SHAREGPT_PROMPT = ((0.0, 1.0), (0.5, 1730.0), (0.9, 5696.0), (0.99, 7434.0), (1.0, 8141.0))
+SHAREGPT_OUTPUT = ((0.0, 1.0), (0.5, 415.0), (0.9, 834.0), (0.99, 998.0), (1.0, 1024.0))
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    source: str
+    description: str
+    make: Callable[[], WorkloadSpec]
+
+
+def traces_dir() -> Path | None:
+    """The shared trace folder: $KVSCHED_TRACES, else `shared/traces` in the working
+    folder or one of its parents (the project layout puts it at ../shared/traces)."""
+    env = os.environ.get("KVSCHED_TRACES")
+    if env:
+        return Path(env) if Path(env).is_dir() else None
+    here = Path.cwd()
+    for d in (here, *here.parents):
+        if (d / "shared" / "traces").is_dir():
+            return d / "shared" / "traces"
+    return None
+
+
+def sharegpt_phase(folder: Path | None, requests: int, rate: float) -> Phase:
+    """ShareGPT lengths, rows drawn with replacement from the shared trace as rad-slai.txt
+    section 5 does, or (trace absent) the percentile stand-in."""
+    if folder is not None and (folder / SHAREGPT_FILE).is_file():
+        return Phase(requests, trace=folder / SHAREGPT_FILE, arrivals=Poisson(rate), name="sharegpt",
+                     sample=True)
+    warnings.warn(f"{SHAREGPT_FILE} not found (set KVSCHED_TRACES to the traces folder); using a "
+                  "synthetic stand-in whose median and p90 match ShareGPT's "
+                  "(prompt 1730 / 5696, output 415 / 834 tokens)", stacklevel=2)
+    return Phase(requests, (RequestType(Quantiles(SHAREGPT_PROMPT), Quantiles(SHAREGPT_OUTPUT), rate),),
+                 name="sharegpt (stand-in)")
+
+
+def _one(requests: int, prompt, output, arrivals, name: str = "") -> Phase:
+    return Phase(requests, (RequestType(prompt, output),), arrivals=arrivals, name=name)
+
+
+def _eb(prompt: int, output: int) -> Callable[[], WorkloadSpec]:
+    return lambda: WorkloadSpec((_one(4000, Jitter(prompt), Jitter(output), Closed(2048)),),
+                                name=f"eb {prompt}/{output}")
+
+
+def _eb_distribution_shift() -> WorkloadSpec:
+    means = ((1024, 128), (512, 512), (128, 1024))
+    return WorkloadSpec(tuple(_one(2000, Jitter(p), Jitter(o), Closed(2048), f"{p}/{o}") for p, o in means),
+                        name="eb-distribution-shift")
+
+
+def _eb_concurrency_shift() -> WorkloadSpec:
+    return WorkloadSpec(tuple(_one(2000, Jitter(512), Jitter(256), Closed(c), f"c={c}")
+                              for c in (32, 512, 1024, 256, 2048)), name="eb-concurrency-shift")
+
+
+PD = {"1-1": (1600, 1600), "2-1": (2133, 1066), "1-2": (1066, 2133), "8-1": (2844, 356)}
+
+
+def _pd(ratio: str, requests: int = 10_000) -> Phase:
+    hi_p, hi_o = PD[ratio]
+    return _one(requests, Uniform(10, hi_p), Uniform(10, hi_o), Poisson(5.0), f"PD {ratio.replace('-', ':')}")
+
+
+def _types(prompts, outputs, rates, requests: int, known: bool, name: str) -> WorkloadSpec:
+    types = tuple(RequestType(Fixed(p), Fixed(o), r) for p, o, r in zip(prompts, outputs, rates))
+    return WorkloadSpec((Phase(requests, types),), output_known=known, name=name)
+
+
+def _sharegpt(paying: float | None) -> Callable[[], WorkloadSpec]:
+    def make() -> WorkloadSpec:
+        tiers = () if paying is None else (
+            TierShare(Tier("paying", tbt_slo=0.1, priority=0), paying),
+            TierShare(Tier("free", tbt_slo=0.5, priority=1), round(1 - paying, 12)))
+        return WorkloadSpec((sharegpt_phase(traces_dir(), 2000, 1.0),), tiers=tiers, cap_len=8192,
+                            name="sharegpt" if paying is None else f"slai-paying-{round(paying * 100)}")
+    return make
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in [
+    Preset("eb-decode-heavy", f"{EB} section 4.1", "Decode-heavy: prompt jitter:128, output jitter:1024 "
+           "(0.5x-1.5x of the mean), closed loop c = 2048, 4,000 requests", _eb(128, 1024)),
+    Preset("eb-balanced", f"{EB} section 4.1", "Balanced: jitter:512 / jitter:512, closed loop c = 2048, "
+           "4,000 requests", _eb(512, 512)),
+    Preset("eb-prefill-heavy", f"{EB} section 4.1", "Prefill-heavy: jitter:1024 / jitter:128, closed loop "
+           "c = 2048, 4,000 requests", _eb(1024, 128)),
+    Preset("eb-distribution-shift", f"{EB} section 4.4, Table 3", "mu_L 1024 -> 512 -> 128 with mu_O "
+           "128 -> 512 -> 1024 (jitter), 2,000 requests per phase, c = 2048", _eb_distribution_shift),
+    Preset("eb-concurrency-shift", f"{EB} section 4.4, Table 3", "c = 32 -> 512 -> 1024 -> 256 -> 2048; "
+           "jitter:512 / jitter:256 as Table 3's stationary rows; 2,000 requests per phase (assumed)",
+           _eb_concurrency_shift),
+    Preset("stability-pd-1-1", f"{STAB} section 5.1", "PD 1:1: prompt and output uniform on 10..1600; "
+           "Poisson 5 req/s; 10,000 requests", lambda: WorkloadSpec((_pd("1-1"),), name="stability-pd-1-1")),
+    Preset("stability-pd-2-1", f"{STAB} section 5.1", "PD 2:1: uniform 10..2133 / 10..1066; Poisson "
+           "5 req/s; 10,000 requests", lambda: WorkloadSpec((_pd("2-1"),), name="stability-pd-2-1")),
+    Preset("stability-pd-1-2", f"{STAB} section 5.1", "PD 1:2: uniform 10..1066 / 10..2133; Poisson "
+           "5 req/s; 10,000 requests", lambda: WorkloadSpec((_pd("1-2"),), name="stability-pd-1-2")),
+    Preset("stability-pd-8-1", f"{STAB} appendix C", "PD 8:1: uniform 10..2844 / 10..356 (assumed: the "
+           "paper gives no bounds; these keep section 5.1's 3,200-token sum of upper bounds); Poisson "
+           "5 req/s; 10,000 requests", lambda: WorkloadSpec((_pd("8-1"),), name="stability-pd-8-1")),
+    Preset("stability-pd-switch", f"{STAB} section 5.2", "first half PD 2:1, second half PD 1:2; Poisson "
+           "5 req/s; 5,000 + 5,000 requests",
+           lambda: WorkloadSpec((_pd("2-1", 5000), _pd("1-2", 5000)), name="stability-pd-switch")),
+    Preset("wait-low-demand", f"{FLUID} section 6.1 (i)", "m = 2 types: prompts 10/10, outputs 10/20, "
+           "rates 1000/1000 req/s, output lengths known; 20,000 requests",
+           lambda: _types((10, 10), (10, 20), (1000, 1000), 20_000, True, "wait-low-demand")),
+    Preset("wait-high-demand", f"{FLUID} section 6.1 (ii)", "m = 3 types: prompts 20, outputs "
+           "100/200/300, rates 6000/4000/2000 req/s, output lengths known; 24,000 requests",
+           lambda: _types((20, 20, 20), (100, 200, 300), (6000, 4000, 2000), 24_000, True, "wait-high-demand")),
+    Preset("nested-wait-4type", f"{FLUID} section 6.2", "m = 4 types: prompt 10, outputs 20/40/80/160, "
+           "rates 20:40:80:160 (as req/s, assumed: the paper gives the ratio), output lengths unknown; "
+           "6,000 requests", lambda: _types((10,) * 4, (20, 40, 80, 160), (20, 40, 80, 160), 6000, False,
+                                            "nested-wait-4type")),
+    Preset("nested-wait-10type", f"{FLUID} section 6.2", "10 clustered types: prompt 60, outputs "
+           "50..500, rates 23:11:8:7:6:4:3:2:1:1 at 55 QPS in all, output lengths unknown; 5,500 requests",
+           lambda: _types((60,) * 10, tuple(range(50, 501, 50)),
+                          tuple(55 * w / 66 for w in (23, 11, 8, 7, 6, 4, 3, 2, 1, 1)), 5500, False,
+                          "nested-wait-10type")),
+    Preset("sharegpt", f"{SLAI} section 5 ({SHAREGPT_FILE})", "ShareGPT lengths, total capped at 8,192, "
+           "Poisson 1 req/s, 2,000 requests (a percentile-matched stand-in when the trace is absent)",
+           _sharegpt(None)),
+    Preset("slai-paying-5", f"{SLAI} section 5", "sharegpt with 5% paying users (TBT SLO 0.1 s, "
+           "priority 0) and 95% free (TBT 0.5 s, priority 1)", _sharegpt(0.05)),
+    Preset("slai-paying-50", f"{SLAI} appendix F.3", "sharegpt with 50% paying users", _sharegpt(0.5)),
+    Preset("slai-paying-95", f"{SLAI} appendix F.3", "sharegpt with 95% paying users", _sharegpt(0.95)),
+]}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise KvschedError(f"unknown workload preset {name!r}; `kvsched workloads` lists them")
+    return PRESETS[name]

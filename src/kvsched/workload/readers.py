@@ -1,0 +1,263 @@
+"""Trace file formats, read row by row into compact arrays (never the whole file as text).
+
+Formats (`--format`, or detected from the first line):
+- `azure`:    Azure LLM inference 2023 CSV: TIMESTAMP (YYYY-MM-DD HH:MM:SS.fffffff),
+              ContextTokens, GeneratedTokens; CRLF line ends.
+- `mooncake`: Mooncake JSONL: timestamp (ms), input_length, output_length, hash_ids.
+- `lengths`:  length-only CSV: num_prefill_tokens, num_decode_tokens, ... (no times).
+- `csv`:      generic CSV: arrival_time (s), prompt_tokens, output_tokens[, tier].
+- `jsonl`:    generic JSONL with the same keys.
+Every malformed row is an error naming file:line; no row is skipped (blank lines are not rows).
+Times come back in seconds: Azure's relative to the first row, the others as written; with a
+time window, relative to the window's start.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+import re
+from array import array
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from kvsched.errors import KvschedError
+from kvsched.workload.request import Ragged
+
+# format -> (columns or keys: time, prompt, output)
+COLUMNS = {
+    "azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+    "mooncake": ("timestamp", "input_length", "output_length"),
+    "lengths": (None, "num_prefill_tokens", "num_decode_tokens"),
+    "csv": ("arrival_time", "prompt_tokens", "output_tokens"),
+    "jsonl": ("arrival_time", "prompt_tokens", "output_tokens"),
+}
+FORMATS = tuple(COLUMNS) + ("auto",)
+JSON_FORMATS = ("mooncake", "jsonl")
+_AZURE_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:\.(\d{1,7}))?\Z")
+
+
+@dataclass
+class TraceRows:
+    """What a trace file holds, in file order."""
+    path: Path
+    format: str
+    arrival: np.ndarray | None          # seconds; None for length-only traces
+    prompt: np.ndarray
+    output: np.ndarray
+    tier: list[str] | None              # generic formats' optional tier column
+    prefix: Ragged | None               # Mooncake hash_ids, when kept
+    rows_in_file: int | None            # None when reading stopped early
+
+
+class _Where:
+    """The current file:line, for error messages."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.line = path, 0
+
+    def error(self, message: str) -> KvschedError:
+        return KvschedError(f"{self.path}:{self.line}: {message}")
+
+
+def _lines(f, where: _Where) -> Iterator[str]:
+    """Decoded non-blank lines, tracking the line number."""
+    for raw in f:
+        where.line += 1
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise where.error("not UTF-8 text") from None
+        if text.strip():
+            yield text
+
+
+def _tokens(where: _Where, name: str, value) -> int:
+    if isinstance(value, bool):
+        raise where.error(f"{name} must be an integer >= 1, got {value!r}")
+    if isinstance(value, str):
+        try:
+            value = float(value.strip()) if not value.strip().isdigit() else int(value)
+        except ValueError:
+            raise where.error(f"{name} {value!r} is not a number") from None
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value) or value < 1:
+        raise where.error(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _seconds(where: _Where, name: str, value) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise where.error(f"{name} {value!r} is not a number") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise where.error(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _azure_ticks(where: _Where, text: str) -> int:
+    """TIMESTAMP -> 100 ns ticks since the epoch, exactly (Python's %f takes 6 digits only)."""
+    m = _AZURE_TIME.match(text.strip())
+    if not m:
+        raise where.error(f"TIMESTAMP {text!r} is not YYYY-MM-DD HH:MM:SS.fffffff")
+    try:
+        whole = datetime.fromisoformat(m.group(1))
+    except ValueError:
+        raise where.error(f"TIMESTAMP {text!r} is not a valid date and time") from None
+    seconds = (whole - datetime(1970, 1, 1)).days * 86400 + whole.hour * 3600 + whole.minute * 60 + whole.second
+    return seconds * 10_000_000 + int((m.group(2) or "0").ljust(7, "0"))
+
+
+def detect_format(path: Path, first_line: str) -> str:
+    """Which format a file is in, from its first non-blank line."""
+    if first_line.lstrip().startswith("{"):
+        try:
+            keys = json.loads(first_line)
+        except json.JSONDecodeError:
+            keys = {}
+        return "mooncake" if isinstance(keys, dict) and "input_length" in keys else "jsonl"
+    header = [h.strip() for h in next(csv.reader([first_line]))]
+    best = max(("azure", "lengths", "csv"), key=lambda f: sum(c in header for c in COLUMNS[f] if c))
+    if not any(c in header for c in COLUMNS[best] if c):
+        raise KvschedError(
+            f"{path}:1: unknown header {first_line.strip()!r}; expected one of: "
+            "TIMESTAMP,ContextTokens,GeneratedTokens (Azure 2023) | "
+            "num_prefill_tokens,num_decode_tokens,... (length-only) | "
+            "arrival_time,prompt_tokens,output_tokens[,tier] (generic); or JSONL")
+    return best
+
+
+class _Collector:
+    """Accumulates rows, checks time order, applies a time window and a row limit."""
+
+    def __init__(self, where: _Where, timed: bool, window, limit: int | None, keep_hashes: bool) -> None:
+        self.where, self.timed, self.window, self.limit = where, timed, window, limit
+        self.times, self.prompt, self.output = array("d"), array("q"), array("q")
+        self.tiers: list[str] = []
+        self.hashes, self.offsets = (array("q"), array("q", [0])) if keep_hashes else (None, None)
+        self.origin = None
+        self.last = -math.inf
+        self.rows = 0
+
+    def add(self, t, prompt: int, output: int, tier: str | None = None, hashes=None) -> bool:
+        """Take one row; False once no later row can be wanted (limit reached, window passed).
+        `t` is seconds (float) or Azure ticks (int)."""
+        self.rows += 1
+        if self.timed:
+            if t < self.last:
+                raise self.where.error("arrival time goes backwards (rows must be sorted by time)")
+            self.last = t
+            if self.origin is None:
+                self.origin = t
+            rel = (t - self.origin) / 1e7 if isinstance(t, int) else t - self.origin
+            if self.window is None:
+                self.times.append(rel if isinstance(t, int) else t)
+            elif rel < self.window[0]:
+                return True
+            elif rel >= self.window[1]:
+                return False
+            else:
+                self.times.append(rel - self.window[0])
+        self.prompt.append(prompt)
+        self.output.append(output)
+        self.tiers.append(tier or "")
+        if self.hashes is not None:
+            self.hashes.extend(hashes or ())
+            self.offsets.append(len(self.hashes))
+        return self.limit is None or len(self.prompt) < self.limit
+
+
+def read_trace(path: str | Path, *, format: str = "auto", window: tuple[float, float] | None = None,
+               first: int | None = None, keep_hashes: bool = False) -> TraceRows:
+    """Read a trace. `window` = (start, end) seconds from the first row keeps rows with
+    start <= t < end, re-timed to start at `start`; `first` stops after that many rows."""
+    path = Path(path)
+    if format not in FORMATS:
+        raise KvschedError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
+    where = _Where(path)
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise KvschedError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    with f:
+        lines = _lines(f, where)
+        first_line = next(lines, None)
+        if first_line is None:
+            raise KvschedError(f"{path}:1: empty file")
+        fmt = detect_format(path, first_line) if format == "auto" else format
+        if window is not None and fmt == "lengths":
+            raise KvschedError(f"{path}: a length-only trace has no times, so no time window")
+        col = _Collector(where, fmt != "lengths", window, first, keep_hashes and fmt == "mooncake")
+        if fmt in JSON_FORMATS:
+            _read_jsonl(first_line, lines, where, fmt, col)
+        else:
+            _read_csv(first_line, lines, where, fmt, col)
+        complete = next(lines, None) is None
+    if not col.rows:
+        raise KvschedError(f"{path}:{where.line}: no requests in the file")
+    if not len(col.prompt):
+        raise KvschedError(f"{path}: no requests in the time window {window[0]:g}..{window[1]:g} s")
+    times = np.frombuffer(col.times, np.float64).copy() if fmt != "lengths" else None
+    tiers = col.tiers if any(col.tiers) else None
+    prefix = None
+    if col.hashes is not None:
+        prefix = Ragged(np.frombuffer(col.hashes, np.int64).copy(), np.frombuffer(col.offsets, np.int64).copy())
+    return TraceRows(path, fmt, times, np.frombuffer(col.prompt, np.int64).copy(),
+                     np.frombuffer(col.output, np.int64).copy(), tiers, prefix,
+                     col.rows if complete else None)
+
+
+def _read_csv(header_line: str, lines, where: _Where, fmt: str, col: _Collector) -> None:
+    header = [h.strip() for h in next(csv.reader([header_line]))]
+    names = COLUMNS[fmt]
+    missing = [c for c in names if c and c not in header]
+    if missing:
+        raise KvschedError(f"{where.path}:1: missing column {missing[0]!r} for the {fmt} format "
+                           f"(header: {header_line.strip()!r})")
+    t_col, p_col, o_col = (header.index(c) if c else None for c in names)
+    tier_col = header.index("tier") if fmt == "csv" and "tier" in header else None
+    width = len(header)
+    for row in csv.reader(lines):
+        if len(row) != width:
+            raise where.error(f"expected {width} fields ({','.join(header)}), got {len(row)}")
+        if t_col is None:
+            t = None
+        elif fmt == "azure":
+            t = _azure_ticks(where, row[t_col])
+        else:
+            t = _seconds(where, names[0], row[t_col])
+        if not col.add(t, _tokens(where, names[1], row[p_col]), _tokens(where, names[2], row[o_col]),
+                       row[tier_col].strip() if tier_col is not None else None):
+            return
+
+
+def _read_jsonl(first_line: str, lines, where: _Where, fmt: str, col: _Collector) -> None:
+    names = COLUMNS[fmt]
+    scale = 1000.0 if fmt == "mooncake" else 1.0            # Mooncake stamps are in ms
+    for text in itertools.chain([first_line], lines):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise where.error(f"not a JSON object ({exc.msg}; truncated line?)") from None
+        if not isinstance(obj, dict):
+            raise where.error("each line must be a JSON object")
+        for key in names:
+            if key not in obj:
+                raise where.error(f"missing key {key!r} for the {fmt} format")
+        hashes = None
+        if fmt == "mooncake" and col.hashes is not None:
+            hashes = obj.get("hash_ids", [])
+            if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in hashes):
+                raise where.error("hash_ids must be a list of integers")
+        tier = obj.get("tier") if fmt == "jsonl" else None
+        if tier is not None and not isinstance(tier, str):
+            raise where.error(f"tier must be a string, got {tier!r}")
+        if not col.add(_seconds(where, names[0], obj[names[0]]) / scale, _tokens(where, names[1], obj[names[1]]),
+                       _tokens(where, names[2], obj[names[2]]), tier, hashes):
+            return

@@ -1,0 +1,242 @@
+"""Workload specifications: a sequence of phases (each with its own lengths and arrival
+process), user tiers drawn with probabilities, and options; `build()` makes the Workload.
+
+A phase takes its lengths from request types (fluid-wait-nested-wait.txt section 3: lengths
+and a rate per type) or from a trace file. Open-loop phases follow one another in time: a
+phase's clock starts at the previous phase's last arrival. Closed-loop phases follow one
+another in issue order, each with its own concurrency (exclusive-batching-eb.txt section 4.4,
+"concurrency shift"). A workload is all open-loop or all closed-loop.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from kvsched.errors import KvschedError
+from kvsched.workload.arrivals import Arrivals, Closed, Poisson, Replay
+from kvsched.workload.readers import read_trace
+from kvsched.workload.lengths import LengthDist
+from kvsched.workload.request import Ragged, Tier, Workload
+
+
+@dataclass(frozen=True)
+class RequestType:
+    """A request type of fluid-wait-nested-wait.txt (section 3): prompt length l_j, output
+    length l'_j (here distributions; Fixed gives the paper's deterministic types) and an
+    arrival rate lambda_j (relative, when the phase has its own arrival process)."""
+    prompt: LengthDist
+    output: LengthDist
+    rate: float = 1.0
+    tier: Tier | None = None
+
+
+@dataclass(frozen=True)
+class TierShare:
+    """A tier and the probability that a request belongs to it (None: the tier only names
+    SLOs for a trace's `tier` column)."""
+    tier: Tier
+    share: float | None = None
+
+
+@dataclass(frozen=True)
+class Phase:
+    """`requests` requests with lengths from `types` or from `trace`, arriving by `arrivals`
+    (default: the types' summed rates as Poisson; a timed trace's own stamps)."""
+    requests: int | None = None
+    types: tuple[RequestType, ...] = ()
+    trace: Path | None = None
+    format: str = "auto"
+    window: tuple[float, float] | None = None
+    arrivals: Arrivals | None = None
+    name: str = ""
+    sample: bool = False                # draw trace rows with replacement instead of taking the first N
+
+    def label(self, k: int) -> str:
+        return self.name or f"phase {k + 1}"
+
+    def check(self, k: int) -> None:
+        where = self.label(k)
+        if bool(self.types) == (self.trace is not None):
+            raise KvschedError(f"{where}: give either request lengths (prompt/output or types) or a trace")
+        if self.requests is not None and (int(self.requests) != self.requests or self.requests < 1):
+            raise KvschedError(f"{where}: requests must be an integer >= 1, got {self.requests}")
+        if self.types and self.requests is None:
+            raise KvschedError(f"{where}: a synthetic phase needs a number of requests")
+        if self.types and isinstance(self.arrivals, Replay):
+            raise KvschedError(f"{where}: replay needs a timed trace; synthetic phases take poisson, "
+                               "gamma, piecewise, sine or closed arrivals")
+        if self.window is not None and not 0 <= self.window[0] < self.window[1]:
+            raise KvschedError(f"{where}: window needs 0 <= start < end, got {self.window}")
+
+
+@dataclass
+class _Part:
+    arrival: np.ndarray
+    prompt: np.ndarray
+    output: np.ndarray
+    tier_codes: np.ndarray
+    tiers: list[Tier]
+    concurrency: int
+    prefix: Ragged | None
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    phases: tuple[Phase, ...]
+    tiers: tuple[TierShare, ...] = ()
+    seed: int = 0
+    output_known: bool = False
+    cap_len: int | None = None          # cap prompt + output at this many tokens
+    keep_hashes: bool = False           # keep Mooncake hash_ids on the requests
+    name: str = "workload"
+
+    def build(self) -> Workload:
+        if not self.phases:
+            raise KvschedError(f"{self.name}: a workload needs at least one phase")
+        for k, ph in enumerate(self.phases):
+            try:
+                ph.check(k)
+            except KvschedError as exc:
+                raise KvschedError(f"{self.name}: {exc}") from None
+        seeds = np.random.SeedSequence(self.seed).spawn(len(self.phases) + 1)
+        parts, t0 = [], 0.0
+        for k, ph in enumerate(self.phases):
+            part = _generate(ph, k, np.random.default_rng(seeds[k]), self.keep_hashes)
+            if part.concurrency == 0 and len(part.arrival):
+                part.arrival = part.arrival + t0
+                t0 = float(part.arrival.max())
+            parts.append(part)
+        closed = {p.concurrency > 0 for p in parts}
+        if len(closed) > 1:
+            raise KvschedError(f"{self.name}: phases mix closed-loop and open-loop arrivals; "
+                               "use one kind for the whole workload")
+        prompt, output = _cap(np.concatenate([p.prompt for p in parts]),
+                              np.concatenate([p.output for p in parts]), self.cap_len)
+        tiers, codes = self._assign_tiers(parts, np.random.default_rng(seeds[-1]))
+        sizes = [len(p.prompt) for p in parts]
+        prefix = None
+        if all(p.prefix is not None for p in parts):
+            prefix = Ragged.concat([p.prefix for p in parts])
+        return Workload.build(
+            np.concatenate([p.arrival for p in parts]), prompt, output,
+            output_known=self.output_known, tier_index=codes, tiers=tiers, source=self.name,
+            phase=np.repeat(np.arange(len(parts)), sizes),
+            phases=[ph.label(k) for k, ph in enumerate(self.phases)],
+            concurrency=np.repeat([p.concurrency for p in parts], sizes), prefix=prefix)
+
+    def _assign_tiers(self, parts: list[_Part], rng: np.random.Generator):
+        """Tiers from the phases (trace column, request types), else drawn by share."""
+        named = {ts.tier.name: ts.tier for ts in self.tiers}
+        tiers: list[Tier] = []
+        codes = []
+        for p in parts:
+            local = [named.get(t.name, t) for t in p.tiers]
+            for t in local:
+                if t not in tiers:
+                    tiers.append(t)
+            remap = np.array([tiers.index(t) for t in local] + [-1], np.int16)
+            codes.append(remap[p.tier_codes])          # code -1 picks the trailing -1
+        codes = np.concatenate(codes)
+        shares = [ts for ts in self.tiers if ts.share is not None]
+        if not shares:
+            return tiers, codes
+        if tiers:
+            raise KvschedError(f"{self.name}: tier shares cannot be combined with tiers that the "
+                               "trace or the request types already set")
+        p = np.array([ts.share for ts in shares], float)
+        if np.any(p < 0) or abs(p.sum() - 1) > 1e-9:
+            raise KvschedError(f"{self.name}: tier shares must be >= 0 and sum to 1, got "
+                               f"{', '.join(f'{ts.tier.name}={ts.share:g}' for ts in shares)}")
+        return [ts.tier for ts in shares], rng.choice(len(shares), size=len(codes), p=p).astype(np.int16)
+
+
+def _generate(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool) -> _Part:
+    if ph.trace is not None:
+        return _from_trace(ph, k, rng, keep_hashes)
+    n = int(ph.requests)
+    rates = np.array([t.rate for t in ph.types], float)
+    if not np.all(rates > 0):
+        raise KvschedError(f"{ph.label(k)}: every request type needs a rate (weight) > 0")
+    arrivals = ph.arrivals or Poisson(float(rates.sum()))
+    conc = arrivals.concurrency if isinstance(arrivals, Closed) else 0
+    arrival = np.zeros(n) if conc else arrivals.times(rng, n)
+    kind = rng.choice(len(rates), size=n, p=rates / rates.sum()) if len(rates) > 1 else np.zeros(n, int)
+    prompt, output = np.empty(n, np.int64), np.empty(n, np.int64)
+    tiers = list(dict.fromkeys(t.tier for t in ph.types if t.tier is not None))
+    codes = np.full(n, -1, np.int16)
+    for j, t in enumerate(ph.types):
+        mask = kind == j
+        m = int(mask.sum())
+        prompt[mask] = t.prompt.sample(rng, m)
+        output[mask] = t.output.sample(rng, m)
+        if t.tier is not None:
+            codes[mask] = tiers.index(t.tier)
+    return _Part(arrival, prompt, output, codes, tiers, conc, None)
+
+
+def _from_trace(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool) -> _Part:
+    rows = read_trace(ph.trace, format=ph.format, window=ph.window,
+                      first=None if ph.sample else ph.requests, keep_hashes=keep_hashes)
+    have = len(rows.prompt)
+    n = have if ph.requests is None else int(ph.requests)
+    arrivals = ph.arrivals
+    if arrivals is None:
+        if rows.arrival is None:
+            raise KvschedError(f"{rows.path} has no arrival times: give --rate REQ_PER_S or --arrivals "
+                               "(poisson:RATE, gamma:RATE:CV, closed:C, ...)")
+        arrivals = Replay()
+    idx = np.arange(n) if n <= have and not ph.sample else rng.integers(0, have, size=n)
+    conc = arrivals.concurrency if isinstance(arrivals, Closed) else 0
+    if conc:
+        arrival = np.zeros(n)
+    elif isinstance(arrivals, Replay):
+        if rows.arrival is None:
+            raise KvschedError(f"{rows.path} is a length-only trace: it has no times to replay")
+        stamps = arrivals.apply(rows.arrival, rng)
+        arrival = stamps[:n] if n <= have and not ph.sample else _resampled_gaps(rng, stamps, n)
+    else:
+        arrival = arrivals.times(rng, n)
+    names = sorted(set(rows.tier) - {""}) if rows.tier is not None else []
+    tiers = [Tier(name) for name in names]
+    codes = np.full(n, -1, np.int16)
+    if names:
+        lookup = {name: j for j, name in enumerate(names)}
+        codes = np.array([lookup.get(t, -1) for t in rows.tier], np.int16)[idx]
+    prefix = rows.prefix.take(idx) if rows.prefix is not None else None
+    return _Part(arrival, rows.prompt[idx], rows.output[idx], codes, tiers, conc, prefix)
+
+
+def _resampled_gaps(rng: np.random.Generator, stamps: np.ndarray, n: int) -> np.ndarray:
+    """n arrivals whose gaps are drawn with replacement from the trace's gaps."""
+    order = np.sort(stamps)
+    gaps = np.diff(order) if len(order) > 1 else np.zeros(1)
+    return order[0] + np.concatenate(([0.0], np.cumsum(rng.choice(gaps, size=n - 1))))
+
+
+def _cap(prompt: np.ndarray, output: np.ndarray, cap: int | None):
+    """Cap prompt + output at `cap` tokens: the prompt at cap - 1, then the output at what is
+    left. Reports how many requests changed (a warning, never silent)."""
+    if cap is None:
+        return prompt, output
+    if int(cap) != cap or cap < 2:
+        raise KvschedError(f"--cap-len must be an integer >= 2 tokens, got {cap}")
+    new_prompt = np.minimum(prompt, cap - 1)
+    new_output = np.minimum(output, cap - new_prompt)
+    p, o = int((new_prompt != prompt).sum()), int((new_output != output).sum())
+    changed = int(((new_prompt != prompt) | (new_output != output)).sum())
+    if changed:
+        warnings.warn(f"capped {changed} of {len(prompt)} requests at {cap} tokens (prompt + output): "
+                      f"{p} prompts and {o} outputs shortened", stacklevel=3)
+    return new_prompt, new_output
+
+
+def single_phase(phase: Phase, **options) -> WorkloadSpec:
+    return WorkloadSpec((phase,), **options)
+
+
+def with_phases(spec: WorkloadSpec, **changes) -> WorkloadSpec:
+    """The spec with the same change applied to every phase."""
+    return replace(spec, phases=tuple(replace(ph, **changes) for ph in spec.phases))
