@@ -14,6 +14,7 @@ time window, relative to the window's start.
 from __future__ import annotations
 
 import csv
+import functools
 import itertools
 import json
 import math
@@ -39,7 +40,7 @@ COLUMNS = {
 }
 FORMATS = tuple(COLUMNS) + ("auto",)
 JSON_FORMATS = ("mooncake", "jsonl")
-_AZURE_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:\.(\d{1,7}))?\Z")
+_AZURE_TIME = re.compile(r"(\d{4}-\d\d-\d\d) (\d\d:\d\d:\d\d)(?:\.(\d{1,7}))?\Z")
 
 
 @dataclass
@@ -78,11 +79,15 @@ def _lines(f, where: _Where) -> Iterator[str]:
 
 
 def _tokens(where: _Where, name: str, value) -> int:
+    if type(value) is str and value.isdigit() and value[0] != "0":      # the common case, fast
+        return int(value)
+    if type(value) is int and value >= 1:
+        return value
     if isinstance(value, bool):
         raise where.error(f"{name} must be an integer >= 1, got {value!r}")
     if isinstance(value, str):
         try:
-            value = float(value.strip()) if not value.strip().isdigit() else int(value)
+            value = float(value)
         except ValueError:
             raise where.error(f"{name} {value!r} is not a number") from None
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value) or value < 1:
@@ -101,17 +106,26 @@ def _seconds(where: _Where, name: str, value) -> float:
     return float(value)
 
 
+@functools.lru_cache(maxsize=64)
+def _day_seconds(date: str) -> int:
+    """'YYYY-MM-DD' -> seconds since the epoch at its midnight (ValueError if not a date)."""
+    return (datetime.strptime(date, "%Y-%m-%d") - datetime(1970, 1, 1)).days * 86400
+
+
 def _azure_ticks(where: _Where, text: str) -> int:
     """TIMESTAMP -> 100 ns ticks since the epoch, exactly (Python's %f takes 6 digits only)."""
     m = _AZURE_TIME.match(text.strip())
-    if not m:
-        raise where.error(f"TIMESTAMP {text!r} is not YYYY-MM-DD HH:MM:SS.fffffff")
     try:
-        whole = datetime.fromisoformat(m.group(1))
+        if not m:
+            raise ValueError
+        clock = m.group(2)
+        h, mi, sec = int(clock[0:2]), int(clock[3:5]), int(clock[6:8])
+        if h > 23 or mi > 59 or sec > 59:
+            raise ValueError
+        seconds = _day_seconds(m.group(1)) + h * 3600 + mi * 60 + sec
     except ValueError:
-        raise where.error(f"TIMESTAMP {text!r} is not a valid date and time") from None
-    seconds = (whole - datetime(1970, 1, 1)).days * 86400 + whole.hour * 3600 + whole.minute * 60 + whole.second
-    return seconds * 10_000_000 + int((m.group(2) or "0").ljust(7, "0"))
+        raise where.error(f"TIMESTAMP {text!r} is not a date and time YYYY-MM-DD HH:MM:SS.fffffff") from None
+    return seconds * 10_000_000 + int((m.group(3) or "0").ljust(7, "0"))
 
 
 def detect_format(path: Path, first_line: str) -> str:
@@ -139,7 +153,7 @@ class _Collector:
     def __init__(self, where: _Where, timed: bool, window, limit: int | None, keep_hashes: bool) -> None:
         self.where, self.timed, self.window, self.limit = where, timed, window, limit
         self.times, self.prompt, self.output = array("d"), array("q"), array("q")
-        self.tiers: list[str] = []
+        self.tiers: list[str] | None = None         # made at the first row with a tier
         self.hashes, self.offsets = (array("q"), array("q", [0])) if keep_hashes else (None, None)
         self.origin = None
         self.last = -math.inf
@@ -166,7 +180,10 @@ class _Collector:
                 self.times.append(rel - self.window[0])
         self.prompt.append(prompt)
         self.output.append(output)
-        self.tiers.append(tier or "")
+        if self.tiers is not None:
+            self.tiers.append(tier or "")
+        elif tier:
+            self.tiers = [""] * (len(self.prompt) - 1) + [tier]
         if self.hashes is not None:
             self.hashes.extend(hashes or ())
             self.offsets.append(len(self.hashes))
@@ -203,13 +220,13 @@ def read_trace(path: str | Path, *, format: str = "auto", window: tuple[float, f
         raise KvschedError(f"{path}:{where.line}: no requests in the file")
     if not len(col.prompt):
         raise KvschedError(f"{path}: no requests in the time window {window[0]:g}..{window[1]:g} s")
-    times = np.frombuffer(col.times, np.float64).copy() if fmt != "lengths" else None
-    tiers = col.tiers if any(col.tiers) else None
+    # the arrays share the collectors' buffers (no copies: a large trace is held once)
+    times = np.frombuffer(col.times, np.float64) if fmt != "lengths" else None
     prefix = None
     if col.hashes is not None:
-        prefix = Ragged(np.frombuffer(col.hashes, np.int64).copy(), np.frombuffer(col.offsets, np.int64).copy())
-    return TraceRows(path, fmt, times, np.frombuffer(col.prompt, np.int64).copy(),
-                     np.frombuffer(col.output, np.int64).copy(), tiers, prefix,
+        prefix = Ragged(np.frombuffer(col.hashes, np.int64), np.frombuffer(col.offsets, np.int64))
+    return TraceRows(path, fmt, times, np.frombuffer(col.prompt, np.int64),
+                     np.frombuffer(col.output, np.int64), col.tiers, prefix,
                      col.rows if complete else None)
 
 
