@@ -8,8 +8,10 @@ import pytest
 from hypothesis import given, strategies as st
 
 from conftest import Checked, run
+from kvsched.hardware import get_gpu
+from kvsched.policies import make_policy
 from kvsched.errors import KvschedError
-from kvsched.workload import Fixed, Uniform
+from kvsched.workload import Uniform
 from kvsched.workload.arrivals import (Closed, GammaArrivals, Piecewise, Poisson, Replay, Sinusoid,
                                        parse_arrivals)
 from kvsched.workload.spec import Phase, RequestType, WorkloadSpec
@@ -108,8 +110,6 @@ def closed_workload(c: int, n: int, seed: int, phases=None) -> WorkloadSpec:
        policy=st.sampled_from(["vllm-v1", "sarathi", "vllm-v0", "orca", "request-level"]))
 def test_closed_loop_keeps_exactly_c_in_flight(c, n, seed, policy):
     w = closed_workload(c, n, seed).build()
-    from kvsched.policies import make_policy
-    from kvsched.hardware import get_gpu
     probe = InFlight(make_policy(policy, {}, get_gpu("a100-80gb")))
     server, rec, _ = run(w, probe, kv_tokens=50_000, checked=False)
     assert np.isfinite(rec.finished).all()
@@ -138,16 +138,7 @@ def test_concurrency_shift_respects_each_phase_limit():
 
 def test_closed_loop_deadlock_is_reported():
     from kvsched.errors import PlanError
-
-    class Idle:
-        name = "idle"
-
-        def schedule(self, v):
-            from kvsched.policies.base import Plan
-            return Plan()
-
-        def on_finish(self, i, v):
-            pass
+    from test_policies import Idle
     w = closed_workload(2, 5, 0).build()
     with pytest.raises(PlanError, match="closed loop"):
         run(w, Idle(), checked=False)

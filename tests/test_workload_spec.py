@@ -226,7 +226,8 @@ def test_export_round_trip(tmp_path):
     back = load_trace(out)
     assert np.array_equal(back.arrival, w.arrival) and np.array_equal(back.prompt, w.prompt)
     assert np.array_equal(back.output, w.output)
-    names = lambda x: [x.tiers[k].name for k in x.tier_index.tolist()]      # noqa: E731
+    def names(x):
+        return [x.tiers[k].name for k in x.tier_index.tolist()]
     assert names(back) == names(w)
     r = invoke("workload", "export", "eb-balanced", "--out", str(tmp_path / "c.csv"))
     assert r.exit_code == 2 and "closed-loop" in r.stderr and not (tmp_path / "c.csv").exists()

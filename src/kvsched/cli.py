@@ -317,7 +317,7 @@ def workload_stats_cmd(wopts: WorkloadOptions,
                        json_: bool = JsonOpt) -> None:
     """Count, span, mean rate, CV of gaps, token percentiles, prefix reuse, phases and tiers."""
     def body() -> None:
-        wopts.keep_hashes = True
+        wopts.keep_hashes = wopts.untimed_ok = True
         stats = workload_stats(load(_with_source(source, wopts)))
         if json_:
             typer.echo(json.dumps(stats))

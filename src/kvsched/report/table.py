@@ -70,6 +70,8 @@ def workload_table(s: dict[str, Any]) -> Group:
     t.add_row("requests", f"{s['requests']:,}")
     if s["closed_loop_concurrency"] is not None:
         t.add_row("arrivals", "closed loop, c = " + " -> ".join(map(str, s["closed_loop_concurrency"])))
+    elif not s["arrival_times"]:
+        t.add_row("arrivals", "none (lengths only: give --rate or --arrivals)")
     else:
         t.add_row("span s", _num(s["span_s"], 3))
         t.add_row("mean rate req/s", _num(s["mean_rate"], 3))

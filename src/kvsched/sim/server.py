@@ -57,6 +57,8 @@ class Server:
     def __init__(self, workload: Workload, policy: Policy, cost, kv: PagedKV, *,
                  max_model_len: int | None = None, record_timeline: bool = False,
                  record_batches: bool = False, strict: bool = False) -> None:
+        if not workload.timed:
+            raise KvschedError(f"{workload.source} has no arrival times: give --rate or --arrivals")
         self.workload, self.policy, self.cost, self.kv = workload, policy, cost, kv
         n = len(workload)
         self._arrival = workload.arrival.tolist()

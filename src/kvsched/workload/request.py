@@ -68,6 +68,8 @@ class Workload:
     concurrency[i] requests are in flight (`vllm bench serve --max-concurrency`), so its
     arrival time is decided by the simulation; the stored arrival is then 0. 0 = open loop.
     `prefix` keeps each prompt's prefix-block hashes when the trace has them.
+    `timed` is False for lengths without arrival times (a length-only trace described by
+    `kvsched workload stats`); such a workload can be described but not simulated.
     """
     arrival: np.ndarray
     prompt: np.ndarray
@@ -81,6 +83,7 @@ class Workload:
     phases: tuple[str, ...] = ("all",)
     concurrency: np.ndarray = field(default=None)  # type: ignore[assignment]
     prefix: Ragged | None = None
+    timed: bool = True
 
     def __post_init__(self) -> None:
         n = len(self.arrival)
@@ -114,7 +117,7 @@ class Workload:
     def build(cls, arrival, prompt, output, *, output_known=False, tier_index=None,
               tiers: Sequence[Tier] = (), ids=None, source: str = "synthetic", phase=None,
               phases: Sequence[str] = ("all",), concurrency=None,
-              prefix: Ragged | None = None) -> "Workload":
+              prefix: Ragged | None = None, timed: bool = True) -> "Workload":
         """Arrays in any order -> a workload sorted by arrival (stable, so ties keep order)."""
         arrival = np.asarray(arrival, dtype=np.float64)
         n = len(arrival)
@@ -128,7 +131,7 @@ class Workload:
                    column(tier_index, np.int16, -1), tuple(tiers),
                    np.arange(n, dtype=np.int64)[order] if ids is None else np.asarray(ids, np.int64)[order],
                    source, column(phase, np.int16, 0), tuple(phases), column(concurrency, np.int32, 0),
-                   None if prefix is None else prefix.take(order))
+                   None if prefix is None else prefix.take(order), timed)
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request]) -> "Workload":

@@ -41,6 +41,7 @@ class WorkloadOptions:
     window: str | None = None
     spread: float | None = None
     keep_hashes: bool = False
+    untimed_ok: bool = False            # describe a length-only trace without arrivals
 
 
 def base_spec(opts: WorkloadOptions) -> WorkloadSpec:
@@ -80,7 +81,7 @@ def resolve(opts: WorkloadOptions) -> WorkloadSpec:
     return replace(spec, phases=phases, tiers=tiers, seed=opts.seed,
                    output_known=spec.output_known or opts.output_known,
                    cap_len=opts.cap_len if opts.cap_len is not None else spec.cap_len,
-                   keep_hashes=spec.keep_hashes or opts.keep_hashes)
+                   keep_hashes=spec.keep_hashes or opts.keep_hashes, untimed_ok=opts.untimed_ok)
 
 
 def load(opts: WorkloadOptions) -> Workload:

@@ -81,6 +81,7 @@ class _Part:
     tiers: list[Tier]
     concurrency: int
     prefix: Ragged | None
+    timed: bool = True
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class WorkloadSpec:
     cap_len: int | None = None          # cap prompt + output at this many tokens
     keep_hashes: bool = False           # keep Mooncake hash_ids on the requests
     name: str = "workload"
+    untimed_ok: bool = False            # a length-only trace without arrivals is allowed (stats)
 
     def build(self) -> Workload:
         if not self.phases:
@@ -104,7 +106,7 @@ class WorkloadSpec:
         seeds = np.random.SeedSequence(self.seed).spawn(len(self.phases) + 1)
         parts, t0 = [], 0.0
         for k, ph in enumerate(self.phases):
-            part = _generate(ph, k, np.random.default_rng(seeds[k]), self.keep_hashes)
+            part = _generate(ph, k, np.random.default_rng(seeds[k]), self.keep_hashes, self.untimed_ok)
             if part.concurrency == 0 and len(part.arrival):
                 part.arrival = part.arrival + t0
                 t0 = float(part.arrival.max())
@@ -125,7 +127,8 @@ class WorkloadSpec:
             output_known=self.output_known, tier_index=codes, tiers=tiers, source=self.name,
             phase=np.repeat(np.arange(len(parts)), sizes),
             phases=[ph.label(k) for k, ph in enumerate(self.phases)],
-            concurrency=np.repeat([p.concurrency for p in parts], sizes), prefix=prefix)
+            concurrency=np.repeat([p.concurrency for p in parts], sizes), prefix=prefix,
+            timed=all(p.timed for p in parts))
 
     def _assign_tiers(self, parts: list[_Part], rng: np.random.Generator):
         """Tiers from the phases (trace column, request types), else drawn by share."""
@@ -153,9 +156,9 @@ class WorkloadSpec:
         return [ts.tier for ts in shares], rng.choice(len(shares), size=len(codes), p=p).astype(np.int16)
 
 
-def _generate(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool) -> _Part:
+def _generate(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool, untimed_ok: bool) -> _Part:
     if ph.trace is not None:
-        return _from_trace(ph, k, rng, keep_hashes)
+        return _from_trace(ph, k, rng, keep_hashes, untimed_ok)
     n = int(ph.requests)
     rates = np.array([t.rate for t in ph.types], float)
     if not np.all(rates > 0):
@@ -177,20 +180,21 @@ def _generate(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool) ->
     return _Part(arrival, prompt, output, codes, tiers, conc, None)
 
 
-def _from_trace(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool) -> _Part:
+def _from_trace(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool, untimed_ok: bool) -> _Part:
     rows = read_trace(ph.trace, format=ph.format, window=ph.window,
                       first=None if ph.sample else ph.requests, keep_hashes=keep_hashes)
     have = len(rows.prompt)
     n = have if ph.requests is None else int(ph.requests)
     arrivals = ph.arrivals
-    if arrivals is None:
+    untimed = arrivals is None and rows.arrival is None and untimed_ok
+    if arrivals is None and not untimed:
         if rows.arrival is None:
             raise KvschedError(f"{rows.path} has no arrival times: give --rate REQ_PER_S or --arrivals "
                                "(poisson:RATE, gamma:RATE:CV, closed:C, ...)")
         arrivals = Replay()
     idx = np.arange(n) if n <= have and not ph.sample else rng.integers(0, have, size=n)
     conc = arrivals.concurrency if isinstance(arrivals, Closed) else 0
-    if conc:
+    if conc or untimed:
         arrival = np.zeros(n)
     elif isinstance(arrivals, Replay):
         if rows.arrival is None:
@@ -206,7 +210,7 @@ def _from_trace(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool) 
         lookup = {name: j for j, name in enumerate(names)}
         codes = np.array([lookup.get(t, -1) for t in rows.tier], np.int16)[idx]
     prefix = rows.prefix.take(idx) if rows.prefix is not None else None
-    return _Part(arrival, rows.prompt[idx], rows.output[idx], codes, tiers, conc, prefix)
+    return _Part(arrival, rows.prompt[idx], rows.output[idx], codes, tiers, conc, prefix, not untimed)
 
 
 def _resampled_gaps(rng: np.random.Generator, stamps: np.ndarray, n: int) -> np.ndarray:

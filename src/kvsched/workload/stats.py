@@ -32,8 +32,9 @@ def repeated_prefix_share(w: Workload) -> float | None:
 def describe(w: Workload) -> dict[str, Any]:
     out: dict[str, Any] = {"source": w.source, "requests": len(w)}
     closed = w.closed_loop
-    out.update(arrival_summary(w.arrival) if not closed else
+    out.update(arrival_summary(w.arrival) if w.timed and not closed else
                {"span_s": None, "mean_rate": None, "cv_interarrival": None})
+    out["arrival_times"] = w.timed
     out["closed_loop_concurrency"] = list(dict.fromkeys(w.concurrency.tolist())) if closed else None
     out["input_tokens"] = token_summary(w.prompt)
     out["output_tokens"] = token_summary(w.output)
@@ -52,6 +53,6 @@ def _phase(w: Workload, k: int, name: str) -> dict[str, Any]:
                            "mean_output": float(w.output[mask].mean()) if mask.any() else None}
     if w.closed_loop:
         row["concurrency"] = int(w.concurrency[mask][0]) if mask.any() else None
-    else:
+    elif w.timed:
         row["mean_rate"] = arrival_summary(w.arrival[mask])["mean_rate"]
     return row

@@ -53,6 +53,9 @@ def load_trace(path: str | Path, *, rate: float | None = None, arrivals: Arrival
 def export_csv(workload: Workload, path: str | Path) -> None:
     """Write the generic CSV `arrival_time,prompt_tokens,output_tokens[,tier]`, exactly
     (shortest round-trip float text), via a temporary file so nothing is half written."""
+    if not workload.timed:
+        raise KvschedError("the workload has no arrival times (a length-only trace): give --rate "
+                           "or --arrivals to export it")
     if workload.closed_loop:
         raise KvschedError("a closed-loop workload has no arrival times to export (they are decided "
                            "by the simulation); give open-loop arrivals, e.g. --arrivals poisson:RATE")
