@@ -61,10 +61,15 @@ class VllmV1(_Base):
     else 2048 / 256."""
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget per step"})
     max_num_seqs: int | None = field(default=None, metadata={"help": "max running requests"})
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "cap on one request's prefill tokens per step, 0 = none (vLLM's option; the chunk s_hat of stability-capacity.txt)"})
     name = "vllm-v1"
 
     def __post_init__(self) -> None:
         _check_limits(self.name, self.max_num_batched_tokens, self.max_num_seqs)
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0 = no cap)")
+        self._cap = self.long_prefill_token_threshold or None
 
     def schedule(self, v: ServerView) -> Plan:
         victims, free, nd = make_room(v)
@@ -76,7 +81,7 @@ class VllmV1(_Base):
             if i in gone:
                 break                       # reached the preempted tail of the running list
             done = v.prefill_done(i)
-            c = min(budget, v.prefill_target(i) - done)
+            c = min(budget, v.prefill_target(i) - done, self._cap or budget)
             if c <= 0:
                 break
             need = v.blocks_for(done + c) - v.blocks_for(done)
@@ -101,7 +106,7 @@ class VllmV1(_Base):
             for i in v.waiting:
                 if seqs >= self.max_num_seqs or budget <= 0:
                     break
-                c = min(budget, v.prefill_target(i))
+                c = min(budget, v.prefill_target(i), self._cap or budget)
                 need = v.blocks_for(c)
                 if need > free:
                     break

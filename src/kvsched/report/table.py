@@ -5,6 +5,7 @@ import math
 from typing import Any, Sequence
 
 from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 
 ROWS = [
@@ -94,3 +95,50 @@ def workload_table(s: dict[str, Any]) -> Group:
     for kind in ("input", "output"):
         tokens.add_row(kind, *(_num(s[f"{kind}_tokens"][c]) for c in cols))
     return Group(t, tokens)
+
+
+def plan_report(p: dict[str, Any]) -> Group:
+    """`kvsched plan` as tables: capacity, then the fluid and EB figures behind it."""
+    cap = Table(title=f"Capacity plan: {p['workload']} on {p['model']} / {p['gpu']}", title_justify="left")
+    cap.add_column("quantity")
+    cap.add_column("value", justify="right")
+    cap.add_column("from")
+    rows = [
+        ("arrival rate lambda", f"{p['rate']:.4g} req/s", "--rate or the workload"),
+        ("KV capacity M", f"{p['kv_capacity']:,} tokens", "model, GPU, memory utilization"),
+        ("batch time b", f"{p['batch_time'] * 1000:.2f} ms", p["batch_time_source"]),
+        ("E[g(s,o)]", f"{p['mean_lifetime_memory']:,.0f} token-batches", f"chunk {p['chunk_size']} (stability eq. 1)"),
+        ("service rate mu", f"{p['mu']:.4g} req/s per GPU", "M / (b E[g])"),
+        ("delta", f"{p['delta']:.4f}", "max(s + o) / M"),
+        ("stable below", f"{p['stable_rate']:.4g} req/s per GPU", "mu (1 - delta), Theorem 4.2"),
+        ("GPUs needed", str(p["gpus_needed"]), f"ceil(lambda / (mu x {p['utilization']:g}))"),
+        ("per-GPU load", f"{p['per_gpu_load']:.1%} of mu", f"{p['per_gpu_rate']:.4g} req/s each"),
+    ]
+    for row in rows:
+        cap.add_row(*(escape(c) for c in row))
+    out = [cap]
+    fl = p["fluid"]
+    if "M_star" in fl:
+        t = Table(title="Fluid benchmark per GPU (fluid-wait-nested-wait.txt eqs. 6-8)", title_justify="left")
+        for c in ("d0 s", "d1 s/token", "M* tokens", "time per iteration", "throughput* tok/s", "fits in M"):
+            t.add_column(c, justify="right")
+        t.add_row(f"{fl['d0']:.4g}", f"{fl['d1']:.3g}", _num(fl["M_star"], 0), f"{fl['iteration_time'] * 1000:.2f} ms",
+                  _num(fl["throughput_star"], 1), "yes" if fl["fits_memory"] else "no")
+        out.append(t)
+    e = p["eb"]
+    if "theta0" in e:
+        t = Table(title="Exclusive batching (exclusive-batching-eb.txt eqs. 3, 5, 6, 7)", title_justify="left")
+        for c in ("p0", "eta", "theta0", "delta theta", "N*", "k*", "crossover favours"):
+            t.add_column(c, justify="right")
+        t.add_row(f"{e['p0']:.4g}", f"{e['eta']:.3g}", f"{e['theta0']:.4f}", f"{e['delta_theta']:.4f}",
+                  f"{e['n_star']:,}", f"{e['k_star']:,}", e.get("crossover", {}).get("favours", "-"))
+        out.append(t)
+    v = p.get("validation")
+    if v:
+        t = Table(title=f"Simulated replica at {v['arrival_rate']:.4g} req/s", title_justify="left")
+        for c in ("offered req/s", "served req/s", "mean queue, 2nd quarter", "mean queue, last quarter", "verdict"):
+            t.add_column(c, justify="right")
+        t.add_row(f"{v['offered_rate']:.4g}", f"{v['served_rate']:.4g}", f"{v['mean_queue_q2']:.1f}",
+                  f"{v['mean_queue_q4']:.1f}", "stable" if v["stable"] else "NOT stable")
+        out.append(t)
+    return Group(*out)

@@ -132,15 +132,47 @@ class Quantiles:
         return np.maximum(1, np.rint(np.interp(rng.random(n), p, x))).astype(np.int64)
 
 
+@dataclass(frozen=True)
+class LinearHazard:
+    """Output lengths whose discrete hazard is h(t) = min(1, p0 + eta t), t = 1, 2, ...: the
+    IFR model of exclusive-batching-eb.txt section 3.2.2 (eta = 0 is geometric, mean 1/p0)."""
+    p0: float
+    eta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.p0 <= 1 or self.eta < 0:
+            raise KvschedError(f"hazard: need 0 < p0 <= 1 and eta >= 0, got {self.p0}, {self.eta}")
+
+    def _pmf(self) -> np.ndarray:
+        t = np.arange(1, 1_000_001, dtype=np.float64)
+        h = np.minimum(1.0, self.p0 + self.eta * t)
+        survive = np.concatenate(([1.0], np.cumprod(1 - h)[:-1]))
+        pmf = h * survive
+        last = int(np.searchsorted(-survive, -1e-15))        # where survival falls below 1e-15
+        return pmf[:max(1, last)]
+
+    @property
+    def mean(self) -> float:
+        pmf = self._pmf()
+        return float(np.dot(np.arange(1, len(pmf) + 1), pmf) / pmf.sum())
+
+    def sample(self, rng, n):
+        cdf = np.cumsum(self._pmf())
+        return 1 + np.searchsorted(cdf / cdf[-1], rng.random(n), side="right").astype(np.int64)
+
+
 def parse_length(spec: str) -> LengthDist:
-    """'fixed:512', 'uniform:128:1024', 'jitter:512', 'geometric:300', 'gamma:2:300'."""
+    """'fixed:512', 'uniform:128:1024', 'jitter:512', 'geometric:300', 'gamma:2:300',
+    'hazard:0.002:0.00001' (h(t) = p0 + eta t)."""
     name, _, rest = spec.partition(":")
     args = rest.split(":") if rest else []
     makers = {"fixed": (Fixed, 1, int), "uniform": (Uniform, 2, int), "jitter": (Jitter, 1, float),
-              "geometric": (Geometric, 1, float), "gamma": (Gamma, 2, float)}
+              "geometric": (Geometric, 1, float), "gamma": (Gamma, 2, float),
+              "hazard": (LinearHazard, 2, float)}
     if name not in makers:
         raise KvschedError(f"unknown length distribution {spec!r}; use one of "
-                           "fixed:N, uniform:A:B, jitter:MEAN, geometric:MEAN, gamma:SHAPE:MEAN")
+                           "fixed:N, uniform:LOW:HIGH, jitter:MEAN, geometric:MEAN, gamma:SHAPE:MEAN, "
+                           "hazard:P0:ETA")
     maker, arity, kind = makers[name]
     if len(args) != arity:
         raise KvschedError(f"length distribution {spec!r} takes {arity} value(s)")

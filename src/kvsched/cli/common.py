@@ -1,0 +1,136 @@
+"""What every `kvsched` command shares: one-line errors, the progress bar, the workload
+flags and the hardware and output options (their names are a contract)."""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Optional
+
+import typer
+from rich.console import Console
+
+from kvsched.errors import KvschedError
+from kvsched.metrics import Goodput
+from kvsched.params import parse_assignments
+from kvsched.hardware import get_gpu, get_model
+from kvsched.run import Scenario
+from kvsched.workload.readers import FORMATS
+from kvsched.workload.source import DEFAULT_LENGTH, DEFAULT_RATE, WorkloadOptions
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Simulate LLM serving under KV-cache limits and compare schedulers.")
+err = Console(stderr=True)
+
+
+def say(kind: str, message: str) -> None:
+    """One unwrapped line on stderr (a terminal console would wrap it)."""
+    sys.stderr.write(f"kvsched: {kind}: {' '.join(str(message).split())}\n")
+
+
+def fail(message: str) -> None:
+    say("error", message)
+    raise typer.Exit(2)
+
+
+def guard(fn: Callable[[], None]) -> None:
+    """Run a command body: user errors become one line on stderr and exit code 2."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fn()
+        except KvschedError as exc:
+            fail(str(exc))
+        finally:
+            for w in caught:
+                say("warning", w.message)
+
+
+class Progress:
+    """A progress bar on a terminal, shown only once a run has taken over a second."""
+
+    def __init__(self, enabled: bool, label: str) -> None:
+        self.enabled, self.label = enabled and sys.stderr.isatty(), label
+        self.start = time.perf_counter()
+        self.bar = self.task = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or time.perf_counter() - self.start < 1.0:
+            return
+        if self.bar is None:
+            from rich.progress import Progress
+            self.bar = Progress(console=err, transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task(self.label, total=total)
+        self.bar.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def scenario(workload, model, gpu, kv_capacity, block_size, memory_utilization, max_model_len,
+              cost, cost_set, goodput, trim, strict) -> Scenario:
+    get_model(model), get_gpu(gpu)
+    return Scenario(workload, model=model, gpu=gpu, cost=cost,
+                    cost_params=parse_assignments(cost_set, "--cost-set"), kv_capacity=kv_capacity,
+                    memory_utilization=memory_utilization, block_size=block_size,
+                    max_model_len=max_model_len, goodput=Goodput.parse(goodput), trim=trim,
+                    strict=strict)
+
+
+# The workload flags of every command that takes a workload (names are a contract).
+WORKLOAD_FLAGS = {
+    "workload": (Optional[str], typer.Option(None, "--workload", "-w", help="a preset (kvsched workloads), a .toml workload file or a trace file")),
+    "trace": (Optional[Path], typer.Option(None, "--trace", help="trace file: Azure 2023 CSV, Mooncake JSONL, length-only CSV, or arrival_time,prompt_tokens,output_tokens[,tier] CSV/JSONL")),
+    "format": (str, typer.Option("auto", "--format", help=f"trace format: {', '.join(FORMATS)}")),
+    "rate": (Optional[float], typer.Option(None, "--rate", help=f"mean arrival rate, requests/s: Poisson for synthetic and length-only workloads (built in: {DEFAULT_RATE:g}); a timed trace's times rescaled to it")),
+    "arrivals": (Optional[str], typer.Option(None, "--arrivals", help="poisson:RATE, gamma:RATE:CV, piecewise:R1:S1,R2:S2,..., sine:MEAN:AMP:PERIOD, closed:C, replay, replay:RATE, replay:xF")),
+    "num_requests": (Optional[int], typer.Option(None, "--num-requests", help="requests (per phase); a trace's first N rows, resampled with replacement beyond them")),
+    "seed": (int, typer.Option(0, "--seed")),
+    "prompt_len": (Optional[str], typer.Option(None, "--prompt-len", help=f"synthetic prompt lengths (built in: {DEFAULT_LENGTH}): fixed:N, uniform:LOW:HIGH, jitter:MEAN, geometric:MEAN, gamma:SHAPE:MEAN")),
+    "output_len": (Optional[str], typer.Option(None, "--output-len", help=f"synthetic output lengths (built in: {DEFAULT_LENGTH}), same forms")),
+    "output_known": (bool, typer.Option(False, "--output-known", help="schedulers may see output lengths")),
+    "tiers": (list[str], typer.Option([], "--tier", help="user tier NAME:SHARE[:ttft=S][:tbt=S][:priority=P] (repeatable)")),
+    "phases": (list[str], typer.Option([], "--phase", help="a phase: 'requests=N prompt=.. output=.. arrivals=..' or 'trace=FILE ..' (repeatable, in order)")),
+    "cap_len": (Optional[int], typer.Option(None, "--cap-len", help="cap prompt + output at this many tokens (reports how many were capped)")),
+    "window": (Optional[str], typer.Option(None, "--window", help="trace time window START:END, seconds from its first request")),
+    "spread": (Optional[float], typer.Option(None, "--spread", help="spread replayed times uniformly over [t, t + S) seconds (Mooncake's 3 s grid)")),
+}
+
+
+def workload_flags(fn: Callable) -> Callable:
+    """Add the workload flags to a command; it receives them as `wopts: WorkloadOptions`."""
+    sig = inspect.signature(fn)
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=kind)
+             for name, (kind, opt) in WORKLOAD_FLAGS.items()]
+    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in sig.parameters.values() if p.name != "wopts"]
+
+    @functools.wraps(fn)
+    def command(**kwargs):
+        wopts = WorkloadOptions(**{name: kwargs.pop(name) for name in WORKLOAD_FLAGS})
+        return fn(wopts=wopts, **kwargs)
+    command.__signature__ = sig.replace(parameters=own + extra)
+    return command
+
+
+# Options shared by simulate and compare (names are a contract; see README).
+ModelOpt = typer.Option("llama-3-8b", "--model")
+GpuOpt = typer.Option("a100-80gb", "--gpu")
+KvCap = typer.Option(None, "--kv-capacity", help="KV capacity in tokens (default: from model, GPU and memory utilization)")
+BlockSize = typer.Option(16, "--block-size", help="KV block size in tokens (1 = token-granular)")
+MemUtil = typer.Option(0.9, "--memory-utilization")
+MaxLen = typer.Option(None, "--max-model-len", help="default: the model's maximum")
+CostOpt = typer.Option("roofline", "--cost", help="roofline, constant, linear or phase")
+CostSet = typer.Option([], "--cost-set", help="cost model parameter key=value (repeatable)")
+GoodputOpt = typer.Option([], "--goodput", help="SLOs for request_goodput: ttft:MS tpot:MS e2el:MS")
+Trim = typer.Option(0, "--trim", help="drop the first and last N requests from the figures (steady state)")
+Strict = typer.Option(False, "--strict", help="a request that can never be served is an error")
+JsonOpt = typer.Option(False, "--json", help="print the summary as one JSON object on stdout")
+Out = typer.Option(None, "--out", help="write summary.json, requests.csv, timeline.csv here")
+RecordBatches = typer.Option(False, "--record-batches", help="with --out: also batches.csv, one row per iteration")
+
+

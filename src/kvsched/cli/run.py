@@ -1,0 +1,168 @@
+"""`kvsched simulate`, `compare`, `policies` and `info`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvsched.cli.common import (BlockSize, CostOpt, CostSet, GoodputOpt, GpuOpt, JsonOpt, KvCap, MaxLen,
+                                MemUtil, ModelOpt, Out, Progress, RecordBatches, Strict, Trim, app, guard,
+                                scenario, workload_flags)
+from kvsched.errors import KvschedError
+from kvsched.hardware import GPUS, MODELS, get_gpu, get_model, kv_capacity_tokens
+from kvsched.params import describe, parse_assignments
+from kvsched.policies import POLICIES, SOURCES, engine_defaults
+from kvsched.report.table import comparison_table, summary_table
+from kvsched.run import Result, Scenario, simulate, write_atomically
+from kvsched.workload.source import WorkloadOptions, load
+
+
+@app.command("simulate")
+@workload_flags
+def simulate_cmd(
+    wopts: WorkloadOptions,
+    policy: str = typer.Option("vllm-v1", "--policy"),
+    set_: list[str] = typer.Option([], "--set", help="policy parameter key=value (repeatable)"),
+    model: str = ModelOpt, gpu: str = GpuOpt, kv_capacity: Optional[int] = KvCap, block_size: int = BlockSize,
+    memory_utilization: float = MemUtil, max_model_len: Optional[int] = MaxLen, cost: str = CostOpt,
+    cost_set: list[str] = CostSet, goodput: list[str] = GoodputOpt, trim: int = Trim, strict: bool = Strict,
+    json_: bool = JsonOpt, out: Optional[Path] = Out, record_batches: bool = RecordBatches,
+) -> None:
+    """Simulate one policy on a workload."""
+    def body() -> None:
+        sc = scenario(load(wopts), model, gpu, kv_capacity, block_size, memory_utilization,
+                       max_model_len, cost, cost_set, goodput, trim, strict)
+        _run_policies(sc, {policy: parse_assignments(set_, "--set")}, json_, out, record_batches,
+                      keyed=False)
+    guard(body)
+
+
+@app.command("compare")
+@workload_flags
+def compare_cmd(
+    wopts: WorkloadOptions,
+    policies: str = typer.Option(",".join(POLICIES), "--policies", help="comma-separated policy names"),
+    set_: list[str] = typer.Option([], "--set", help="POLICY.key=value, or key=value for every policy that has key"),
+    model: str = ModelOpt, gpu: str = GpuOpt, kv_capacity: Optional[int] = KvCap, block_size: int = BlockSize,
+    memory_utilization: float = MemUtil, max_model_len: Optional[int] = MaxLen, cost: str = CostOpt,
+    cost_set: list[str] = CostSet, goodput: list[str] = GoodputOpt, trim: int = Trim, strict: bool = Strict,
+    json_: bool = JsonOpt, out: Optional[Path] = Out, record_batches: bool = RecordBatches,
+) -> None:
+    """Run several policies on one workload and show them side by side."""
+    def body() -> None:
+        names = [p.strip() for p in policies.split(",") if p.strip()]
+        unknown = [p for p in names if p not in POLICIES]
+        if unknown or not names:
+            raise KvschedError(f"unknown policy {unknown[0] if unknown else policies!r}; known: {', '.join(POLICIES)}")
+        sc = scenario(load(wopts), model, gpu, kv_capacity, block_size, memory_utilization,
+                       max_model_len, cost, cost_set, goodput, trim, strict)
+        _run_policies(sc, _scoped_params(parse_assignments(set_, "--set"), names), json_, out,
+                      record_batches, keyed=True)
+    guard(body)
+
+
+def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], json_: bool, out: Optional[Path],
+                  record_batches: bool, keyed: bool) -> None:
+    """Simulate each policy on the scenario, write --out (one folder per policy when keyed)
+    only once all have run, and print the table or JSON."""
+    results = []
+    for name, params in runs.items():
+        bar = Progress(not json_, name)
+        try:
+            results.append(simulate(sc, name, params, record_timeline=out is not None,
+                                    record_batches=record_batches and out is not None, progress=bar))
+        finally:
+            bar.close()
+    if out is not None:
+        def fill(d: Path) -> None:
+            for r in results:
+                target = d / r.policy if keyed else d
+                target.mkdir(exist_ok=True)
+                r.write_files(target)
+            if keyed:
+                (d / "compare.json").write_text(json.dumps({r.policy: r.summary for r in results},
+                                                           indent=2, default=str) + "\n")
+        write_atomically(out, fill)
+    _emit(results, json_, keyed)
+
+
+def _scoped_params(params: dict[str, str], names: list[str]) -> dict[str, dict[str, str]]:
+    """'sarathi.chunk_size=256' goes to sarathi; 'max_num_seqs=64' to every policy having it."""
+    out: dict[str, dict[str, str]] = {n: {} for n in names}
+    for key, value in params.items():
+        scope, dot, field = key.rpartition(".")
+        if dot:
+            if scope not in out:
+                raise KvschedError(f"--set {key}: {scope!r} is not among the compared policies")
+            out[scope][field] = value
+            continue
+        takers = [n for n in names if key in {row[0] for row in describe(POLICIES[n])}]
+        if not takers:
+            raise KvschedError(f"--set {key}: no compared policy has parameter {key!r}")
+        for n in takers:
+            out[n][key] = value
+    return out
+
+
+def _emit(results: list[Result], as_json: bool, keyed: bool) -> None:
+    if as_json:
+        payload = {r.policy: r.summary for r in results} if keyed else results[0].summary
+        typer.echo(json.dumps(payload, default=str, allow_nan=True))
+        return
+    console = Console()
+    if not keyed:
+        console.print(summary_table(results[0].summary))
+    else:
+        console.print(comparison_table([r.summary for r in results]))
+
+
+@app.command("policies")
+def policies_cmd() -> None:
+    """List the scheduling policies with their parameters, defaults and sources."""
+    console = Console()
+    for name, cls in POLICIES.items():
+        table = Table(title=f"{name} — {SOURCES[name]}", title_justify="left", show_edge=False)
+        table.add_column("parameter")
+        table.add_column("default")
+        table.add_column("meaning")
+        for pname, default, help_ in describe(cls):
+            if default == "auto":
+                default = "{} / {} (>=70 GiB GPU / smaller)".format(
+                    engine_defaults(GPUS['h100-sxm'])[pname], engine_defaults(GPUS['a30'])[pname])
+            table.add_row(pname, default, help_)
+        console.print(table)
+        console.print((cls.__doc__ or "").strip().split("\n\n")[0].replace("\n    ", " ") + "\n",
+                      markup=False, highlight=False)
+
+
+@app.command("info")
+def info_cmd(model: Optional[str] = typer.Option(None, "--model"), gpu: Optional[str] = typer.Option(None, "--gpu"),
+             memory_utilization: float = MemUtil) -> None:
+    """The GPU and model catalogue; with --model and --gpu, the KV capacity they give."""
+    def body() -> None:
+        console = Console()
+        gpus = [get_gpu(gpu)] if gpu else list(GPUS.values())
+        models = [get_model(model)] if model else list(MODELS.values())
+        t = Table(title="GPUs", title_justify="left")
+        for c in ("gpu", "memory GiB", "bandwidth TB/s", "bf16 TFLOP/s"):
+            t.add_column(c)
+        for g in gpus:
+            t.add_row(g.name, f"{g.memory_gib:g}", f"{g.bandwidth / 1e12:.3g}", f"{g.flops / 1e12:g}")
+        console.print(t)
+        t = Table(title="Models", title_justify="left")
+        for c in ("model", "layers", "hidden", "heads", "kv heads", "head dim", "params (B)", "KV KiB/token", "max len"):
+            t.add_column(c)
+        for m in models:
+            t.add_row(m.name, str(m.layers), str(m.hidden), str(m.heads), str(m.kv_heads), str(m.head_dim),
+                      f"{m.params / 1e9:g}" + (f" ({m.active / 1e9:g} active)" if m.active_params else ""),
+                      f"{m.kv_bytes_per_token / 1024:g}", str(m.max_len))
+        console.print(t)
+        if model and gpu:
+            tokens = kv_capacity_tokens(models[0], gpus[0], memory_utilization)
+            console.print(f"KV capacity of {models[0].name} on {gpus[0].name} at {memory_utilization:.0%} "
+                          f"memory: {tokens:,} tokens ({models[0].weight_bytes / 2**30:.1f} GiB of weights)")
+    guard(body)

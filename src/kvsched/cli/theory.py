@@ -1,0 +1,262 @@
+"""`kvsched plan` and `kvsched theory NAME`: the papers' closed forms from the command line.
+JSON keys are the papers' quantities; their meaning is in each command's --help."""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvsched.cli.common import (BlockSize, CostOpt, CostSet, GpuOpt, JsonOpt, KvCap, MaxLen, MemUtil,
+                                ModelOpt, app, guard, workload_flags)
+from kvsched.errors import KvschedError
+from kvsched.params import parse_assignments
+from kvsched.report.table import plan_report
+from kvsched.theory import eb, fluid, stability, wait
+from kvsched.theory.plan import PlanInputs, plan
+from kvsched.workload.source import WorkloadOptions, load
+
+theory_app = typer.Typer(no_args_is_help=True, help="The papers' closed forms, one command each (--json for scripts).")
+app.add_typer(theory_app, name="theory")
+
+ChunkOpt = typer.Option(512, "--chunk-size", help="prefill chunk s_hat, tokens (stability-capacity.txt)")
+
+
+def _emit(values: dict, as_json: bool, title: str) -> None:
+    if as_json:
+        typer.echo(json.dumps(_plain(values), allow_nan=True))
+        return
+    t = Table(title=title, title_justify="left")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    for k, v in values.items():
+        t.add_row(k, _text(v))
+    Console().print(t)
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def _text(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(_text(x) for x in v)
+    return str(v)
+
+
+def _types(specs: list[str]) -> list[fluid.FluidType]:
+    """--type RATE:PROMPT:OUTPUT, OUTPUT being the paper's l'_j (decode stages)."""
+    if not specs:
+        raise KvschedError("give at least one --type RATE:PROMPT:OUTPUT")
+    out = []
+    for spec in specs:
+        parts = spec.split(":")
+        try:
+            rate, prompt, decode = (float(p) for p in parts)
+        except ValueError:
+            raise KvschedError(f"--type {spec!r}: expected RATE:PROMPT:OUTPUT numbers") from None
+        out.append(fluid.FluidType(rate, prompt, decode))
+    return out
+
+
+def _ints(text: Optional[str], flag: str) -> Optional[list[float]]:
+    if text is None:
+        return None
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise KvschedError(f"{flag} expects comma-separated numbers, got {text!r}") from None
+
+
+TypeOpt = typer.Option([], "--type", help="request type RATE:PROMPT:OUTPUT (repeatable): rate lambda_j req/s, prompt l_j, decode stages l'_j (a request with o output tokens has l' = o - 1)")
+D0 = typer.Option(..., "--d0", help="fixed seconds per batch (fluid-wait-nested-wait.txt eq. 1)")
+D1 = typer.Option(..., "--d1", help="seconds per token held (eq. 1)")
+
+
+@app.command("plan")
+@workload_flags
+def plan_cmd(wopts: WorkloadOptions, model: str = ModelOpt, gpu: str = GpuOpt, kv_capacity: Optional[int] = KvCap,
+             memory_utilization: float = MemUtil, block_size: int = BlockSize, max_model_len: Optional[int] = MaxLen,
+             cost: str = CostOpt, cost_set: list[str] = CostSet,
+             batch_time: Optional[float] = typer.Option(None, "--batch-time", help="b, seconds per batch (default: measured on a saturated simulated replica)"),
+             batch_time_estimator: str = typer.Option("median", "--batch-time-estimator", help="median, mean, trim5 or trim10 of the saturated batch times"),
+             chunk_size: int = ChunkOpt,
+             utilization: float = typer.Option(0.9, "--utilization", help="target utilisation rho for the GPU count"),
+             eps: float = typer.Option(0.01, "--eps", help="EB: allowed probability of exceeding KV memory (eq. 2)"),
+             validate: bool = typer.Option(False, "--validate", help="also simulate one replica at rate / GPUs and say if it is stable"),
+             json_: bool = JsonOpt) -> None:
+    """Capacity plan: service rate mu = M / (b E[g]), stable region, GPUs needed at rho, fluid
+    optimum, EB thresholds and the EB/MB crossover.
+
+    JSON keys: mu (req/s per GPU, stability-capacity.txt eq. 1), delta (ess sup(s+o)/M),
+    stable_rate (mu (1 - delta)), gpus_needed (ceil(lambda / (mu rho))), mean_lifetime_memory
+    (E[g(s,o)]), batch_time (b), fluid.{M_star, iteration_time, throughput_star, stable}
+    (fluid-wait-nested-wait.txt eqs. 6-8, at the per-GPU rate), eb.{theta0, delta_theta,
+    n_star, k_star, crossover.favours} (exclusive-batching-eb.txt eqs. 3, 5, 6, 7)."""
+    def body() -> None:
+        rate = wopts.rate
+        wopts.rate, wopts.untimed_ok = None, True     # --rate is the planned arrival rate
+        inp = PlanInputs(load(wopts), model=model, gpu=gpu, cost=cost,
+                         cost_params=parse_assignments(cost_set, "--cost-set"), kv_capacity=kv_capacity,
+                         memory_utilization=memory_utilization, block_size=block_size,
+                         max_model_len=max_model_len, batch_time=batch_time,
+                         batch_time_estimator=batch_time_estimator, chunk=chunk_size, rate=rate,
+                         utilization=utilization, eps=eps, seed=wopts.seed)
+        result = plan(inp, validate=validate)
+        if json_:
+            typer.echo(json.dumps(_plain(result), allow_nan=True))
+        else:
+            Console().print(plan_report(result))
+    guard(body)
+
+
+@theory_app.command("stability")
+@workload_flags
+def stability_cmd(wopts: WorkloadOptions,
+                  kv_capacity: float = typer.Option(..., "--kv-capacity", help="M, KV capacity in tokens"),
+                  batch_time: list[float] = typer.Option(..., "--batch-time", help="b seconds; one per phase for a multi-phase workload"),
+                  chunk_size: int = ChunkOpt, json_: bool = JsonOpt) -> None:
+    """mu = M / (b E[g(s,o)]) (eq. 1), delta = ess sup(s+o) / M, stable_rate = mu (1 - delta)
+    (Theorem 4.2), mean_lifetime_memory = E[g]; for several phases also mu_mix =
+    (sum_l q_l / mu_l)^-1 (section 5.2) with q_l the phases' shares of requests."""
+    def body() -> None:
+        wopts.untimed_ok = True
+        w = load(wopts)
+        if len(batch_time) not in (1, len(w.phases)):
+            raise KvschedError(f"give one --batch-time, or one per phase ({len(w.phases)})")
+        bs = batch_time * len(w.phases) if len(batch_time) == 1 else batch_time
+        phases = [stability.analyse(w.prompt[w.phase == k], w.output[w.phase == k], kv_capacity, bs[k], chunk_size)
+                  for k in range(len(w.phases)) if np.any(w.phase == k)]
+        if len(phases) == 1:
+            _emit(phases[0].as_dict(), json_, f"stability of {w.source}")
+            return
+        shares = [float(np.mean(w.phase == k)) for k in range(len(w.phases))]
+        mix = stability.mixture_rate(shares, [p.mu for p in phases])
+        delta = max(p.delta for p in phases)
+        _emit({"mu": mix, "delta": delta, "stable_rate": stability.stable_rate(mix, delta),
+               "mean_lifetime_memory": stability.mean_lifetime_memory(w.prompt, w.output, chunk_size),
+               "phase_mu": [p.mu for p in phases], "phase_share": shares}, json_, f"stability of {w.source}")
+    guard(body)
+
+
+@theory_app.command("fluid")
+def fluid_cmd(types: list[str] = TypeOpt, d0: float = D0, d1: float = D1, json_: bool = JsonOpt) -> None:
+    """The fluid equilibrium (fluid-wait-nested-wait.txt section 3): M_star (eq. 6),
+    iteration_time (eq. 7), throughput_star tokens/s (eq. 8), stable (Proposition 1),
+    n_star (requests of each type per batch), load (sum lambda (l'+1)(l + l'/2))."""
+    guard(lambda: _emit(fluid.summary(_types(types), d0, d1), json_, "fluid equilibrium"))
+
+
+@theory_app.command("wait-thresholds")
+def wait_cmd(types: list[str] = TypeOpt, d0: float = D0, d1: float = D1,
+             thresholds: Optional[str] = typer.Option(None, "--thresholds", help="n_1,...,n_m to check (default: solve)"),
+             batch_size: Optional[int] = typer.Option(None, "--batch-size", help="also the practical n_j = B rho_j / (l'_j + 1) (section 6.1)"),
+             strict: bool = typer.Option(False, "--strict", help="require Delta T < n_j / lambda_j (O(1) latency)"),
+             json_: bool = JsonOpt) -> None:
+    """WAIT thresholds (fluid-wait-nested-wait.txt eq. 9): thresholds n_j, satisfied,
+    iteration_time (Delta T = d0 + d1 M^pi), memory (M^pi), slack (n_j / lambda_j - Delta T)."""
+    def body() -> None:
+        ts = _types(types)
+        n = _ints(thresholds, "--thresholds") or wait.solve_wait(ts, d0, d1, strict)
+        out = {"thresholds": n, **wait.check_wait(ts, n, d0, d1, strict)}
+        if batch_size is not None:
+            out["practical_thresholds"] = wait.practical_wait(ts, batch_size)
+        _emit(out, json_, "WAIT thresholds")
+    guard(body)
+
+
+@theory_app.command("nested-wait-thresholds")
+def nested_cmd(types: list[str] = TypeOpt, d0: float = D0, d1: float = D1,
+               segments: Optional[int] = typer.Option(None, "--segments", help="merge the m types into L segments (section 7.2)"),
+               thresholds: Optional[str] = typer.Option(None, "--thresholds", help="n_1,...,n_L to check (default: solve)"),
+               batches: float = typer.Option(10_000, "--batches", help="S, batches in the horizon (eq. 12)"),
+               delta: float = typer.Option(0.01, "--delta", help="overflow probability (eq. 12)"),
+               json_: bool = JsonOpt) -> None:
+    """Nested WAIT (eqs. 10, 14, 12/15, 16): thresholds, satisfied, iteration_time,
+    memory (M^pi), p (p_i), theta (theta_j of eq. 16) and memory_bound (eq. 12)."""
+    def body() -> None:
+        ts = sorted(_types(types), key=lambda t: t.decode)
+        if len({t.prompt for t in ts}) != 1:
+            raise KvschedError("Nested WAIT assumes one prefill length for all types (section 5.1)")
+        decodes, rates = [t.decode for t in ts], [t.rate for t in ts]
+        if segments is not None:
+            decodes, rates = wait.merge_types(decodes, rates, segments)
+        prompt = ts[0].prompt
+        n = _ints(thresholds, "--thresholds") or wait.solve_nested(prompt, decodes, rates, d0, d1)
+        out = {"thresholds": n, "segment_ends": decodes, **wait.check_nested(prompt, decodes, rates, n, d0, d1)}
+        if len(decodes) > 1 and out["satisfied"] and all(b < a for a, b in zip(n, n[1:])):
+            out.update(wait.memory_bound(prompt, decodes, rates, n, batches, delta))
+        _emit(out, json_, "Nested WAIT thresholds")
+    guard(body)
+
+
+@theory_app.command("eb-threshold")
+def eb_threshold_cmd(p0: float = typer.Option(..., "--p0", help="completion hazard p0 (1 / mean output under CFR)"),
+                     alpha_p: float = typer.Option(..., "--alpha-p", help="prefill batch overhead, s"),
+                     alpha_d: float = typer.Option(..., "--alpha-d", help="decode iteration overhead, s"),
+                     eta: float = typer.Option(0.0, "--eta", help="IFR slope: h(t) = p0 + eta t"),
+                     beta_d: float = typer.Option(0.0, "--beta-d", help="decode seconds per request"),
+                     batch_size: float = typer.Option(1.0, "--batch-size", help="N, for the IFR correction"),
+                     json_: bool = JsonOpt) -> None:
+    """theta0 (eq. 3: theta0/(1-theta0) + ln(1-theta0) = p0 alpha_p / alpha_d), delta_theta
+    (IFR correction, eq. 5), theta_star = theta0 + delta_theta, zeta = -ln(1 - theta0)."""
+    def body() -> None:
+        th = eb.theta0(p0, alpha_p, alpha_d)
+        dth = eb.delta_theta(th, p0, eta, alpha_d, beta_d, batch_size)
+        _emit({"theta0": th, "delta_theta": dth, "theta_star": th + dth, "zeta": eb.zeta(th)}, json_,
+              "EB switching threshold")
+    guard(body)
+
+
+@theory_app.command("eb-batch-size")
+def eb_batch_cmd(kv_capacity: float = typer.Option(..., "--kv-capacity", help="C, KV capacity in tokens"),
+                 p0: float = typer.Option(..., "--p0"), mu_l: float = typer.Option(..., "--mu-l", help="mean prompt tokens"),
+                 theta: float = typer.Option(..., "--theta", help="normalised threshold k / N"),
+                 eps: float = typer.Option(0.01, "--eps", help="allowed overflow probability"),
+                 json_: bool = JsonOpt) -> None:
+    """n_star (eq. 6), n_expected and n_static (appendix D.5), v_bar = 1/(p0^2 mu_L)."""
+    guard(lambda: _emit(eb.batch_sizes(kv_capacity, p0, mu_l, theta, eps), json_, "EB memory-safe batch size"))
+
+
+@theory_app.command("eb-crossover")
+def eb_crossover_cmd(batch_size: float = typer.Option(..., "--batch-size", help="N"),
+                     p0: float = typer.Option(..., "--p0"), alpha_p: float = typer.Option(..., "--alpha-p"),
+                     alpha_d: float = typer.Option(..., "--alpha-d"), beta_p: float = typer.Option(..., "--beta-p"),
+                     beta_d: float = typer.Option(..., "--beta-d"), alpha_mb: float = typer.Option(..., "--alpha-mb"),
+                     beta_mb: float = typer.Option(..., "--beta-mb", help="beta_MB^e at the workload's decode share"),
+                     mu_l: float = typer.Option(..., "--mu-l"), mu_o: float = typer.Option(..., "--mu-o"),
+                     json_: bool = JsonOpt) -> None:
+    """Eq. (7): lhs = beta_MB^e - beta_EB^w, rhs, favours (MB if lhs < rhs), k0_star,
+    throughput_eb (eq. 4) and throughput_mb (section 3.5), requests/s."""
+    def body() -> None:
+        th = eb.theta0(p0, alpha_p, alpha_d)
+        _emit({"theta0": th, **eb.crossover(batch_size, th, alpha_p, alpha_d, beta_p, beta_d, alpha_mb,
+                                            beta_mb, mu_l, mu_o)}, json_, "EB / MB crossover")
+    guard(body)
+
+
+@theory_app.command("hazard-fit")
+@workload_flags
+def hazard_cmd(wopts: WorkloadOptions, json_: bool = JsonOpt) -> None:
+    """Fit h(t) = p0 + eta t to the workload's output lengths over [1, t95] (section 3.4):
+    p0, eta, t95, points."""
+    def body() -> None:
+        wopts.untimed_ok = True
+        w = load(wopts)
+        _emit({**eb.hazard_fit(w.output), "mean_output": float(w.output.mean()),
+               "cfr_p0": 1 / float(w.output.mean())}, json_, f"hazard fit of {w.source}")
+    guard(body)
+
+
+

@@ -1,0 +1,69 @@
+"""`kvsched workloads`, `kvsched workload stats` and `kvsched workload export`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvsched.cli.common import JsonOpt, app, guard, say, workload_flags
+from kvsched.errors import KvschedError
+from kvsched.report.table import workload_table
+from kvsched.workload.presets import PRESETS
+from kvsched.workload.source import WorkloadOptions, load
+from kvsched.workload.stats import describe as workload_stats
+from kvsched.workload.traces import export_csv
+
+workload_app = typer.Typer(no_args_is_help=True, help="Describe and export workloads.")
+app.add_typer(workload_app, name="workload")
+
+
+@app.command("workloads")
+def workloads_cmd() -> None:
+    """List the workload presets with their sources."""
+    t = Table(title="Workload presets (use with --workload NAME)", title_justify="left")
+    for c in ("name", "source", "what"):
+        t.add_column(c)
+    for p in PRESETS.values():
+        t.add_row(p.name, p.source, p.description)
+    Console().print(t)
+
+
+def _with_source(source: Optional[str], wopts: WorkloadOptions) -> WorkloadOptions:
+    if source is not None:
+        if wopts.workload is not None or wopts.trace is not None:
+            raise KvschedError("give the workload once: as SOURCE or with --workload/--trace")
+        wopts.workload = source
+    return wopts
+
+
+@workload_app.command("stats")
+@workload_flags
+def workload_stats_cmd(wopts: WorkloadOptions,
+                       source: Optional[str] = typer.Argument(None, help="trace file, preset or .toml workload file"),
+                       json_: bool = JsonOpt) -> None:
+    """Count, span, mean rate, CV of gaps, token percentiles, prefix reuse, phases and tiers."""
+    def body() -> None:
+        wopts.keep_hashes = wopts.untimed_ok = True
+        stats = workload_stats(load(_with_source(source, wopts)))
+        if json_:
+            typer.echo(json.dumps(stats))
+        else:
+            Console().print(workload_table(stats))
+    guard(body)
+
+
+@workload_app.command("export")
+@workload_flags
+def workload_export_cmd(wopts: WorkloadOptions,
+                        source: Optional[str] = typer.Argument(None, help="trace file, preset or .toml workload file"),
+                        out: Path = typer.Option(..., "--out", help="CSV file to write")) -> None:
+    """Write a workload as the generic CSV arrival_time,prompt_tokens,output_tokens[,tier]."""
+    def body() -> None:
+        w = load(_with_source(source, wopts))
+        export_csv(w, out)
+        say("info", f"wrote {len(w)} requests to {out}")
+    guard(body)

@@ -1,0 +1,134 @@
+"""Exclusive batching EB(k) closed forms (exclusive-batching-eb.txt section 3, appendix D).
+
+N slots; a decode phase runs until k = theta N requests finish, then one prefill batch
+refills them. Prefill time alpha_p + beta_p x tokens, decode iteration alpha_d + beta_d x n,
+a mixed batch alpha_MB + beta_MB^e x tokens. Output lengths have hazard rate h(t), p0 =
+h under CFR (geometric outputs, mu_O = 1 / p0), h(t) = p0 + eta t under IFR.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy.optimize import brentq
+
+from kvsched.errors import KvschedError
+
+
+def _pos(**values: float) -> None:
+    for name, v in values.items():
+        if not (v > 0 and math.isfinite(v)):
+            raise KvschedError(f"{name} must be a positive number, got {v}")
+
+
+def theta0(p0: float, alpha_p: float, alpha_d: float) -> float:
+    """The CFR base threshold: the unique theta0 in (0, 1) with
+    theta0 / (1 - theta0) + ln(1 - theta0) = p0 alpha_p / alpha_d (eq. 3, Proposition 3.1).
+    The left side is 0 at 0, strictly increasing (derivative theta / (1 - theta)^2) and
+    unbounded, so the root exists and is unique, and it grows with p0 alpha_p / alpha_d."""
+    _pos(p0=p0, alpha_p=alpha_p, alpha_d=alpha_d)
+    rhs = p0 * alpha_p / alpha_d
+
+    def f(x: float) -> float:
+        return x / (1 - x) + math.log1p(-x) - rhs
+    hi = 1 - 1e-16
+    if f(hi) < 0:                        # only for astronomically large ratios
+        raise KvschedError(f"p0 alpha_p / alpha_d = {rhs:.4g} is too large: theta0 rounds to 1")
+    return float(brentq(f, 0.0, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps))
+
+
+def zeta(theta: float) -> float:
+    """zeta = -ln(1 - theta0) (section 3.2.1)."""
+    return -math.log1p(-theta)
+
+
+def delta_theta(theta_0: float, p0: float, eta: float, alpha_d: float, beta_d: float, batch_size: float) -> float:
+    """The IFR correction (eq. 5, Theorem 3.2) for h(t) = p0 + eta t:
+    Delta theta = eta (1 - theta0)^2 / (p0^2 theta0) [zeta (theta0 / (1 - theta0) - zeta / 2)
+    + (beta_d N / alpha_d) (zeta - theta0)], positive for eta > 0."""
+    _pos(p0=p0, alpha_d=alpha_d, batch_size=batch_size)
+    if eta < 0 or beta_d < 0 or not 0 < theta_0 < 1:
+        raise KvschedError("need eta >= 0, beta_d >= 0 and 0 < theta0 < 1")
+    z = zeta(theta_0)
+    duration = z * (theta_0 / (1 - theta_0) - z / 2)
+    per_token = beta_d * batch_size / alpha_d * (z - theta_0)
+    return eta * (1 - theta_0) ** 2 / (p0 ** 2 * theta_0) * (duration + per_token)
+
+
+def _memory_per_slot(theta: float, p0: float, mu_l: float) -> float:
+    """mu_L + (1 - theta) / (theta p0) ln(1 / (1 - theta)): expected KV per slot at the start
+    of a decode phase (appendix D.2, E[X_0] / N)."""
+    return mu_l + (1 - theta) / (theta * p0) * zeta(theta)
+
+
+def batch_sizes(kv_capacity: float, p0: float, mu_l: float, theta: float, eps: float) -> dict[str, int | float]:
+    """Memory-safe batch sizes (appendix D.5): with v = 1 / (p0^2 mu_L) (appendix D.4),
+        N*          = floor((C - v ln(1/eps)) / (mu_L + (1 - theta)/(theta p0) ln(1/(1 - theta))))  (eq. 6)
+        N_expected  = floor((C - v) / (same))
+        N_static    = floor(C / (same)).
+    N* <= N_expected <= N_static holds when ln(1/eps) >= 1, i.e. eps <= 1/e."""
+    _pos(kv_capacity=kv_capacity, p0=p0, mu_l=mu_l)
+    if not 0 < theta < 1 or not 0 < eps < 1:
+        raise KvschedError(f"need 0 < theta < 1 and 0 < eps < 1, got theta={theta}, eps={eps}")
+    per_slot = _memory_per_slot(theta, p0, mu_l)
+    v = 1.0 / (p0 ** 2 * mu_l)
+    return {"n_star": max(0, math.floor((kv_capacity - v * math.log(1 / eps)) / per_slot)),
+            "n_expected": max(0, math.floor((kv_capacity - v) / per_slot)),
+            "n_static": max(0, math.floor(kv_capacity / per_slot)), "v_bar": v,
+            "memory_per_slot": per_slot}
+
+
+def throughput_eb(k: float, alpha_p: float, alpha_d: float, beta_p: float, beta_d: float,
+                  mu_l: float, mu_o: float, theta: float) -> float:
+    """TP_EB = [(alpha_p + alpha_d zeta mu_O) / k + beta_EB^w (mu_L + mu_O)]^-1 requests per
+    second, beta_EB^w (mu_L + mu_O) = beta_p mu_L + beta_d mu_O (eq. 4, with theta = k / N)."""
+    _pos(k=k, mu_l=mu_l, mu_o=mu_o)
+    return 1.0 / ((alpha_p + alpha_d * zeta(theta) * mu_o) / k + beta_p * mu_l + beta_d * mu_o)
+
+
+def throughput_mb(batch_size: float, alpha_mb: float, beta_mb: float, mu_l: float, mu_o: float) -> float:
+    """TP_MB(N) = [alpha_MB (1 + mu_O) / N + beta_MB^e (mu_L + mu_O)]^-1 (section 3.5)."""
+    _pos(batch_size=batch_size, mu_l=mu_l, mu_o=mu_o)
+    return 1.0 / (alpha_mb * (1 + mu_o) / batch_size + beta_mb * (mu_l + mu_o))
+
+
+def crossover(batch_size: float, theta_0: float, alpha_p: float, alpha_d: float, beta_p: float,
+              beta_d: float, alpha_mb: float, beta_mb: float, mu_l: float, mu_o: float) -> dict[str, object]:
+    """The EB-MB crossover (eq. 7, Proposition 3.4): MB beats EB(k0*) iff
+    beta_MB^e - beta_EB^w < [(alpha_p + alpha_d zeta mu_O) / k0* - alpha_MB (1 + mu_O) / N] / (mu_L + mu_O),
+    with k0* = floor(theta0 N) and beta_EB^w = (beta_p mu_L + beta_d mu_O) / (mu_L + mu_O)."""
+    _pos(batch_size=batch_size, mu_l=mu_l, mu_o=mu_o)
+    k0 = math.floor(theta_0 * batch_size)
+    if k0 < 1:
+        raise KvschedError(f"k0* = floor(theta0 N) = 0 for theta0={theta_0:.4g}, N={batch_size}: batch too small")
+    beta_eb = (beta_p * mu_l + beta_d * mu_o) / (mu_l + mu_o)
+    lhs = beta_mb - beta_eb
+    rhs = ((alpha_p + alpha_d * zeta(theta_0) * mu_o) / k0 - alpha_mb * (1 + mu_o) / batch_size) / (mu_l + mu_o)
+    return {"lhs": lhs, "rhs": rhs, "favours": "MB" if lhs < rhs else "EB", "k0_star": k0,
+            "beta_eb_w": beta_eb,
+            "throughput_eb": throughput_eb(k0, alpha_p, alpha_d, beta_p, beta_d, mu_l, mu_o, theta_0),
+            "throughput_mb": throughput_mb(batch_size, alpha_mb, beta_mb, mu_l, mu_o)}
+
+
+def hazard_fit(outputs: np.ndarray, quantile: float = 0.95) -> dict[str, float]:
+    """Fit h(t) = p0 + eta t to the empirical hazard h(t) = #{O = t} / #{O >= t} over
+    t in [1, t95] by weighted least squares (section 3.4).
+
+    The paper does not give the weights; this uses the number at risk #{O >= t}, the inverse
+    of the hazard estimate's variance up to the factor h (1 - h)."""
+    o = np.asarray(outputs, dtype=np.int64)
+    if len(o) < 2 or o.min() < 1:
+        raise KvschedError("the hazard fit needs at least two output lengths, all >= 1")
+    t95 = int(math.ceil(np.quantile(o, quantile)))
+    counts = np.bincount(o, minlength=t95 + 2)
+    at_risk = len(o) - np.concatenate(([0], np.cumsum(counts)))[:len(counts)]
+    t = np.arange(1, t95 + 1)
+    keep = at_risk[t] > 0
+    t, n_t = t[keep], at_risk[t][keep]
+    if len(t) < 2:
+        raise KvschedError("the hazard fit needs outputs spread over at least two lengths")
+    h = counts[t] / n_t
+    w = n_t.astype(float)
+    x = np.column_stack([np.ones(len(t)), t.astype(float)])
+    coef, *_ = np.linalg.lstsq(x * np.sqrt(w)[:, None], h * np.sqrt(w), rcond=None)
+    return {"p0": float(coef[0]), "eta": float(coef[1]), "t95": float(t95), "points": float(len(t))}

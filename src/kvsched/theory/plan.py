@@ -1,0 +1,195 @@
+"""Capacity planning (`kvsched plan`): the papers' closed forms applied to one workload on one
+model and GPU, with the batch time b measured by simulation when not given, and an optional
+simulation of the planned deployment."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvsched.cost.fit import coefficients
+from kvsched.errors import KvschedError
+from kvsched.run import Scenario, simulate
+from kvsched.theory import eb, fluid, stability
+from kvsched.workload.arrivals import Poisson, Replay
+from kvsched.workload.request import Workload
+from kvsched.workload.stats import arrival_summary
+
+SATURATION_REQUESTS = 2000
+
+
+@dataclass
+class PlanInputs:
+    workload: Workload
+    model: str = "llama-3-8b"
+    gpu: str = "a100-80gb"
+    cost: str = "roofline"
+    cost_params: dict[str, Any] = field(default_factory=dict)
+    kv_capacity: int | None = None
+    memory_utilization: float = 0.9
+    block_size: int = 16
+    max_model_len: int | None = None
+    batch_time: float | None = None
+    batch_time_estimator: str = "median"
+    chunk: int = 512
+    rate: float | None = None
+    utilization: float = 0.9
+    eps: float = 0.01
+    seed: int = 0
+
+    def scenario(self, workload: Workload) -> Scenario:
+        return Scenario(workload, model=self.model, gpu=self.gpu, cost=self.cost, cost_params=self.cost_params,
+                        kv_capacity=self.kv_capacity, memory_utilization=self.memory_utilization,
+                        block_size=self.block_size, max_model_len=self.max_model_len)
+
+
+def plan(inp: PlanInputs, validate: bool = False) -> dict[str, Any]:
+    w = inp.workload
+    model, gpu, kv_tokens, cost = inp.scenario(w).resolve()
+    if inp.chunk < 1:
+        raise KvschedError(f"--chunk-size must be >= 1 token, got {inp.chunk}")
+    s, o = _servable(w, kv_tokens, inp.max_model_len or model.max_len)
+    rate = _arrival_rate(w, inp.rate)
+    b, b_source = _batch_time(inp, s, o)
+    st = stability.analyse(s, o, kv_tokens, b, inp.chunk)
+    gpus = stability.gpus_needed(rate, st.mu, inp.utilization)
+    mu_l, mu_o = float(s.mean()), float(o.mean())
+    coef = coefficients(cost, mu_l, mu_o)
+    out: dict[str, Any] = {
+        "workload": w.source, "requests": int(len(s)), "model": model.name, "gpu": gpu.name,
+        "kv_capacity": kv_tokens, "chunk_size": inp.chunk, "rate": rate, "utilization": inp.utilization,
+        "batch_time": b, "batch_time_source": b_source,
+        **{k: v for k, v in st.as_dict().items() if k not in ("kv_capacity", "batch_time", "chunk_size")},
+        "gpus_needed": gpus, "per_gpu_rate": rate / gpus, "per_gpu_load": rate / gpus / st.mu,
+        "cost_coefficients": coef.as_dict(),
+        "fluid": _fluid(s, o, rate / gpus, coef.d0, coef.d1, kv_tokens),
+        "eb": _eb(o, mu_l, mu_o, coef, kv_tokens, inp.eps),
+    }
+    if validate:
+        out["validation"] = validation(inp, rate / gpus)
+    return out
+
+
+def _servable(w: Workload, kv_tokens: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lengths of the requests a replica can serve; the others are named in a warning."""
+    ok = (w.prompt + w.output <= max_len) & (w.prompt + w.output - 1 <= kv_tokens)
+    if not ok.all():
+        warnings.warn(f"{int((~ok).sum())} of {len(w)} requests exceed the model length {max_len} or the KV "
+                      "capacity and are left out of the plan (a replica rejects them; --cap-len caps them)",
+                      stacklevel=3)
+    if not ok.any():
+        raise KvschedError("no request of the workload fits the model and KV capacity")
+    return w.prompt[ok], w.output[ok]
+
+
+def _arrival_rate(w: Workload, rate: float | None) -> float:
+    if rate is not None:
+        if not rate > 0:
+            raise KvschedError(f"--rate must be > 0 requests per second, got {rate}")
+        return rate
+    if w.closed_loop or not w.timed:
+        raise KvschedError("the workload has no arrival rate (closed loop or lengths only): give --rate")
+    measured = arrival_summary(w.arrival)["mean_rate"]
+    if not measured:
+        raise KvschedError("the workload's requests all arrive at once: give --rate")
+    return float(measured)
+
+
+def _batch_time(inp: PlanInputs, s: np.ndarray, o: np.ndarray) -> tuple[float, str]:
+    """b as given, or the paper's estimate (stability-capacity.txt section 5.1): batch times of
+    a saturated replica (vllm-v1, chunk s_hat) on requests drawn from the workload, while
+    requests still wait."""
+    if inp.batch_time is not None:
+        if not inp.batch_time > 0:
+            raise KvschedError(f"--batch-time must be > 0 seconds, got {inp.batch_time}")
+        return inp.batch_time, "given"
+    rng = np.random.default_rng(inp.seed)
+    idx = rng.integers(0, len(s), size=min(SATURATION_REQUESTS, max(len(s), 200)))
+    w = Workload.build(np.zeros(len(idx)), s[idx], o[idx], source="saturation")
+    r = simulate(inp.scenario(w), "vllm-v1", {"long_prefill_token_threshold": inp.chunk},
+                 record_timeline=True, record_batches=True)
+    waiting = np.array([row[1] for row in r.timeline]) > 0
+    times = np.array([row[1] for row in r.batches])[waiting]
+    if len(times) < 10:
+        times = np.array([row[1] for row in r.batches])
+    b = stability.estimate_batch_time(times, inp.batch_time_estimator)
+    return b, (f"{inp.batch_time_estimator} of {len(times)} saturated vllm-v1 batches "
+               f"(chunk {inp.chunk}, {len(idx)} requests, {inp.cost} cost)")
+
+
+def _fluid(s: np.ndarray, o: np.ndarray, rate: float, d0: float, d1: float, kv_tokens: int) -> dict[str, Any]:
+    """The fluid benchmark at one GPU's rate, with the workload's (s, o) pairs as types (a
+    request with o output tokens has l' = o - 1 decode stages)."""
+    pairs, counts = np.unique(np.column_stack([s, o]), axis=0, return_counts=True)
+    types = [fluid.FluidType(rate * c / len(s), float(p), float(q - 1)) for (p, q), c in zip(pairs, counts)]
+    if d0 <= 0:
+        return {"note": "the cost model has no fixed batch overhead d0; the fluid model needs d0 > 0"}
+    out = fluid.summary(types, d0, d1)
+    out.pop("n_star")
+    out["d0"], out["d1"] = d0, d1
+    out["fits_memory"] = bool(out["stable"] and out["M_star"] <= kv_tokens)
+    return out
+
+
+def _eb(o: np.ndarray, mu_l: float, mu_o: float, coef, kv_tokens: int, eps: float) -> dict[str, Any]:
+    """EB thresholds (exclusive-batching-eb.txt sections 3.2-3.5) from the workload's outputs."""
+    fit = eb.hazard_fit(o)
+    p0, eta, note = fit["p0"], fit["eta"], ""
+    if not p0 > 0:
+        p0, eta, note = 1.0 / mu_o, 0.0, "hazard fit gave p0 <= 0; CFR p0 = 1 / mu_O used"
+    if coef.alpha_d <= 0 or coef.alpha_p <= 0:
+        return {"p0": p0, "eta": eta, "note": "the cost model has no prefill/decode overhead: EB thresholds undefined"}
+    th0 = eb.theta0(p0, coef.alpha_p, coef.alpha_d)
+    n0 = eb.batch_sizes(kv_tokens, p0, mu_l, th0, eps)["n_star"]
+    dth = eb.delta_theta(th0, p0, max(eta, 0.0), coef.alpha_d, coef.beta_d, max(n0, 1)) if eta > 0 else 0.0
+    th = min(th0 + dth, 0.99)
+    sizes = eb.batch_sizes(kv_tokens, p0, mu_l, th, eps)
+    out = {"p0": p0, "eta": eta, "theta0": th0, "delta_theta": dth, "theta_star": th, **sizes,
+           "k_star": math.floor(th * sizes["n_star"]), "eps": eps}
+    if note:
+        out["note"] = note
+    if sizes["n_star"] >= 1 and math.floor(th0 * sizes["n_star"]) >= 1:
+        out["crossover"] = eb.crossover(sizes["n_star"], th0, coef.alpha_p, coef.alpha_d, coef.beta_p,
+                                        coef.beta_d, coef.alpha_mb, coef.beta_mb, mu_l, mu_o)
+    return out
+
+
+def validation(inp: PlanInputs, per_gpu_rate: float) -> dict[str, Any]:
+    """Simulate one replica at its share of the traffic (round-robin across identical
+    replicas gives each the same law): the trace's own times rescaled, or Poisson."""
+    w = inp.workload
+    times = Replay(rate=per_gpu_rate).apply(w.arrival, np.random.default_rng(inp.seed)) \
+        if w.timed and not w.closed_loop and len(w) > 1 and w.arrival[-1] > w.arrival[0] else \
+        Poisson(per_gpu_rate).times(np.random.default_rng(inp.seed), len(w))
+    replica = dataclasses.replace(w, arrival=np.asarray(times) - np.min(times),
+                                  concurrency=np.zeros(len(w), np.int32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # rejections were reported by the plan already
+        r = simulate(inp.scenario(replica), "vllm-v1", {"long_prefill_token_threshold": inp.chunk},
+                     record_timeline=True)
+    return {"arrival_rate": per_gpu_rate, **queue_verdict(r, replica)}
+
+
+def queue_verdict(r, w: Workload) -> dict[str, Any]:
+    """Stable when requests complete at the arrival rate and the queue does not trend up:
+    throughput over the arrival window within 5% of the arrival rate, and the waiting queue
+    in the last quarter of the arrival window no longer than in the second quarter plus
+    1% of the requests."""
+    tl = np.array(r.timeline)
+    end = float(w.arrival[-1])
+    done = r.records.finished[np.isfinite(r.records.finished)]
+    served = np.count_nonzero(done <= end) / end if end > 0 else math.nan
+    offered = (len(w) - 1) / end if end > 0 else math.nan
+
+    def mean_queue(a: float, b_: float) -> float:
+        m = (tl[:, 0] >= a * end) & (tl[:, 0] < b_ * end)
+        return float(tl[m, 1].mean()) if m.any() else 0.0
+    q2, q4 = mean_queue(0.25, 0.5), mean_queue(0.75, 1.0)
+    stable = served >= 0.95 * offered and q4 <= q2 + 0.01 * len(w)
+    return {"offered_rate": offered, "served_rate": served, "mean_queue_q2": q2, "mean_queue_q4": q4,
+            "peak_queue": int(r.summary["peak_queue_length"]), "completed": r.summary["completed"],
+            "rejected": r.summary["rejected"], "stable": bool(stable)}

@@ -1,0 +1,203 @@
+"""Thresholds of WAIT (known output lengths) and Nested WAIT (unknown output lengths),
+fluid-wait-nested-wait.txt sections 4, 5, 6 and 7.2.
+
+A batch takes d0 + d1 x (tokens held), eq. (1). WAIT keeps n_j type-j prompts at every
+stage k = 0..l'_j. Nested WAIT groups decode stages into segments ending at l'_1 < ... < l'_m
+(segment 1: stages 0..l'_1; segment i: l'_{i-1} + 1 .. l'_i) and keeps n_i prompts per stage
+of segment i; segment i is fed at rate Lambda_i = sum_{j >= i} lambda_j.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+from scipy.optimize import brentq
+
+from kvsched.errors import KvschedError
+from kvsched.theory.fluid import FluidType
+
+
+def _costs(d0: float, d1: float) -> None:
+    if not (d0 > 0 and d1 >= 0):
+        raise KvschedError(f"need d0 > 0 and d1 >= 0, got d0={d0}, d1={d1}")
+
+
+def _counts(n: Sequence[float], m: int) -> np.ndarray:
+    a = np.asarray(n, dtype=np.float64)
+    if len(a) != m or np.any(a <= 0):
+        raise KvschedError(f"need {m} positive thresholds, got {list(n)}")
+    return a
+
+
+# ----- WAIT (section 4) -----------------------------------------------------------------
+
+def wait_memory(types: Sequence[FluidType], n: Sequence[float]) -> float:
+    """M^pi = sum_j n_j (l'_j + 1)(l_j + l'_j / 2): memory of a batch holding n_j prompts of
+    type j at every stage (eq. 9)."""
+    a = _counts(n, len(types))
+    return float(sum(nj * (t.decode + 1) * (t.prompt + t.decode / 2) for nj, t in zip(a, types)))
+
+
+def check_wait(types: Sequence[FluidType], n: Sequence[float], d0: float, d1: float,
+               strict: bool = False) -> dict[str, object]:
+    """Condition (9): Delta T = d0 + d1 M^pi <= n_j / lambda_j for every type j (strict
+    '<' gives Theorem 1's O(1) latency)."""
+    _costs(d0, d1)
+    dt = d0 + d1 * wait_memory(types, n)
+    slack = [nj / t.rate - dt for nj, t in zip(n, types)]
+    ok = all(s > 0 for s in slack) if strict else all(s >= -1e-12 for s in slack)
+    return {"satisfied": ok, "iteration_time": dt, "memory": wait_memory(types, n), "slack": slack}
+
+
+def solve_wait(types: Sequence[FluidType], d0: float, d1: float, strict: bool = False) -> list[int]:
+    """Smallest integer thresholds on the ray n_j proportional to lambda_j that satisfy (9).
+
+    With n_j = c lambda_j, (9) reads d0 + d1 c A <= c, A = sum_j lambda_j (l'_j + 1)(l_j +
+    l'_j / 2), so c >= d0 / (1 - d1 A): the fluid time per iteration, eq. (7), and then
+    M^pi = M* (eq. 6). Rounding up to integers can break (9) again, so c is raised to the
+    rounded batch's time until it holds."""
+    _costs(d0, d1)
+    a = sum(t.work for t in types)
+    if d1 * a >= 1:
+        raise KvschedError(f"no thresholds satisfy (9): d1 x load = {d1 * a:.4g} >= 1 (unstable)")
+    c = d0 / (1 - d1 * a)
+    for _ in range(10_000):
+        n = [max(1, math.ceil(t.rate * c * (1 + 1e-12) + (1e-9 if strict else 0))) for t in types]
+        if check_wait(types, n, d0, d1, strict)["satisfied"]:
+            return n
+        c = max(c * (1 + 1e-9), d0 + d1 * wait_memory(types, n))
+    raise KvschedError("could not find integer WAIT thresholds (the load is too close to 1)")
+
+
+def practical_wait(types: Sequence[FluidType], batch_size: int) -> list[float]:
+    """n_j = B rho_j / (l'_j + 1), rho_j = lambda_j / sum lambda (section 6.1)."""
+    if batch_size < 1:
+        raise KvschedError(f"batch size B must be >= 1, got {batch_size}")
+    total = sum(t.rate for t in types)
+    return [batch_size * (t.rate / total) / (t.decode + 1) for t in types]
+
+
+# ----- Nested WAIT (sections 5 and 7.2) ---------------------------------------------------
+
+def _segments(decodes: Sequence[float], rates: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    ends, lam = np.asarray(decodes, float), np.asarray(rates, float)
+    if len(ends) == 0 or len(ends) != len(lam) or np.any(np.diff(ends) <= 0) or ends[0] < 0 or np.any(lam <= 0):
+        raise KvschedError("segments need increasing decode lengths l'_1 < ... < l'_m and a rate > 0 each")
+    return ends, lam
+
+
+def segment_rates(rates: Sequence[float]) -> np.ndarray:
+    """Lambda_i = sum_{j >= i} lambda_j: the rate at which prompts reach segment i."""
+    return np.cumsum(np.asarray(rates, float)[::-1])[::-1]
+
+
+def continuation(rates: Sequence[float]) -> np.ndarray:
+    """p_i = Lambda_{i+1} / Lambda_i, i = 1..m-1 (eq. 10; eq. 14 with merged rates)."""
+    lam = segment_rates(rates)
+    return lam[1:] / lam[:-1]
+
+
+def merge_types(decodes: Sequence[float], rates: Sequence[float], segments: int) -> tuple[list[float], list[float]]:
+    """Section 7.2: m types into L segments of Delta L = m / L consecutive types each; a
+    segment ends at its longest type and is fed at its types' summed rate lambda'_i."""
+    ends, lam = _segments(decodes, rates)
+    m = len(ends)
+    if not 1 <= segments <= m or m % segments:
+        raise KvschedError(f"L = {segments} segments must divide the m = {m} types (section 7.2)")
+    size = m // segments
+    return ([float(ends[(i + 1) * size - 1]) for i in range(segments)],
+            [float(lam[i * size:(i + 1) * size].sum()) for i in range(segments)])
+
+
+def nested_memory(prompt: float, decodes: Sequence[float], n: Sequence[float]) -> float:
+    """M^pi: memory of a batch with n_i prompts at every stage of segment i, by its
+    definition in section 5.2: sum_i n_i sum_{k in segment i} (l + k).
+
+    Deviation: eq. (11) prints sum_j n_j (l + L'_j / 2) Delta l'_j with L'_j = l'_1 + ... +
+    l'_j, which is not that sum for j >= 3 (nor for segment 1, which has l'_1 + 1 stages),
+    and section 7.2's (l + i Delta L / 2) Delta L likewise. This uses the exact sum."""
+    ends = np.asarray(decodes, float)
+    a = _counts(n, len(ends))
+    starts = np.concatenate(([0.0], ends[:-1] + 1))
+    stages = ends - starts + 1
+    return float(np.sum(a * stages * (prompt + (starts + ends) / 2)))
+
+
+def check_nested(prompt: float, decodes: Sequence[float], rates: Sequence[float], n: Sequence[float],
+                 d0: float, d1: float) -> dict[str, object]:
+    """Conditions (10) / (14): Delta T(n) = d0 + d1 M^pi < n_1 / sum lambda, and
+    n_{i+1} / n_i > p_i for i < m."""
+    _costs(d0, d1)
+    ends, lam = _segments(decodes, rates)
+    a = _counts(n, len(ends))
+    dt = d0 + d1 * nested_memory(prompt, ends, a)
+    p = continuation(lam)
+    ratios = a[1:] / a[:-1]
+    ok = dt < a[0] / lam.sum() and bool(np.all(ratios > p))
+    return {"satisfied": ok, "iteration_time": dt, "memory": nested_memory(prompt, ends, a),
+            "p": p.tolist(), "ratios": ratios.tolist(), "first_segment_budget": a[0] / lam.sum()}
+
+
+def solve_nested(prompt: float, decodes: Sequence[float], rates: Sequence[float], d0: float,
+                 d1: float, max_first: int = 10**7) -> list[int]:
+    """Small integer thresholds satisfying (10) / (14): each n_{i+1} is the least integer
+    above n_i p_i, and n_1 is the least value for which Delta T(n) < n_1 / sum lambda and
+    the thresholds strictly decrease (n_{i+1} < n_i, which Lemma 8 needs for theta of
+    eq. 16 and so for the memory bound (12))."""
+    ends, lam = _segments(decodes, rates)
+    p = continuation(lam)
+
+    def chain(n1: int) -> list[int]:
+        n = [n1]
+        for pi in p:
+            n.append(math.floor(n[-1] * pi) + 1)
+        return n
+    lo = max(1, math.floor(d0 * lam.sum()))
+    n1 = lo
+    while n1 <= max_first:
+        n = chain(n1)
+        if all(b < a for a, b in zip(n, n[1:])) and check_nested(prompt, ends, lam, n, d0, d1)["satisfied"]:
+            return n
+        n1 = max(n1 + 1, math.floor((d0 + d1 * nested_memory(prompt, ends, n)) * lam.sum()))
+    raise KvschedError("no Nested WAIT thresholds found: the load is at or beyond capacity")
+
+
+def theta(n_prev: float, n_k: float, p_k: float) -> float:
+    """The theta_k > 0 solving exp(-theta n_k) (1 - p_k + p_k e^theta)^(n_{k-1}) = 1
+    (eq. 16; Lemma 8: it exists, is unique and satisfies theta_k >= 8 (n_k - n_{k-1} p_k) /
+    n_{k-1} when n_{k-1} > n_k > n_{k-1} p_k and 0 < p_k < 1)."""
+    if not (0 < p_k < 1 and n_prev > n_k > n_prev * p_k):
+        raise KvschedError(f"eq. (16) has a positive root only when n_(k-1) > n_k > n_(k-1) p_k and "
+                           f"0 < p_k < 1; got n_(k-1)={n_prev}, n_k={n_k}, p_k={p_k}")
+
+    def g(th: float) -> float:          # log of the left-hand side
+        return -th * n_k + n_prev * (math.log1p(-p_k) + math.log1p(p_k / (1 - p_k) * math.exp(th))
+                                     if th < 700 else th + math.log(p_k))
+    lo = 8 * (n_k - n_prev * p_k) / n_prev * (1 - 1e-12)
+    hi = max(2 * lo, 1.0)
+    while g(hi) <= 0:
+        hi *= 2
+    if g(lo) >= 0:                       # the bound is tight to rounding
+        return lo
+    return float(brentq(g, lo, hi, xtol=1e-14, rtol=1e-12))
+
+
+def memory_bound(prompt: float, decodes: Sequence[float], rates: Sequence[float], n: Sequence[float],
+                 batches: float, delta: float, zeta: float = 1.0) -> dict[str, object]:
+    """Memory that Nested WAIT stays under with probability >= 1 - delta over `batches`
+    batches S (eq. 12; eq. 15 for merged segments):
+
+        M^pi + sum_{j >= 2} (l + l'_{j-1}) (n_j + ln(m zeta S / delta) / theta_j)."""
+    ends, lam = _segments(decodes, rates)
+    a = _counts(n, len(ends))
+    if not (0 < delta < 1) or batches < 1 or zeta <= 0:
+        raise KvschedError("need 0 < delta < 1, batches S >= 1 and zeta > 0")
+    p = continuation(lam)
+    thetas = [theta(a[j - 1], a[j], p[j - 1]) for j in range(1, len(ends))]
+    log_term = math.log(len(ends) * zeta * batches / delta)
+    queue = sum((prompt + ends[j - 1]) * a[j] for j in range(1, len(ends)))
+    tail = sum((prompt + ends[j - 1]) * log_term / thetas[j - 1] for j in range(1, len(ends)))
+    m_pi = nested_memory(prompt, ends, a)
+    return {"memory_bound": m_pi + queue + tail, "M_pi": m_pi, "queue_term": queue, "tail_term": tail,
+            "theta": thetas}
