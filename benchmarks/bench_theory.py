@@ -104,7 +104,7 @@ def azure_plan() -> None:
     w = load_trace(AZURE)
     print("4. plan: azure2023-conv, llama-3-8b / h100-sxm, 40 req/s, roofline cost")
     for est in ("median", "mean"):
-        p = plan(PlanInputs(w, model="llama-3-8b", gpu="h100-sxm", rate=40, batch_time_estimator=est),
+        p = plan(PlanInputs(Scenario(w, model="llama-3-8b", gpu="h100-sxm"), rate=40, batch_time_estimator=est),
                  validate=est == "median")
         line = f"   b ({est}) = {p['batch_time'] * 1000:.1f} ms, mu = {p['mu']:.2f} req/s, GPUs = {p['gpus_needed']}"
         if "validation" in p:

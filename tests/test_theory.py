@@ -128,25 +128,25 @@ def test_wait_thresholds():
 
 
 def test_nested_memory_is_the_stage_sum():
-    l, ends, n = 10, [20, 40, 80, 160], [15, 14, 12, 8]
+    pl, ends, n = 10, [20, 40, 80, 160], [15, 14, 12, 8]
     stages = [range(0, 21), range(21, 41), range(41, 81), range(81, 161)]
-    expect = sum(ni * sum(l + k for k in st) for ni, st in zip(n, stages))
-    assert wait.nested_memory(l, ends, n) == expect
+    expect = sum(ni * sum(pl + k for k in st) for ni, st in zip(n, stages))
+    assert wait.nested_memory(pl, ends, n) == expect
 
 
 def test_nested_thresholds_and_memory_bound():
-    l, ends, rates, d0, d1 = 10, [20, 40, 80, 160], [20, 40, 80, 160], 0.01, 2e-7
-    n = wait.solve_nested(l, ends, rates, d0, d1)
-    chk = wait.check_nested(l, ends, rates, n, d0, d1)
+    pl, ends, rates, d0, d1 = 10, [20, 40, 80, 160], [20, 40, 80, 160], 0.01, 2e-7
+    n = wait.solve_nested(pl, ends, rates, d0, d1)
+    chk = wait.check_nested(pl, ends, rates, n, d0, d1)
     assert chk["satisfied"]
     lam = np.cumsum(rates[::-1])[::-1]
     assert chk["p"] == pytest.approx((lam[1:] / lam[:-1]).tolist())
     assert all(n[i + 1] / n[i] > chk["p"][i] for i in range(3))
     assert all(n[i + 1] < n[i] for i in range(3))          # Lemma 8 needs it for eq. (16)
     assert chk["iteration_time"] < n[0] / sum(rates)
-    mb = wait.memory_bound(l, ends, rates, n, batches=10_000, delta=0.01)
+    mb = wait.memory_bound(pl, ends, rates, n, batches=10_000, delta=0.01)
     log_term = math.log(4 * 10_000 / 0.01)
-    expect = wait.nested_memory(l, ends, n) + sum((l + ends[j - 1]) * (n[j] + log_term / mb["theta"][j - 1])
+    expect = wait.nested_memory(pl, ends, n) + sum((pl + ends[j - 1]) * (n[j] + log_term / mb["theta"][j - 1])
                                                    for j in range(1, 4))
     assert mb["memory_bound"] == pytest.approx(expect)
     merged_ends, merged_rates = wait.merge_types(ends, rates, 2)

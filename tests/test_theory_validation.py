@@ -134,7 +134,17 @@ def test_theory_stability_from_a_trace_and_the_paper_mixture(tmp_path):
     assert d["delta"] == pytest.approx(1044 / 131_000)
     r = invoke("theory", "stability", "-w", "stability-pd-switch", "--kv-capacity", "131000",
                "--batch-time", "0.0430", "--batch-time", "0.0337", "--json")
-    assert abs(json.loads(r.stdout)["mu"] / 3.385 - 1) < 0.03          # sampled, 5,000 per phase
+    d = json.loads(r.stdout)
+    assert d["exact"] and abs(d["mu"] / 3.385 - 1) < 0.02           # the paper's mixture
+    table = tmp_path / "p.csv"
+    table.write_text("prompt_tokens,output_tokens,count\n512,10,1\n1024,20,3\n")
+    d = json.loads(invoke("theory", "stability", "--joint-table", str(table), "--kv-capacity", "131000",
+                          "--batch-time", "0.05", "--json").stdout)
+    g = (stability.lifetime_memory(512, 10, 512) + 3 * stability.lifetime_memory(1024, 20, 512)) / 4
+    assert d["mean_lifetime_memory"] == pytest.approx(g)
+    table.write_text("prompt_tokens,output_tokens,count\n512,10,1\n0,20,3\n")
+    r = invoke("theory", "stability", "--joint-table", str(table), "--kv-capacity", "131000", "--batch-time", "0.05")
+    assert r.exit_code == 2 and f"{table}:3:" in r.stderr
 
 
 def test_plan_azure_conv_on_h100_and_the_planned_replica_is_stable(traces_dir):

@@ -7,6 +7,7 @@ import inspect
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -72,16 +73,6 @@ class Progress:
             self.bar.stop()
 
 
-def scenario(workload, model, gpu, kv_capacity, block_size, memory_utilization, max_model_len,
-              cost, cost_set, goodput, trim, strict) -> Scenario:
-    get_model(model), get_gpu(gpu)
-    return Scenario(workload, model=model, gpu=gpu, cost=cost,
-                    cost_params=parse_assignments(cost_set, "--cost-set"), kv_capacity=kv_capacity,
-                    memory_utilization=memory_utilization, block_size=block_size,
-                    max_model_len=max_model_len, goodput=Goodput.parse(goodput), trim=trim,
-                    strict=strict)
-
-
 # The workload flags of every command that takes a workload (names are a contract).
 WORKLOAD_FLAGS = {
     "workload": (Optional[str], typer.Option(None, "--workload", "-w", help="a preset (kvsched workloads), a .toml workload file or a trace file")),
@@ -91,7 +82,7 @@ WORKLOAD_FLAGS = {
     "arrivals": (Optional[str], typer.Option(None, "--arrivals", help="poisson:RATE, gamma:RATE:CV, piecewise:R1:S1,R2:S2,..., sine:MEAN:AMP:PERIOD, closed:C, replay, replay:RATE, replay:xF")),
     "num_requests": (Optional[int], typer.Option(None, "--num-requests", help="requests (per phase); a trace's first N rows, resampled with replacement beyond them")),
     "seed": (int, typer.Option(0, "--seed")),
-    "prompt_len": (Optional[str], typer.Option(None, "--prompt-len", help=f"synthetic prompt lengths (built in: {DEFAULT_LENGTH}): fixed:N, uniform:LOW:HIGH, jitter:MEAN, geometric:MEAN, gamma:SHAPE:MEAN")),
+    "prompt_len": (Optional[str], typer.Option(None, "--prompt-len", help=f"synthetic prompt lengths (built in: {DEFAULT_LENGTH}): fixed:N, uniform:LOW:HIGH, jitter:MEAN, geometric:MEAN, gamma:SHAPE:MEAN, hazard:P0:ETA")),
     "output_len": (Optional[str], typer.Option(None, "--output-len", help=f"synthetic output lengths (built in: {DEFAULT_LENGTH}), same forms")),
     "output_known": (bool, typer.Option(False, "--output-known", help="schedulers may see output lengths")),
     "tiers": (list[str], typer.Option([], "--tier", help="user tier NAME:SHARE[:ttft=S][:tbt=S][:priority=P] (repeatable)")),
@@ -102,35 +93,83 @@ WORKLOAD_FLAGS = {
 }
 
 
-def workload_flags(fn: Callable) -> Callable:
-    """Add the workload flags to a command; it receives them as `wopts: WorkloadOptions`."""
-    sig = inspect.signature(fn)
-    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=kind)
-             for name, (kind, opt) in WORKLOAD_FLAGS.items()]
-    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in sig.parameters.values() if p.name != "wopts"]
+def _flags(table: dict, make: Callable, arg: str) -> Callable[[Callable], Callable]:
+    """A decorator adding the flags of `table` to a command, which receives them bundled as
+    `arg` = make(**values). Decorators stack: each adds its own flags."""
+    def decorate(fn: Callable) -> Callable:
+        sig = inspect.signature(fn)
+        extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=kind)
+                 for name, (kind, opt) in table.items()]
+        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in sig.parameters.values() if p.name != arg]
 
-    @functools.wraps(fn)
-    def command(**kwargs):
-        wopts = WorkloadOptions(**{name: kwargs.pop(name) for name in WORKLOAD_FLAGS})
-        return fn(wopts=wopts, **kwargs)
-    command.__signature__ = sig.replace(parameters=own + extra)
-    return command
+        @functools.wraps(fn)
+        def command(**kwargs):
+            return fn(**{arg: make(**{name: kwargs.pop(name) for name in table})}, **kwargs)
+        command.__signature__ = sig.replace(parameters=own + extra)
+        return command
+    return decorate
 
 
-# Options shared by simulate and compare (names are a contract; see README).
+workload_flags = _flags(WORKLOAD_FLAGS, WorkloadOptions, "wopts")
+
+# Hardware and batch-time flags of simulate, compare and plan (names are a contract; see README).
 ModelOpt = typer.Option("llama-3-8b", "--model")
 GpuOpt = typer.Option("a100-80gb", "--gpu")
 KvCap = typer.Option(None, "--kv-capacity", help="KV capacity in tokens (default: from model, GPU and memory utilization)")
-BlockSize = typer.Option(16, "--block-size", help="KV block size in tokens (1 = token-granular)")
 MemUtil = typer.Option(0.9, "--memory-utilization")
-MaxLen = typer.Option(None, "--max-model-len", help="default: the model's maximum")
-CostOpt = typer.Option("roofline", "--cost", help="roofline, constant, linear or phase")
-CostSet = typer.Option([], "--cost-set", help="cost model parameter key=value (repeatable)")
-GoodputOpt = typer.Option([], "--goodput", help="SLOs for request_goodput: ttft:MS tpot:MS e2el:MS")
-Trim = typer.Option(0, "--trim", help="drop the first and last N requests from the figures (steady state)")
-Strict = typer.Option(False, "--strict", help="a request that can never be served is an error")
+HARDWARE_FLAGS = {
+    "model": (str, ModelOpt),
+    "gpu": (str, GpuOpt),
+    "kv_capacity": (Optional[int], KvCap),
+    "block_size": (int, typer.Option(16, "--block-size", help="KV block size in tokens (1 = token-granular)")),
+    "memory_utilization": (float, MemUtil),
+    "max_model_len": (Optional[int], typer.Option(None, "--max-model-len", help="default: the model's maximum")),
+    "cost": (str, typer.Option("roofline", "--cost", help="roofline, constant, linear or phase")),
+    "cost_set": (list[str], typer.Option([], "--cost-set", help="cost model parameter key=value (repeatable)")),
+}
+
+
+@dataclass
+class HardwareOptions:
+    model: str
+    gpu: str
+    kv_capacity: Optional[int]
+    block_size: int
+    memory_utilization: float
+    max_model_len: Optional[int]
+    cost: str
+    cost_set: list[str]
+
+    def scenario(self, workload, goodput: list[str] = (), trim: int = 0, strict: bool = False) -> Scenario:
+        get_model(self.model), get_gpu(self.gpu)
+        return Scenario(workload, model=self.model, gpu=self.gpu, cost=self.cost,
+                        cost_params=parse_assignments(self.cost_set, "--cost-set"),
+                        kv_capacity=self.kv_capacity, memory_utilization=self.memory_utilization,
+                        block_size=self.block_size, max_model_len=self.max_model_len,
+                        goodput=Goodput.parse(list(goodput)), trim=trim, strict=strict)
+
+
+hardware_flags = _flags(HARDWARE_FLAGS, HardwareOptions, "hw")
+
 JsonOpt = typer.Option(False, "--json", help="print the summary as one JSON object on stdout")
-Out = typer.Option(None, "--out", help="write summary.json, requests.csv, timeline.csv here")
-RecordBatches = typer.Option(False, "--record-batches", help="with --out: also batches.csv, one row per iteration")
+OUTPUT_FLAGS = {
+    "goodput": (list[str], typer.Option([], "--goodput", help="SLOs for request_goodput: ttft:MS tpot:MS e2el:MS")),
+    "trim": (int, typer.Option(0, "--trim", help="drop the first and last N requests from the figures (steady state)")),
+    "strict": (bool, typer.Option(False, "--strict", help="a request that can never be served is an error")),
+    "json_": (bool, JsonOpt),
+    "out": (Optional[Path], typer.Option(None, "--out", help="write summary.json, requests.csv, timeline.csv here")),
+    "record_batches": (bool, typer.Option(False, "--record-batches", help="with --out: also batches.csv, one row per iteration")),
+}
 
 
+@dataclass
+class OutputOptions:
+    goodput: list[str]
+    trim: int
+    strict: bool
+    json_: bool
+    out: Optional[Path]
+    record_batches: bool
+
+
+output_flags = _flags(OUTPUT_FLAGS, OutputOptions, "outs")

@@ -9,9 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvsched.cli.common import (BlockSize, CostOpt, CostSet, GoodputOpt, GpuOpt, JsonOpt, KvCap, MaxLen,
-                                MemUtil, ModelOpt, Out, Progress, RecordBatches, Strict, Trim, app, guard,
-                                scenario, workload_flags)
+from kvsched.cli.common import (HardwareOptions, MemUtil, OutputOptions, Progress, app, guard, hardware_flags,
+                                output_flags, workload_flags)
 from kvsched.errors import KvschedError
 from kvsched.hardware import GPUS, MODELS, get_gpu, get_model, kv_capacity_tokens
 from kvsched.params import describe, parse_assignments
@@ -23,52 +22,40 @@ from kvsched.workload.source import WorkloadOptions, load
 
 @app.command("simulate")
 @workload_flags
-def simulate_cmd(
-    wopts: WorkloadOptions,
-    policy: str = typer.Option("vllm-v1", "--policy"),
-    set_: list[str] = typer.Option([], "--set", help="policy parameter key=value (repeatable)"),
-    model: str = ModelOpt, gpu: str = GpuOpt, kv_capacity: Optional[int] = KvCap, block_size: int = BlockSize,
-    memory_utilization: float = MemUtil, max_model_len: Optional[int] = MaxLen, cost: str = CostOpt,
-    cost_set: list[str] = CostSet, goodput: list[str] = GoodputOpt, trim: int = Trim, strict: bool = Strict,
-    json_: bool = JsonOpt, out: Optional[Path] = Out, record_batches: bool = RecordBatches,
-) -> None:
+@hardware_flags
+@output_flags
+def simulate_cmd(wopts: WorkloadOptions, hw: HardwareOptions, outs: OutputOptions,
+                 policy: str = typer.Option("vllm-v1", "--policy"),
+                 set_: list[str] = typer.Option([], "--set", help="policy parameter key=value (repeatable)")) -> None:
     """Simulate one policy on a workload."""
     def body() -> None:
-        sc = scenario(load(wopts), model, gpu, kv_capacity, block_size, memory_utilization,
-                       max_model_len, cost, cost_set, goodput, trim, strict)
-        _run_policies(sc, {policy: parse_assignments(set_, "--set")}, json_, out, record_batches,
-                      keyed=False)
+        sc = hw.scenario(load(wopts), outs.goodput, outs.trim, outs.strict)
+        _run_policies(sc, {policy: parse_assignments(set_, "--set")}, outs, keyed=False)
     guard(body)
 
 
 @app.command("compare")
 @workload_flags
-def compare_cmd(
-    wopts: WorkloadOptions,
-    policies: str = typer.Option(",".join(POLICIES), "--policies", help="comma-separated policy names"),
-    set_: list[str] = typer.Option([], "--set", help="POLICY.key=value, or key=value for every policy that has key"),
-    model: str = ModelOpt, gpu: str = GpuOpt, kv_capacity: Optional[int] = KvCap, block_size: int = BlockSize,
-    memory_utilization: float = MemUtil, max_model_len: Optional[int] = MaxLen, cost: str = CostOpt,
-    cost_set: list[str] = CostSet, goodput: list[str] = GoodputOpt, trim: int = Trim, strict: bool = Strict,
-    json_: bool = JsonOpt, out: Optional[Path] = Out, record_batches: bool = RecordBatches,
-) -> None:
+@hardware_flags
+@output_flags
+def compare_cmd(wopts: WorkloadOptions, hw: HardwareOptions, outs: OutputOptions,
+                policies: str = typer.Option(",".join(POLICIES), "--policies", help="comma-separated policy names"),
+                set_: list[str] = typer.Option([], "--set", help="POLICY.key=value, or key=value for every policy that has key")) -> None:
     """Run several policies on one workload and show them side by side."""
     def body() -> None:
         names = [p.strip() for p in policies.split(",") if p.strip()]
         unknown = [p for p in names if p not in POLICIES]
         if unknown or not names:
             raise KvschedError(f"unknown policy {unknown[0] if unknown else policies!r}; known: {', '.join(POLICIES)}")
-        sc = scenario(load(wopts), model, gpu, kv_capacity, block_size, memory_utilization,
-                       max_model_len, cost, cost_set, goodput, trim, strict)
-        _run_policies(sc, _scoped_params(parse_assignments(set_, "--set"), names), json_, out,
-                      record_batches, keyed=True)
+        sc = hw.scenario(load(wopts), outs.goodput, outs.trim, outs.strict)
+        _run_policies(sc, _scoped_params(parse_assignments(set_, "--set"), names), outs, keyed=True)
     guard(body)
 
 
-def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], json_: bool, out: Optional[Path],
-                  record_batches: bool, keyed: bool) -> None:
+def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], outs: OutputOptions, keyed: bool) -> None:
     """Simulate each policy on the scenario, write --out (one folder per policy when keyed)
     only once all have run, and print the table or JSON."""
+    json_, out, record_batches = outs.json_, outs.out, outs.record_batches
     results = []
     for name, params in runs.items():
         bar = Progress(not json_, name)

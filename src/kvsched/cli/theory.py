@@ -3,6 +3,7 @@ JSON keys are the papers' quantities; their meaning is in each command's --help.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -10,14 +11,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvsched.cli.common import (BlockSize, CostOpt, CostSet, GpuOpt, JsonOpt, KvCap, MaxLen, MemUtil,
-                                ModelOpt, app, guard, workload_flags)
+from kvsched.cli.common import HardwareOptions, JsonOpt, app, guard, hardware_flags, workload_flags
 from kvsched.errors import KvschedError
-from kvsched.params import parse_assignments
 from kvsched.report.table import plan_report
 from kvsched.theory import eb, fluid, stability, wait
 from kvsched.theory.plan import PlanInputs, plan
-from kvsched.workload.source import WorkloadOptions, load
+from kvsched.workload.source import WorkloadOptions, load, resolve
 
 theory_app = typer.Typer(no_args_is_help=True, help="The papers' closed forms, one command each (--json for scripts).")
 app.add_typer(theory_app, name="theory")
@@ -86,9 +85,8 @@ D1 = typer.Option(..., "--d1", help="seconds per token held (eq. 1)")
 
 @app.command("plan")
 @workload_flags
-def plan_cmd(wopts: WorkloadOptions, model: str = ModelOpt, gpu: str = GpuOpt, kv_capacity: Optional[int] = KvCap,
-             memory_utilization: float = MemUtil, block_size: int = BlockSize, max_model_len: Optional[int] = MaxLen,
-             cost: str = CostOpt, cost_set: list[str] = CostSet,
+@hardware_flags
+def plan_cmd(wopts: WorkloadOptions, hw: HardwareOptions,
              batch_time: Optional[float] = typer.Option(None, "--batch-time", help="b, seconds per batch (default: measured on a saturated simulated replica)"),
              batch_time_estimator: str = typer.Option("median", "--batch-time-estimator", help="median, mean, trim5 or trim10 of the saturated batch times"),
              chunk_size: int = ChunkOpt,
@@ -107,10 +105,7 @@ def plan_cmd(wopts: WorkloadOptions, model: str = ModelOpt, gpu: str = GpuOpt, k
     def body() -> None:
         rate = wopts.rate
         wopts.rate, wopts.untimed_ok = None, True     # --rate is the planned arrival rate
-        inp = PlanInputs(load(wopts), model=model, gpu=gpu, cost=cost,
-                         cost_params=parse_assignments(cost_set, "--cost-set"), kv_capacity=kv_capacity,
-                         memory_utilization=memory_utilization, block_size=block_size,
-                         max_model_len=max_model_len, batch_time=batch_time,
+        inp = PlanInputs(hw.scenario(load(wopts)), batch_time=batch_time,
                          batch_time_estimator=batch_time_estimator, chunk=chunk_size, rate=rate,
                          utilization=utilization, eps=eps, seed=wopts.seed)
         result = plan(inp, validate=validate)
@@ -126,27 +121,46 @@ def plan_cmd(wopts: WorkloadOptions, model: str = ModelOpt, gpu: str = GpuOpt, k
 def stability_cmd(wopts: WorkloadOptions,
                   kv_capacity: float = typer.Option(..., "--kv-capacity", help="M, KV capacity in tokens"),
                   batch_time: list[float] = typer.Option(..., "--batch-time", help="b seconds; one per phase for a multi-phase workload"),
-                  chunk_size: int = ChunkOpt, json_: bool = JsonOpt) -> None:
+                  chunk_size: int = ChunkOpt,
+                  joint_table: Optional[Path] = typer.Option(None, "--joint-table", help="CSV prompt_tokens,output_tokens,probability|count instead of a workload"),
+                  json_: bool = JsonOpt) -> None:
     """mu = M / (b E[g(s,o)]) (eq. 1), delta = ess sup(s+o) / M, stable_rate = mu (1 - delta)
-    (Theorem 4.2), mean_lifetime_memory = E[g]; for several phases also mu_mix =
-    (sum_l q_l / mu_l)^-1 (section 5.2) with q_l the phases' shares of requests."""
+    (Theorem 4.2), mean_lifetime_memory = E[g]; exact for finite-support distributions
+    (fixed, uniform, empirical) and joint tables, else over the workload's requests. For
+    several phases also mu_mix = (sum_l q_l / mu_l)^-1 (section 5.2), q_l the phases'
+    shares of requests, and phase_mu."""
     def body() -> None:
+        if joint_table is not None:
+            s, o, w = stability.load_joint_table(joint_table)
+            _emit({**stability.analyse(s, o, kv_capacity, batch_time[0], chunk_size, w).as_dict(), "exact": True},
+                  json_, f"stability of {joint_table}")
+            return
         wopts.untimed_ok = True
-        w = load(wopts)
+        spec = resolve(wopts)
+        w = spec.build()
         if len(batch_time) not in (1, len(w.phases)):
             raise KvschedError(f"give one --batch-time, or one per phase ({len(w.phases)})")
         bs = batch_time * len(w.phases) if len(batch_time) == 1 else batch_time
-        phases = [stability.analyse(w.prompt[w.phase == k], w.output[w.phase == k], kv_capacity, bs[k], chunk_size)
-                  for k in range(len(w.phases)) if np.any(w.phase == k)]
-        if len(phases) == 1:
-            _emit(phases[0].as_dict(), json_, f"stability of {w.source}")
-            return
+        per_phase = []
+        for k, ph in enumerate(spec.phases):
+            exact = None if ph.trace is not None else stability.exact_moments(ph.types, chunk_size)
+            if exact is None:
+                mask = w.phase == k
+                g = stability.mean_lifetime_memory(w.prompt[mask], w.output[mask], chunk_size)
+                top = float((w.prompt[mask] + w.output[mask]).max())
+            else:
+                g, top = exact
+            mu = stability.service_rate(kv_capacity, bs[k], g)
+            per_phase.append((mu, stability.memory_slack(top, kv_capacity), g, exact is not None))
         shares = [float(np.mean(w.phase == k)) for k in range(len(w.phases))]
-        mix = stability.mixture_rate(shares, [p.mu for p in phases])
-        delta = max(p.delta for p in phases)
-        _emit({"mu": mix, "delta": delta, "stable_rate": stability.stable_rate(mix, delta),
-               "mean_lifetime_memory": stability.mean_lifetime_memory(w.prompt, w.output, chunk_size),
-               "phase_mu": [p.mu for p in phases], "phase_share": shares}, json_, f"stability of {w.source}")
+        mu = stability.mixture_rate(shares, [p[0] for p in per_phase])
+        delta = max(p[1] for p in per_phase)
+        out = {"mu": mu, "delta": delta, "stable_rate": stability.stable_rate(mu, delta),
+               "mean_lifetime_memory": float(np.dot(shares, [p[2] for p in per_phase])),
+               "exact": all(p[3] for p in per_phase)}
+        if len(per_phase) > 1:
+            out.update(phase_mu=[p[0] for p in per_phase], phase_share=shares)
+        _emit(out, json_, f"stability of {w.source}")
     guard(body)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,15 +24,8 @@ SATURATION_REQUESTS = 2000
 
 @dataclass
 class PlanInputs:
-    workload: Workload
-    model: str = "llama-3-8b"
-    gpu: str = "a100-80gb"
-    cost: str = "roofline"
-    cost_params: dict[str, Any] = field(default_factory=dict)
-    kv_capacity: int | None = None
-    memory_utilization: float = 0.9
-    block_size: int = 16
-    max_model_len: int | None = None
+    """A scenario (workload, model, GPU, KV, cost model) and the planning choices."""
+    scenario: Scenario
     batch_time: float | None = None
     batch_time_estimator: str = "median"
     chunk: int = 512
@@ -41,18 +34,17 @@ class PlanInputs:
     eps: float = 0.01
     seed: int = 0
 
-    def scenario(self, workload: Workload) -> Scenario:
-        return Scenario(workload, model=self.model, gpu=self.gpu, cost=self.cost, cost_params=self.cost_params,
-                        kv_capacity=self.kv_capacity, memory_utilization=self.memory_utilization,
-                        block_size=self.block_size, max_model_len=self.max_model_len)
+    def with_workload(self, workload: Workload) -> Scenario:
+        return dataclasses.replace(self.scenario, workload=workload)
 
 
 def plan(inp: PlanInputs, validate: bool = False) -> dict[str, Any]:
-    w = inp.workload
-    model, gpu, kv_tokens, cost = inp.scenario(w).resolve()
+    sc = inp.scenario
+    w = sc.workload
+    model, gpu, kv_tokens, cost = sc.resolve()
     if inp.chunk < 1:
         raise KvschedError(f"--chunk-size must be >= 1 token, got {inp.chunk}")
-    s, o = _servable(w, kv_tokens, inp.max_model_len or model.max_len)
+    s, o = _servable(w, kv_tokens, sc.max_model_len or model.max_len)
     rate = _arrival_rate(w, inp.rate)
     b, b_source = _batch_time(inp, s, o)
     st = stability.analyse(s, o, kv_tokens, b, inp.chunk)
@@ -110,7 +102,7 @@ def _batch_time(inp: PlanInputs, s: np.ndarray, o: np.ndarray) -> tuple[float, s
     rng = np.random.default_rng(inp.seed)
     idx = rng.integers(0, len(s), size=min(SATURATION_REQUESTS, max(len(s), 200)))
     w = Workload.build(np.zeros(len(idx)), s[idx], o[idx], source="saturation")
-    r = simulate(inp.scenario(w), "vllm-v1", {"long_prefill_token_threshold": inp.chunk},
+    r = simulate(inp.with_workload(w), "vllm-v1", {"long_prefill_token_threshold": inp.chunk},
                  record_timeline=True, record_batches=True)
     waiting = np.array([row[1] for row in r.timeline]) > 0
     times = np.array([row[1] for row in r.batches])[waiting]
@@ -118,7 +110,7 @@ def _batch_time(inp: PlanInputs, s: np.ndarray, o: np.ndarray) -> tuple[float, s
         times = np.array([row[1] for row in r.batches])
     b = stability.estimate_batch_time(times, inp.batch_time_estimator)
     return b, (f"{inp.batch_time_estimator} of {len(times)} saturated vllm-v1 batches "
-               f"(chunk {inp.chunk}, {len(idx)} requests, {inp.cost} cost)")
+               f"(chunk {inp.chunk}, {len(idx)} requests, {inp.scenario.cost} cost)")
 
 
 def _fluid(s: np.ndarray, o: np.ndarray, rate: float, d0: float, d1: float, kv_tokens: int) -> dict[str, Any]:
@@ -161,7 +153,7 @@ def _eb(o: np.ndarray, mu_l: float, mu_o: float, coef, kv_tokens: int, eps: floa
 def validation(inp: PlanInputs, per_gpu_rate: float) -> dict[str, Any]:
     """Simulate one replica at its share of the traffic (round-robin across identical
     replicas gives each the same law): the trace's own times rescaled, or Poisson."""
-    w = inp.workload
+    w = inp.scenario.workload
     times = Replay(rate=per_gpu_rate).apply(w.arrival, np.random.default_rng(inp.seed)) \
         if w.timed and not w.closed_loop and len(w) > 1 and w.arrival[-1] > w.arrival[0] else \
         Poisson(per_gpu_rate).times(np.random.default_rng(inp.seed), len(w))
@@ -169,7 +161,7 @@ def validation(inp: PlanInputs, per_gpu_rate: float) -> dict[str, Any]:
                                   concurrency=np.zeros(len(w), np.int32))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # rejections were reported by the plan already
-        r = simulate(inp.scenario(replica), "vllm-v1", {"long_prefill_token_threshold": inp.chunk},
+        r = simulate(inp.with_workload(replica), "vllm-v1", {"long_prefill_token_threshold": inp.chunk},
                      record_timeline=True)
     return {"arrival_rate": per_gpu_rate, **queue_verdict(r, replica)}
 

@@ -5,8 +5,10 @@ tokens, s_hat the prefill chunk size.
 """
 from __future__ import annotations
 
+import csv
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -151,3 +153,50 @@ def mean_lifetime_memory_independent(prompt_values, prompt_probs, output_values,
             raise KvschedError(f"{name} probabilities must be >= 0 and sum to 1")
     prefill = float(np.dot(lifetime_memory(s, np.zeros_like(s), chunk), ps))
     return prefill + float(np.dot(s, ps) * np.dot(o, po)) + float(np.dot(o * (o + 1) / 2, po))
+
+
+def exact_moments(types, chunk: int) -> tuple[float, float] | None:
+    """(E[g], max s + o) exactly for a mix of request types (weights = their rates) whose
+    prompt and output distributions have finite support; None otherwise."""
+    if not types or not all(hasattr(t.prompt, "support") and hasattr(t.output, "support") for t in types):
+        return None
+    w = np.array([t.rate for t in types], float)
+    g, top = 0.0, 0.0
+    for t, share in zip(types, w / w.sum()):
+        (s, ps), (o, po) = t.prompt.support(), t.output.support()
+        g += share * mean_lifetime_memory_independent(s, ps, o, po, chunk)
+        top = max(top, float(s.max() + o.max()))
+    return g, top
+
+
+def load_joint_table(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A joint table p(s, o) as CSV `prompt_tokens,output_tokens,probability` (or `count`
+    in place of probability; weights need not sum to 1). Errors name file and line."""
+    path = Path(path)
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvschedError(f"cannot read joint table {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not rows:
+        raise KvschedError(f"{path}:1: empty file")
+    header = [h.strip() for h in rows[0]]
+    weight = "probability" if "probability" in header else "count"
+    for col in ("prompt_tokens", "output_tokens", weight):
+        if col not in header:
+            raise KvschedError(f"{path}:1: missing column {col!r} (prompt_tokens,output_tokens,probability|count)")
+    cols = [header.index(c) for c in ("prompt_tokens", "output_tokens", weight)]
+    s, o, w = [], [], []
+    for line, row in enumerate(rows[1:], start=2):
+        if not any(x.strip() for x in row):
+            continue
+        try:
+            vals = [float(row[c]) for c in cols]
+        except (ValueError, IndexError):
+            raise KvschedError(f"{path}:{line}: expected numbers in {', '.join(header[c] for c in cols)}") from None
+        if vals[0] < 1 or vals[1] < 1 or vals[0] != int(vals[0]) or vals[1] != int(vals[1]) or not vals[2] >= 0:
+            raise KvschedError(f"{path}:{line}: token counts must be integers >= 1 and the {weight} >= 0")
+        s.append(vals[0]), o.append(vals[1]), w.append(vals[2])
+    if not s or sum(w) <= 0:
+        raise KvschedError(f"{path}: no (s, o) pair with positive {weight}")
+    return np.array(s), np.array(o), np.array(w)

@@ -10,6 +10,8 @@ from kvsched.errors import KvschedError
 
 
 class LengthDist(Protocol):
+    """`mean` and `sample`; distributions with finite support also have `support()` ->
+    (values, probabilities), for exact expectations."""
     mean: float
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray: ...
@@ -33,6 +35,9 @@ class Fixed:
     def mean(self) -> float:
         return float(self.value)
 
+    def support(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.array([self.value]), np.array([1.0])
+
     def sample(self, rng, n):
         return np.full(n, self.value, dtype=np.int64)
 
@@ -50,6 +55,10 @@ class Uniform:
     @property
     def mean(self) -> float:
         return (self.low + self.high) / 2
+
+    def support(self) -> tuple[np.ndarray, np.ndarray]:
+        v = np.arange(self.low, self.high + 1)
+        return v, np.full(len(v), 1.0 / len(v))
 
     def sample(self, rng, n):
         return rng.integers(self.low, self.high + 1, size=n, dtype=np.int64)
@@ -104,6 +113,10 @@ class Empirical:
     @property
     def mean(self) -> float:
         return float(np.mean(self.values))
+
+    def support(self) -> tuple[np.ndarray, np.ndarray]:
+        v, c = np.unique(np.asarray(self.values), return_counts=True)
+        return v, c / c.sum()
 
     def sample(self, rng, n):
         return rng.choice(np.asarray(self.values, dtype=np.int64), size=n, replace=True)
