@@ -127,7 +127,8 @@ def plan_report(p: dict[str, Any]) -> Group:
         out.append(t)
     e = p["eb"]
     if "theta0" in e:
-        t = Table(title="Exclusive batching (exclusive-batching-eb.txt eqs. 3, 5, 6, 7)", title_justify="left")
+        t = Table(title="Exclusive batching (exclusive-batching-eb.txt eqs. 3, 5, 6, 7)", title_justify="left",
+                  caption=e.get("note"), caption_justify="left")
         for c in ("p0", "eta", "theta0", "delta theta", "N*", "k*", "crossover favours"):
             t.add_column(c, justify="right")
         t.add_row(f"{e['p0']:.4g}", f"{e['eta']:.3g}", f"{e['theta0']:.4f}", f"{e['delta_theta']:.4f}",
