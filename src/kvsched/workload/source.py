@@ -110,7 +110,7 @@ def _override(ph: Phase, k: int, opts: WorkloadOptions, arrivals, window) -> Pha
     if opts.rate is not None:
         if ph.trace is not None:
             timed = None if new is not None else read_trace(ph.trace, format=opts.format, first=1).arrival is not None
-            new = trace_arrivals(ph.trace, timed, opts.rate, new)
+            new = trace_arrivals(timed, opts.rate, new)
         elif isinstance(new, Closed):
             raise KvschedError("--rate does not apply to closed-loop arrivals (the loop sets the rate); "
                                "change the concurrency with --arrivals closed:C")

@@ -10,7 +10,7 @@ another in issue order, each with its own concurrency (exclusive-batching-eb.txt
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -235,12 +235,3 @@ def _cap(prompt: np.ndarray, output: np.ndarray, cap: int | None):
         warnings.warn(f"capped {changed} of {len(prompt)} requests at {cap} tokens (prompt + output): "
                       f"{p} prompts and {o} outputs shortened", stacklevel=3)
     return new_prompt, new_output
-
-
-def single_phase(phase: Phase, **options) -> WorkloadSpec:
-    return WorkloadSpec((phase,), **options)
-
-
-def with_phases(spec: WorkloadSpec, **changes) -> WorkloadSpec:
-    """The spec with the same change applied to every phase."""
-    return replace(spec, phases=tuple(replace(ph, **changes) for ph in spec.phases))

@@ -15,8 +15,7 @@ from kvsched.workload.request import Workload
 from kvsched.workload.spec import Phase, WorkloadSpec
 
 
-def trace_arrivals(path: Path, timed: bool | None, rate: float | None,
-                   arrivals: Arrivals | None) -> Arrivals | None:
+def trace_arrivals(timed: bool | None, rate: float | None, arrivals: Arrivals | None) -> Arrivals | None:
     """The arrival process for a trace: `arrivals` if given (its mean rate set to `rate`),
     else the trace's own times (scaled to `rate`), else Poisson at `rate`."""
     if arrivals is not None:
@@ -45,7 +44,7 @@ def load_trace(path: str | Path, *, rate: float | None = None, arrivals: Arrival
     if rate is not None and arrivals is None:
         timed = read_trace(path, format=format, first=1).arrival is not None
     phase = Phase(num_requests, trace=path, format=format, window=window,
-                  arrivals=trace_arrivals(path, timed, rate, arrivals))
+                  arrivals=trace_arrivals(timed, rate, arrivals))
     return WorkloadSpec((phase,), seed=seed, cap_len=cap_len, keep_hashes=keep_hashes,
                         name=str(path)).build()
 
