@@ -13,6 +13,11 @@ POLICY_PARAMS = {
     "vllm-v0": {"max_num_batched_tokens": 64, "max_num_seqs": 8},
     "orca": {"max_num_batched_tokens": 64, "max_num_seqs": 8},
     "request-level": {"b": 4},
+    "eb": {"max_num_batched_tokens": 64, "max_num_seqs": 8, "k": 3, "kv_gate": True},
+    "eb-adaptive": {"max_num_batched_tokens": 64, "max_num_seqs": 8, "window": 20, "update_every": 3,
+                    "min_samples": 3},
+    "eb-plus": {"max_num_batched_tokens": 64, "max_num_seqs": 8, "window": 20, "update_every": 3,
+                "min_samples": 3, "evaluate_every": 2, "min_occupancy": 0, "cooldown": 0},
 }
 
 

@@ -8,8 +8,11 @@ from kvsched.hardware import GPU
 from kvsched.params import build
 from kvsched.policies.base import Plan, Policy, ServerView
 from kvsched.policies.baselines import Orca, RequestLevel, Sarathi, VllmV0, VllmV1
+from kvsched.policies.eb import EbAdaptive, EbPlus, ExclusiveBatching
 
-POLICIES: dict[str, type] = {cls.name: cls for cls in (VllmV1, Sarathi, VllmV0, Orca, RequestLevel)}
+POLICIES: dict[str, type] = {cls.name: cls for cls in (VllmV1, Sarathi, VllmV0, Orca, RequestLevel,
+                                                        ExclusiveBatching, EbAdaptive, EbPlus)}
+ENGINE_LIMITS = (VllmV1, VllmV0, Orca, ExclusiveBatching)   # take vLLM's token budget and max_num_seqs
 
 SOURCES = {
     "vllm-v1": "vLLM v1 scheduler (vllm/v1/core/sched/scheduler.py)",
@@ -17,6 +20,9 @@ SOURCES = {
     "vllm-v0": "vLLM v0 default scheduler (prefill-first exclusive batching)",
     "orca": "Orca (OSDI 22): iteration-level scheduling, no chunking",
     "request-level": "FasterTransformer style; rad-slai.txt Appendix E.1, Algorithm 3",
+    "eb": "EB(k); exclusive-batching-eb.txt section 3.1, appendix D.6",
+    "eb-adaptive": "EB(k*); exclusive-batching-eb.txt section 3.4, Algorithm 1 (appendix D.7)",
+    "eb-plus": "EB+; exclusive-batching-eb.txt section 3.5, eq. (8)",
 }
 
 
@@ -32,7 +38,7 @@ def make_policy(name: str, overrides: dict[str, Any], gpu: GPU) -> Policy:
     except KeyError:
         raise KvschedError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}") from None
     defaults = {}
-    if cls in (VllmV1, VllmV0, Orca):
+    if issubclass(cls, ENGINE_LIMITS):
         defaults = engine_defaults(gpu)
     return build(cls, f"policy {name}", overrides, defaults)
 

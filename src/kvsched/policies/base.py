@@ -39,6 +39,7 @@ class ServerView(Protocol):
     decode_new_blocks: int            # blocks one decode step of every decoder needs
     recent_batch_times: Sequence[float]
     recent_finished: Sequence[tuple[int, int]]   # (prompt, output) of recent finishes
+    cost_model: object                # the batch-time model (`time(BatchShape)`), for calibration
 
     def blocks_for(self, tokens: int) -> int: ...
     def arrival(self, i: int) -> float: ...

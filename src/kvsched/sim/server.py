@@ -60,6 +60,7 @@ class Server:
         if not workload.timed:
             raise KvschedError(f"{workload.source} has no arrival times: give --rate or --arrivals")
         self.workload, self.policy, self.cost, self.kv = workload, policy, cost, kv
+        self.cost_model = cost          # part of the view: policies may read batch-time coefficients
         n = len(workload)
         self._arrival = workload.arrival.tolist()
         self._prompt = workload.prompt.tolist()

@@ -45,10 +45,11 @@ def zeta(theta: float) -> float:
 def delta_theta(theta_0: float, p0: float, eta: float, alpha_d: float, beta_d: float, batch_size: float) -> float:
     """The IFR correction (eq. 5, Theorem 3.2) for h(t) = p0 + eta t:
     Delta theta = eta (1 - theta0)^2 / (p0^2 theta0) [zeta (theta0 / (1 - theta0) - zeta / 2)
-    + (beta_d N / alpha_d) (zeta - theta0)], positive for eta > 0."""
+    + (beta_d N / alpha_d) (zeta - theta0)], positive for eta > 0. The expansion is linear in
+    eta, so a fitted eta < 0 (decreasing hazard) gives a negative correction."""
     _pos(p0=p0, alpha_d=alpha_d, batch_size=batch_size)
-    if eta < 0 or beta_d < 0 or not 0 < theta_0 < 1:
-        raise KvschedError("need eta >= 0, beta_d >= 0 and 0 < theta0 < 1")
+    if not math.isfinite(eta) or beta_d < 0 or not 0 < theta_0 < 1:
+        raise KvschedError("need a finite eta, beta_d >= 0 and 0 < theta0 < 1")
     z = zeta(theta_0)
     duration = z * (theta_0 / (1 - theta_0) - z / 2)
     per_token = beta_d * batch_size / alpha_d * (z - theta_0)
@@ -110,19 +111,21 @@ def crossover(batch_size: float, theta_0: float, alpha_p: float, alpha_d: float,
             "throughput_mb": throughput_mb(batch_size, alpha_mb, beta_mb, mu_l, mu_o)}
 
 
-def hazard_fit(outputs: np.ndarray, quantile: float = 0.95) -> dict[str, float]:
+def hazard_fit(outputs: np.ndarray, quantile: float = 0.95, lower_quantile: float = 0.0) -> dict[str, float]:
     """Fit h(t) = p0 + eta t to the empirical hazard h(t) = #{O = t} / #{O >= t} over
     t in [1, t95] by weighted least squares (section 3.4).
 
     The paper does not give the weights; this uses the number at risk #{O >= t}, the inverse
-    of the hazard estimate's variance up to the factor h (1 - h)."""
+    of the hazard estimate's variance up to the factor h (1 - h). `lower_quantile` > 0 starts
+    the range at that quantile instead of 1 (the authors' implementation uses 5%-95%)."""
     o = np.asarray(outputs, dtype=np.int64)
     if len(o) < 2 or o.min() < 1:
         raise KvschedError("the hazard fit needs at least two output lengths, all >= 1")
     t95 = int(math.ceil(np.quantile(o, quantile)))
     counts = np.bincount(o, minlength=t95 + 2)
     at_risk = len(o) - np.concatenate(([0], np.cumsum(counts)))[:len(counts)]
-    t = np.arange(1, t95 + 1)
+    t0 = max(1, int(np.floor(np.quantile(o, lower_quantile)))) if lower_quantile > 0 else 1
+    t = np.arange(t0, max(t0, t95) + 1)
     keep = at_risk[t] > 0
     t, n_t = t[keep], at_risk[t][keep]
     if len(t) < 2:
