@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import typer
 from rich.console import Console
 
+from kvsched.cost import COST_MODELS
 from kvsched.errors import KvschedError
 from kvsched.metrics import Goodput
 from kvsched.params import parse_assignments
@@ -124,7 +125,7 @@ HARDWARE_FLAGS = {
     "block_size": (int, typer.Option(16, "--block-size", help="KV block size in tokens (1 = token-granular)")),
     "memory_utilization": (float, MemUtil),
     "max_model_len": (Optional[int], typer.Option(None, "--max-model-len", help="default: the model's maximum")),
-    "cost": (str, typer.Option("roofline", "--cost", help="roofline, constant, linear or phase")),
+    "cost": (str, typer.Option("roofline", "--cost", help=f"batch-time model: {', '.join(COST_MODELS)}")),
     "cost_set": (list[str], typer.Option([], "--cost-set", help="cost model parameter key=value (repeatable)")),
 }
 

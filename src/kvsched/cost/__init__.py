@@ -5,7 +5,7 @@ from typing import Any, Protocol
 
 from kvsched.cost.constant import ConstantCost
 from kvsched.cost.linear import LinearCost
-from kvsched.cost.phase import PhaseCost
+from kvsched.cost.phase import PHASE_PRESETS, PhaseCost
 from kvsched.cost.roofline import RooflineCost
 from kvsched.cost.shape import BatchShape
 from kvsched.errors import KvschedError
@@ -22,6 +22,7 @@ COST_MODELS: dict[str, type] = {
     "constant": ConstantCost,
     "linear": LinearCost,
     "phase": PhaseCost,
+    **{name: PhaseCost for name in PHASE_PRESETS},     # phase models with calibrated defaults
 }
 
 
@@ -34,7 +35,7 @@ def make_cost_model(name: str, overrides: dict[str, Any], model: Model, gpu: GPU
     bad = {"model", "gpu"} & set(overrides)
     if bad:
         raise KvschedError(f"cost model {name}: set {sorted(bad)[0]} with --{sorted(bad)[0]}")
-    return build(cls, f"cost model {name}", overrides, context)
+    return build(cls, f"cost model {name}", overrides, {**PHASE_PRESETS.get(name, {}), **context})
 
 
 __all__ = ["BatchShape", "CostModel", "COST_MODELS", "make_cost_model",

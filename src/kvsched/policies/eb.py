@@ -321,15 +321,16 @@ class EbPlus(EbAdaptive):
         else:
             w = self.ema_up if occupancy > self.n_obs else self.ema_down
             self.n_obs = w * occupancy + (1 - w) * self.n_obs
-        if self._cool > 0:
-            self._cool -= 1
-            return
         sides = self.crossover_sides(max(self.n_obs, 1e-9))
         if sides is None:
             return
         lhs, rhs = sides
-        new = eb_plus_mode(self.mode, lhs, rhs, self.n_obs, self.delta, self.mb_margin, self.min_occupancy)
-        self.decisions.append({"time": v.now, "n_obs": self.n_obs, "lhs": lhs, "rhs": rhs, "mode": new})
+        cooling = self._cool > 0
+        new = self.mode if cooling else eb_plus_mode(self.mode, lhs, rhs, self.n_obs, self.delta,
+                                                     self.mb_margin, self.min_occupancy)
+        self._cool = max(0, self._cool - 1)
+        self.decisions.append({"time": v.now, "n_obs": self.n_obs, "lhs": lhs, "rhs": rhs, "mode": new,
+                               "cooling": cooling})
         if new != self.mode:
             self.mode = new
             self._prefill = False
