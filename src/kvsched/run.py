@@ -54,6 +54,7 @@ class Result:
     records: RunRecords
     timeline: list | None
     batches: list | None
+    policy_state: Any = None    # the policy object after the run (adaptive state, decisions)
 
     def write(self, out: Path) -> None:
         """Write summary.json, requests.csv, timeline.csv (and batches.csv) into `out`,
@@ -142,4 +143,4 @@ def simulate(scenario: Scenario, policy: str = "vllm-v1", policy_params: dict[st
     records.extra = {"policy": policy, "cost_model": scenario.cost, "model": model.name,
                      "gpu": gpu.name, "block_size": kv.block_size}
     summary = summarize(records, scenario.goodput, scenario.trim)
-    return Result(policy, summary, records, server.timeline, server.batches)
+    return Result(policy, summary, records, server.timeline, server.batches, pol)

@@ -13,6 +13,7 @@ option (the docstrings name both):
 | delta theta                 | uncapped                      | delta_theta_cap=5 (<= 5 theta0)    |
 | theta update                | applied directly              | theta_ema=0.3                      |
 | EB+ switch back to MB       | when eq. (8) fails            | mb_margin=3 (LHS < RHS - 3 delta)  |
+| KV gate (appendix D.6)      | not in Algorithm 1: off       | kv_gate=true                       |
 """
 from __future__ import annotations
 
@@ -172,8 +173,10 @@ class EbAdaptive(ExclusiveBatching):
     theta_max), N* from eq. (6) at the KV capacity, k* = floor(theta* N*); the batch uses
     min(N*, max_num_seqs) slots (section 4.3). alpha/beta come from the server's cost model
     (`cost.fit.coefficients`: a phase model's own values, else lines fitted to its times on
-    batches shaped like the window's mean lengths). The KV gate is on by default, as in the
-    authors' runs. Options for the authors' practice: see the module docstring."""
+    batches shaped like the window's mean lengths). The KV gate of appendix D.6 is not part
+    of Algorithm 1 and is off by default (kv_gate=true turns it on, as the authors run it:
+    with long outputs its eq. (23) reserve reaches the 60% clip and starves the batch).
+    Options for the authors' practice: see the module docstring."""
     eps: float = field(default=0.01, metadata={"help": "allowed probability of exceeding KV (eq. 2)"})
     window: int = field(default=500, metadata={"help": "completions in the estimation window"})
     update_every: int = field(default=100, metadata={"help": "completions between updates"})
@@ -186,7 +189,6 @@ class EbAdaptive(ExclusiveBatching):
     clamp_eta: bool = field(default=False, metadata={"help": "eta = max(eta, 0) (practice)"})
     floor_p0: bool = field(default=False, metadata={"help": "p0 = max(p0, 1/mean output) (practice)"})
     fit_lower_quantile: float = field(default=0.0, metadata={"help": "start of the fit range (0 = t=1; practice 0.05)"})
-    kv_gate: bool = field(default=True, metadata={"help": "defer the prefill phase while free KV is short (D.6)"})
     name = "eb-adaptive"
 
     def __post_init__(self) -> None:
