@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import sys
 import time
 import warnings
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import typer
 from rich.console import Console
 
@@ -36,6 +38,23 @@ def say(kind: str, message: str) -> None:
 def fail(message: str) -> None:
     say("error", message)
     raise typer.Exit(2)
+
+
+def plain(x):
+    """numpy scalars inside dicts and lists -> Python numbers, for json."""
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    return x.item() if isinstance(x, np.generic) else x
+
+
+def emit(payload, as_json: bool, render: Callable[[], object]) -> None:
+    """`--json`: the payload as one JSON line on stdout; else the rendered table."""
+    if as_json:
+        typer.echo(json.dumps(plain(payload), allow_nan=True, default=str))
+    else:
+        Console().print(render())
 
 
 def guard(fn: Callable[[], None]) -> None:

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvsched.cli.common import (HardwareOptions, MemUtil, OutputOptions, Progress, app, guard, hardware_flags,
+from kvsched.cli.common import (HardwareOptions, MemUtil, OutputOptions, Progress, app, emit, guard, hardware_flags,
                                 output_flags, workload_flags)
 from kvsched.errors import KvschedError
 from kvsched.hardware import GPUS, MODELS, get_gpu, get_model, kv_capacity_tokens
@@ -96,15 +96,9 @@ def _scoped_params(params: dict[str, str], names: list[str]) -> dict[str, dict[s
 
 
 def _emit(results: list[Result], as_json: bool, keyed: bool) -> None:
-    if as_json:
-        payload = {r.policy: r.summary for r in results} if keyed else results[0].summary
-        typer.echo(json.dumps(payload, default=str, allow_nan=True))
-        return
-    console = Console()
-    if not keyed:
-        console.print(summary_table(results[0].summary))
-    else:
-        console.print(comparison_table([r.summary for r in results]))
+    summaries = [r.summary for r in results]
+    payload = {r.policy: r.summary for r in results} if keyed else summaries[0]
+    emit(payload, as_json, lambda: comparison_table(summaries) if keyed else summary_table(summaries[0]))
 
 
 @app.command("policies")

@@ -2,16 +2,13 @@
 JSON keys are the papers' quantities; their meaning is in each command's --help."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from kvsched.cli.common import HardwareOptions, JsonOpt, app, guard, hardware_flags, workload_flags
+from kvsched.cli.common import HardwareOptions, JsonOpt, app, emit, guard, hardware_flags, workload_flags
 from kvsched.errors import KvschedError
 from kvsched.report.table import plan_report
 from kvsched.theory import eb, fluid, stability, wait
@@ -25,25 +22,16 @@ ChunkOpt = typer.Option(512, "--chunk-size", help="prefill chunk s_hat, tokens (
 
 
 def _emit(values: dict, as_json: bool, title: str) -> None:
-    if as_json:
-        typer.echo(json.dumps(_plain(values), allow_nan=True))
-        return
+    emit(values, as_json, lambda: _quantities(values, title))
+
+
+def _quantities(values: dict, title: str) -> Table:
     t = Table(title=title, title_justify="left")
     t.add_column("quantity")
     t.add_column("value", justify="right")
     for k, v in values.items():
         t.add_row(k, _text(v))
-    Console().print(t)
-
-
-def _plain(x):
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, np.generic):
-        return x.item()
-    return x
+    return t
 
 
 def _text(v) -> str:
@@ -109,10 +97,7 @@ def plan_cmd(wopts: WorkloadOptions, hw: HardwareOptions,
                          batch_time_estimator=batch_time_estimator, chunk=chunk_size, rate=rate,
                          utilization=utilization, eps=eps, seed=wopts.seed)
         result = plan(inp, validate=validate)
-        if json_:
-            typer.echo(json.dumps(_plain(result), allow_nan=True))
-        else:
-            Console().print(plan_report(result))
+        emit(result, json_, lambda: plan_report(result))
     guard(body)
 
 
@@ -138,28 +123,7 @@ def stability_cmd(wopts: WorkloadOptions,
         wopts.untimed_ok = True
         spec = resolve(wopts)
         w = spec.build()
-        if len(batch_time) not in (1, len(w.phases)):
-            raise KvschedError(f"give one --batch-time, or one per phase ({len(w.phases)})")
-        bs = batch_time * len(w.phases) if len(batch_time) == 1 else batch_time
-        per_phase = []
-        for k, ph in enumerate(spec.phases):
-            exact = None if ph.trace is not None else stability.exact_moments(ph.types, chunk_size)
-            if exact is None:
-                mask = w.phase == k
-                g = stability.mean_lifetime_memory(w.prompt[mask], w.output[mask], chunk_size)
-                top = float((w.prompt[mask] + w.output[mask]).max())
-            else:
-                g, top = exact
-            mu = stability.service_rate(kv_capacity, bs[k], g)
-            per_phase.append((mu, stability.memory_slack(top, kv_capacity), g, exact is not None))
-        shares = [float(np.mean(w.phase == k)) for k in range(len(w.phases))]
-        mu = stability.mixture_rate(shares, [p[0] for p in per_phase])
-        delta = max(p[1] for p in per_phase)
-        out = {"mu": mu, "delta": delta, "stable_rate": stability.stable_rate(mu, delta),
-               "mean_lifetime_memory": float(np.dot(shares, [p[2] for p in per_phase])),
-               "exact": all(p[3] for p in per_phase)}
-        if len(per_phase) > 1:
-            out.update(phase_mu=[p[0] for p in per_phase], phase_share=shares)
+        out = stability.analyse_workload(spec, w, kv_capacity, batch_time, chunk_size)
         _emit(out, json_, f"stability of {w.source}")
     guard(body)
 

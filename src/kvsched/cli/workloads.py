@@ -1,7 +1,6 @@
 """`kvsched workloads`, `kvsched workload stats` and `kvsched workload export`."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -9,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvsched.cli.common import JsonOpt, app, guard, say, workload_flags
+from kvsched.cli.common import JsonOpt, app, emit, guard, say, workload_flags
 from kvsched.errors import KvschedError
 from kvsched.report.table import workload_table
 from kvsched.workload.presets import PRESETS
@@ -49,10 +48,7 @@ def workload_stats_cmd(wopts: WorkloadOptions,
     def body() -> None:
         wopts.keep_hashes = wopts.untimed_ok = True
         stats = workload_stats(load(_with_source(source, wopts)))
-        if json_:
-            typer.echo(json.dumps(stats))
-        else:
-            Console().print(workload_table(stats))
+        emit(stats, json_, lambda: workload_table(stats))
     guard(body)
 
 

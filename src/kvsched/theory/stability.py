@@ -200,3 +200,33 @@ def load_joint_table(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarr
     if not s or sum(w) <= 0:
         raise KvschedError(f"{path}: no (s, o) pair with positive {weight}")
     return np.array(s), np.array(o), np.array(w)
+
+
+def analyse_workload(spec, workload, kv_capacity: float, batch_times: Sequence[float],
+                     chunk: int) -> dict[str, object]:
+    """mu, delta and the stable rate of a built workload, phase by phase: E[g] exact for
+    phases of finite-support request types, else over the phase's requests; several phases
+    combine as mu_mix = (sum_l q_l / mu_l)^-1 (section 5.2), q_l the phases' shares.
+    `batch_times`: one b, or one per phase."""
+    n = len(workload.phases)
+    if len(batch_times) not in (1, n):
+        raise KvschedError(f"give one --batch-time, or one per phase ({n})")
+    bs = list(batch_times) * n if len(batch_times) == 1 else list(batch_times)
+    mus, deltas, gs, exact = [], [], [], []
+    for k, ph in enumerate(spec.phases):
+        moments = None if ph.trace is not None else exact_moments(ph.types, chunk)
+        exact.append(moments is not None)
+        if moments is None:
+            mask = workload.phase == k
+            s, o = workload.prompt[mask], workload.output[mask]
+            moments = (mean_lifetime_memory(s, o, chunk), float((s + o).max()))
+        gs.append(moments[0])
+        mus.append(service_rate(kv_capacity, bs[k], moments[0]))
+        deltas.append(memory_slack(moments[1], kv_capacity))
+    shares = [float(np.mean(workload.phase == k)) for k in range(n)]
+    mu, delta = mixture_rate(shares, mus), max(deltas)
+    out: dict[str, object] = {"mu": mu, "delta": delta, "stable_rate": stable_rate(mu, delta),
+                              "mean_lifetime_memory": float(np.dot(shares, gs)), "exact": all(exact)}
+    if n > 1:
+        out.update(phase_mu=mus, phase_share=shares)
+    return out
