@@ -41,6 +41,18 @@ class GapHistogram:
         if gap > self.max:
             self.max = gap
 
+    @classmethod
+    def merged(cls, parts: list["GapHistogram"]) -> "GapHistogram":
+        """One histogram holding every gap of `parts` (same bins)."""
+        out = cls()
+        for h in parts:
+            out.counts = [a + b for a, b in zip(out.counts, h.counts)]
+            out.n += h.n
+            out.total += h.total
+            out.total_sq += h.total_sq
+            out.max = max(out.max, h.max)
+        return out
+
     def quantile(self, q: float) -> float:
         """Gap at quantile q (0..1): the geometric centre of the bin holding that rank."""
         if self.n == 0:
@@ -111,6 +123,11 @@ class RunRecords:
     busy_time: float
     wall_seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
+    # clusters only: where each request ran, KV transfer seconds, and per-replica counters
+    replica: np.ndarray | None = None
+    decode_replica: np.ndarray | None = None
+    transfer: np.ndarray | None = None
+    replica_stats: list[dict[str, Any]] | None = None
 
 
 def _stats(name: str, values_s: np.ndarray) -> dict[str, float]:
@@ -190,4 +207,41 @@ def summarize(rec: RunRecords, goodput: Goodput | None = None, trim: int = 0) ->
         "wall_seconds": rec.wall_seconds,
     })
     summary.update(rec.extra)
+    if rec.replica_stats is not None:
+        summary.update(cluster_summary(rec, duration))
     return summary
+
+
+def cluster_summary(rec: RunRecords, duration: float) -> dict[str, Any]:
+    """Per-replica breakdown, and for disaggregated pools the KV transfer times and each
+    pool's busy fraction (busy seconds / (replicas x duration))."""
+    done = np.isfinite(rec.finished)
+    cap = rec.kv_capacity_tokens
+    rows = []
+    for st in rec.replica_stats:
+        k = st["replica"]
+        mine = (rec.decode_replica if st["role"] == "decode" else rec.replica) == k
+        fin = mine & done
+        first = mine & np.isfinite(rec.first_token)
+        ttft = (rec.first_token[first] - rec.arrival[first]) * 1000
+        busy = st["busy_time"]
+        rows.append({
+            "replica": k, "role": st["role"], "completed": int(fin.sum()),
+            "request_throughput": int(fin.sum()) / duration if duration > 0 else math.nan,
+            "first_tokens": int(first.sum()),
+            "mean_ttft_ms": float(ttft.mean()) if len(ttft) else math.nan,
+            "p99_ttft_ms": float(np.percentile(ttft, 99)) if len(ttft) else math.nan,
+            "iterations": st["iterations"], "preemptions": st["preemptions"],
+            "busy_fraction": busy / duration if duration > 0 else math.nan,
+            "mean_kv_usage": st["kv_time_integral"] / busy / cap if busy > 0 else 0.0,
+            "peak_kv_usage": st["kv_peak_tokens"] / cap, "peak_queue_length": st["peak_queue"]})
+    out: dict[str, Any] = {"replica_breakdown": rows}
+    if rec.transfer is not None:
+        x = rec.transfer[np.isfinite(rec.transfer)] * 1000
+        out["mean_transfer_ms"] = float(x.mean()) if len(x) else math.nan
+        out["p99_transfer_ms"] = float(np.percentile(x, 99)) if len(x) else math.nan
+        for role in ("prefill", "decode"):
+            pool = [r for r in rows if r["role"] == role]
+            busy = sum(st["busy_time"] for st in rec.replica_stats if st["role"] == role)
+            out[f"{role}_busy_fraction"] = busy / (len(pool) * duration) if duration > 0 else math.nan
+    return out

@@ -1,6 +1,7 @@
 """One simulation from names and numbers: the Python API behind `kvsched simulate/compare`."""
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import math
@@ -16,8 +17,9 @@ from kvsched.errors import KvschedError
 from kvsched.hardware import get_gpu, get_model, kv_capacity_tokens
 from kvsched.kvcache import PagedKV
 from kvsched.metrics import Goodput, RunRecords, summarize
-from kvsched.policies import make_policy
-from kvsched.sim.server import Server
+from kvsched.policies import Policy, make_policy
+from kvsched.sim.cluster import Cluster
+from kvsched.sim.replica import DEFAULT_STALL_BATCHES
 from kvsched.workload.request import Workload
 
 
@@ -36,6 +38,28 @@ class Scenario:
     goodput: Goodput | None = None
     trim: int = 0
     strict: bool = False
+    replicas: int = 1                       # replicas behind `router` (ignored when disaggregated)
+    router: str = "round-robin"
+    router_seed: int = 0
+    prefill_replicas: int = 0               # > 0 with decode_replicas > 0: disaggregated pools
+    decode_replicas: int = 0
+    kv_transfer_bandwidth: float = 25.0     # GB/s (1e9 bytes) per prefill replica's link
+    kv_transfer_latency: float = 0.0        # seconds
+    stall_batches: int = DEFAULT_STALL_BATCHES   # batches without an output token before a policy is stopped
+
+    def pools(self) -> tuple[int, int]:
+        """(replicas, prefill replicas), checked."""
+        p, d = self.prefill_replicas, self.decode_replicas
+        if p or d:
+            if p < 1 or d < 1:
+                raise KvschedError(f"disaggregation needs --prefill-replicas >= 1 and --decode-replicas >= 1, "
+                                   f"got {p} and {d}")
+            if self.replicas != 1:
+                raise KvschedError("give either --replicas or --prefill-replicas/--decode-replicas, not both")
+            return p + d, p
+        if self.replicas < 1:
+            raise KvschedError(f"--replicas must be >= 1, got {self.replicas}")
+        return self.replicas, 0
 
     def resolve(self):
         model, gpu = get_model(self.model), get_gpu(self.gpu)
@@ -55,6 +79,7 @@ class Result:
     timeline: list | None
     batches: list | None
     policy_state: Any = None    # the policy object after the run (adaptive state, decisions)
+    policies: list = field(default_factory=list)    # every replica's policy object, in order
 
     def write(self, out: Path) -> None:
         """Write summary.json, requests.csv, timeline.csv (and batches.csv) into `out`,
@@ -64,13 +89,17 @@ class Result:
     def write_files(self, d: Path) -> None:
         (d / "summary.json").write_text(json.dumps(_jsonable(self.summary), indent=2) + "\n")
         r = self.records
+        n = len(r.arrival)
+        replica = r.replica.tolist() if r.replica is not None else [0 if not x else -1 for x in r.rejected.tolist()]
+        extra_cols = ["decode_replica", "transfer_s"] if r.decode_replica is not None else []
         with open(d / "requests.csv", "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["id", "arrival", "prompt_tokens", "output_tokens", "status", "admitted",
                         "first_token", "finished", "ttft", "e2el", "preemptions",
-                        "recomputed_tokens", "itl_count", "itl_max", "itl_sum", "tbt_violations"])
+                        "recomputed_tokens", "itl_count", "itl_max", "itl_sum", "tbt_violations",
+                        "replica"] + extra_cols)
             ids = r.ids
-            for k in range(len(r.arrival)):
+            for k in range(n):
                 status = "rejected" if r.rejected[k] else ("finished" if math.isfinite(r.finished[k]) else "unfinished")
                 fin = r.finished[k] if math.isfinite(r.finished[k]) else ""
                 first = r.first_token[k] if math.isfinite(r.first_token[k]) else ""
@@ -81,12 +110,20 @@ class Result:
                 w.writerow([int(ids[k]), r.arrival[k], int(r.prompt[k]), int(r.output[k]), status,
                             adm, first, fin, ttft, e2el, int(r.preemptions[k]), int(r.recomputed[k]),
                             int(r.output[k]) - 1 if fin != "" else "", r.itl_max[k] if fin != "" else "",
-                            itl_sum, int(r.tbt_violations[k])])
+                            itl_sum, int(r.tbt_violations[k]), replica[k]] + self._pd_cells(k))
         if self.timeline is not None:
             _write_rows(d / "timeline.csv", ["time", "queue_length", "running", "kv_used_tokens"], self.timeline)
         if self.batches is not None:
             _write_rows(d / "batches.csv", ["start", "duration", "prefill_tokens", "prefill_requests",
                                             "decode_requests", "kv_used_tokens"], self.batches)
+
+
+    def _pd_cells(self, k: int) -> list:
+        r = self.records
+        if r.decode_replica is None:
+            return []
+        d, x = int(r.decode_replica[k]), float(r.transfer[k])
+        return [d if d >= 0 else "", x if math.isfinite(x) else ""]
 
 
 def _write_rows(path: Path, header: list[str], rows) -> None:
@@ -128,19 +165,52 @@ def write_atomically(out: Path, fill: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def simulate(scenario: Scenario, policy: str = "vllm-v1", policy_params: dict[str, Any] | None = None,
+def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params: dict[str, Any] | None = None,
              *, record_timeline: bool = False, record_batches: bool = False,
-             progress: Callable[[int, int], None] | None = None) -> Result:
-    """Run one policy on a scenario and summarize it."""
+             progress: Callable[[int, int], None] | None = None,
+             decode_policy: str | Policy | None = None, decode_params: dict[str, Any] | None = None) -> Result:
+    """Run one policy on a scenario and summarize it.
+
+    `policy` is a name from `kvsched.policies.POLICIES` (built with `policy_params`) or a
+    policy object (anything with `name` and `schedule(view) -> Plan`; see README). Each
+    replica gets its own copy (policies keep state). When prefill and decode are
+    disaggregated, `decode_policy` (default: the same) runs on the decode replicas.
+    """
     model, gpu, tokens, cost = scenario.resolve()
-    pol = make_policy(policy, policy_params or {}, gpu)
+    replicas, prefill = scenario.pools()
+    pols = [_policy(policy, policy_params, gpu, k) for k in range(prefill or replicas)]
+    if prefill:
+        if decode_policy is None:
+            dp, dparams = policy, {**(policy_params or {}), **(decode_params or {})}
+        else:
+            dp, dparams = decode_policy, decode_params
+        pols += [_policy(dp, dparams, gpu, k) for k in range(replicas - prefill)]
     kv = PagedKV(tokens, scenario.block_size)
     max_len = scenario.max_model_len if scenario.max_model_len is not None else model.max_len
-    server = Server(scenario.workload, pol, cost, kv, max_model_len=max_len,
-                    record_timeline=record_timeline, record_batches=record_batches,
-                    strict=scenario.strict)
-    records = server.run(progress)
-    records.extra = {"policy": policy, "cost_model": scenario.cost, "model": model.name,
+    cluster = Cluster(scenario.workload, pols, cost, kv, router=scenario.router, router_seed=scenario.router_seed,
+                      prefill_replicas=prefill, kv_bytes_per_token=model.kv_bytes_per_token,
+                      bandwidth_gbps=scenario.kv_transfer_bandwidth, latency_s=scenario.kv_transfer_latency,
+                      max_model_len=max_len, record_timeline=record_timeline, record_batches=record_batches,
+                      strict=scenario.strict, stall_batches=scenario.stall_batches)
+    records = cluster.run(progress)
+    name = pols[0].name if hasattr(pols[0], "name") else type(pols[0]).__name__
+    records.extra = {"policy": name, "cost_model": scenario.cost, "model": model.name,
                      "gpu": gpu.name, "block_size": kv.block_size}
+    if replicas > 1:
+        records.extra.update({"replicas": replicas, "router": cluster.router.name})
+    if prefill:
+        records.extra.update({"prefill_replicas": prefill, "decode_replicas": replicas - prefill,
+                              "decode_policy": pols[-1].name})
     summary = summarize(records, scenario.goodput, scenario.trim)
-    return Result(policy, summary, records, server.timeline, server.batches, pol)
+    return Result(name, summary, records, cluster.timeline, cluster.batches, pols[0], pols)
+
+
+def _policy(policy: str | Policy, params: dict[str, Any] | None, gpu, k: int) -> Policy:
+    """A fresh policy for replica k: built from its name, or a copy of the given object."""
+    if isinstance(policy, str):
+        return make_policy(policy, params or {}, gpu)
+    if params:
+        raise KvschedError("policy parameters go with a policy name; a policy object is used as given")
+    if not callable(getattr(policy, "schedule", None)):
+        raise KvschedError(f"{type(policy).__name__} is not a policy: it has no schedule(view) method")
+    return policy if k == 0 else copy.deepcopy(policy)

@@ -2,6 +2,7 @@
 flags and the hardware and output options (their names are a contract)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -22,6 +23,9 @@ from kvsched.metrics import Goodput
 from kvsched.params import parse_assignments
 from kvsched.hardware import get_gpu, get_model
 from kvsched.run import Scenario
+from kvsched.sim.replica import DEFAULT_STALL_BATCHES
+from kvsched.sim.routers import ROUTERS
+from kvsched.sim.transfer import KVLink
 from kvsched.workload.readers import FORMATS
 from kvsched.workload.source import DEFAULT_LENGTH, DEFAULT_RATE, WorkloadOptions
 
@@ -193,3 +197,55 @@ class OutputOptions:
 
 
 output_flags = _flags(OUTPUT_FLAGS, OutputOptions, "outs")
+
+# Replicas, routing, disaggregation and engine safety of simulate and compare (names are a contract).
+CLUSTER_FLAGS = {
+    "replicas": (int, typer.Option(1, "--replicas", help="replicas behind the router")),
+    "router": (str, typer.Option("round-robin", "--router", help=f"routing: {', '.join(ROUTERS)}")),
+    "prefill_replicas": (int, typer.Option(0, "--prefill-replicas", help="disaggregate: replicas that only prefill")),
+    "decode_replicas": (int, typer.Option(0, "--decode-replicas", help="disaggregate: replicas that decode")),
+    "kv_transfer_bandwidth": (float, typer.Option(25.0, "--kv-transfer-bandwidth", help="GB/s (1e9 bytes) of each prefill replica's KV link")),
+    "kv_transfer_latency": (float, typer.Option(0.0, "--kv-transfer-latency", help="seconds added to every KV transfer")),
+    "decode_policy": (Optional[str], typer.Option(None, "--decode-policy", help="policy of the decode replicas (default: --policy)")),
+    "decode_set": (list[str], typer.Option([], "--decode-set", help="decode policy parameter key=value (repeatable)")),
+    "stall_batches": (int, typer.Option(DEFAULT_STALL_BATCHES, "--stall-batches", help="stop a policy after this many batches without an output token")),
+}
+
+
+@dataclass
+class ClusterOptions:
+    replicas: int
+    router: str
+    prefill_replicas: int
+    decode_replicas: int
+    kv_transfer_bandwidth: float
+    kv_transfer_latency: float
+    decode_policy: Optional[str]
+    decode_set: list[str]
+    stall_batches: int
+
+    def apply(self, sc: Scenario, seed: int) -> Scenario:
+        """The scenario with these replicas, router (seeded by the workload --seed) and link."""
+        if self.router not in ROUTERS:
+            raise KvschedError(f"--router: unknown router {self.router!r}; known: {', '.join(ROUTERS)}")
+        if self.stall_batches < 1:
+            raise KvschedError(f"--stall-batches must be >= 1, got {self.stall_batches}")
+        if (self.decode_policy or self.decode_set) and not (self.prefill_replicas or self.decode_replicas):
+            raise KvschedError("--decode-policy and --decode-set need --prefill-replicas and --decode-replicas")
+        sc = dataclasses.replace(
+            sc, replicas=self.replicas, router=self.router, router_seed=seed,
+            prefill_replicas=self.prefill_replicas, decode_replicas=self.decode_replicas,
+            kv_transfer_bandwidth=self.kv_transfer_bandwidth, kv_transfer_latency=self.kv_transfer_latency,
+            stall_batches=self.stall_batches)
+        sc.pools()
+        KVLink(self.kv_transfer_bandwidth, self.kv_transfer_latency)     # checks both
+        return sc
+
+    def decode_args(self) -> dict:
+        """simulate()'s decode_policy / decode_params."""
+        if self.decode_policy is None:
+            return {"decode_params": parse_assignments(self.decode_set, "--decode-set")} if self.decode_set else {}
+        return {"decode_policy": self.decode_policy, "decode_params": parse_assignments(self.decode_set, "--decode-set")}
+
+
+cluster_flags = _flags(CLUSTER_FLAGS, ClusterOptions, "copts")

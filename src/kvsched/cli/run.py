@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvsched.cli.common import (HardwareOptions, MemUtil, OutputOptions, Progress, app, emit, guard, hardware_flags,
-                                output_flags, workload_flags)
+from kvsched.cli.common import (ClusterOptions, HardwareOptions, MemUtil, OutputOptions, Progress, app, cluster_flags,
+                                emit, guard, hardware_flags, output_flags, workload_flags)
 from kvsched.errors import KvschedError
 from kvsched.hardware import GPUS, MODELS, get_gpu, get_model, kv_capacity_tokens
 from kvsched.params import describe, parse_assignments
@@ -23,22 +23,24 @@ from kvsched.workload.source import WorkloadOptions, load
 @app.command("simulate")
 @workload_flags
 @hardware_flags
+@cluster_flags
 @output_flags
-def simulate_cmd(wopts: WorkloadOptions, hw: HardwareOptions, outs: OutputOptions,
+def simulate_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOptions, outs: OutputOptions,
                  policy: str = typer.Option("vllm-v1", "--policy"),
                  set_: list[str] = typer.Option([], "--set", help="policy parameter key=value (repeatable)")) -> None:
-    """Simulate one policy on a workload."""
+    """Simulate one policy on a workload (one replica, a cluster, or prefill/decode pools)."""
     def body() -> None:
-        sc = hw.scenario(load(wopts), outs.goodput, outs.trim, outs.strict)
-        _run_policies(sc, {policy: parse_assignments(set_, "--set")}, outs, keyed=False)
+        sc = copts.apply(hw.scenario(load(wopts), outs.goodput, outs.trim, outs.strict), wopts.seed)
+        _run_policies(sc, {policy: parse_assignments(set_, "--set")}, outs, keyed=False, decode=copts.decode_args())
     guard(body)
 
 
 @app.command("compare")
 @workload_flags
 @hardware_flags
+@cluster_flags
 @output_flags
-def compare_cmd(wopts: WorkloadOptions, hw: HardwareOptions, outs: OutputOptions,
+def compare_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOptions, outs: OutputOptions,
                 policies: str = typer.Option(",".join(POLICIES), "--policies", help="comma-separated policy names"),
                 set_: list[str] = typer.Option([], "--set", help="POLICY.key=value, or key=value for every policy that has key")) -> None:
     """Run several policies on one workload and show them side by side."""
@@ -47,12 +49,14 @@ def compare_cmd(wopts: WorkloadOptions, hw: HardwareOptions, outs: OutputOptions
         unknown = [p for p in names if p not in POLICIES]
         if unknown or not names:
             raise KvschedError(f"unknown policy {unknown[0] if unknown else policies!r}; known: {', '.join(POLICIES)}")
-        sc = hw.scenario(load(wopts), outs.goodput, outs.trim, outs.strict)
-        _run_policies(sc, _scoped_params(parse_assignments(set_, "--set"), names), outs, keyed=True)
+        sc = copts.apply(hw.scenario(load(wopts), outs.goodput, outs.trim, outs.strict), wopts.seed)
+        _run_policies(sc, _scoped_params(parse_assignments(set_, "--set"), names), outs, keyed=True,
+                      decode=copts.decode_args())
     guard(body)
 
 
-def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], outs: OutputOptions, keyed: bool) -> None:
+def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], outs: OutputOptions, keyed: bool,
+                  decode: dict | None = None) -> None:
     """Simulate each policy on the scenario, write --out (one folder per policy when keyed)
     only once all have run, and print the table or JSON."""
     json_, out, record_batches = outs.json_, outs.out, outs.record_batches
@@ -61,7 +65,8 @@ def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], outs: OutputOpt
         bar = Progress(not json_, name)
         try:
             results.append(simulate(sc, name, params, record_timeline=out is not None,
-                                    record_batches=record_batches and out is not None, progress=bar))
+                                    record_batches=record_batches and out is not None, progress=bar,
+                                    **(decode or {})))
         finally:
             bar.close()
     if out is not None:

@@ -1,7 +1,7 @@
 """The shape of one batch: what every cost model needs, as aggregates over its requests."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -16,6 +16,9 @@ class BatchShape:
     decode_seqs:    requests decoding one token.
     decode_ctx:     KV tokens the decodes attend over, sum of context lengths including the
                     token computed in this batch (prompt + tokens generated so far).
+    chunks:         each prefill chunk as (tokens already computed, chunk tokens), for models
+                    with per-chunk terms (e.g. GEMM tile ceilings); decodes stay aggregated.
+                    Empty when the shape is built from aggregates only (arrays of batches).
     """
     prefill_tokens: float = 0
     prefill_seqs: float = 0
@@ -23,6 +26,7 @@ class BatchShape:
     prefill_ctx: float = 0
     decode_seqs: float = 0
     decode_ctx: float = 0
+    chunks: list[tuple[int, int]] | tuple = field(default_factory=tuple)
 
     @property
     def tokens(self):

@@ -1,8 +1,9 @@
-"""The policy contract (ARCHITECTURE.md, "Policy"): a read-only view in, a plan out."""
+"""The policy contract (docs/architecture.md, "Policy contract"): a read-only view in, a plan
+out, optional hooks to learn from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Collection, Iterable, Protocol, Sequence
 
 
 @dataclass(slots=True)
@@ -13,25 +14,32 @@ class Plan:
     admit:   waiting requests to start (they hold no KV until a chunk runs).
     chunks:  (request, tokens) prefill chunks for requests in their prefill phase
              (admitted ones included); the last chunk of a prefill yields an output token.
-    decode:  True runs one decode token for every request in its decode phase.
-    An empty plan (nothing to compute) means: wait for the next arrival.
+    decode:  True: every request in its decode phase decodes one token (the O(1) path);
+             False: none; or a collection of request ids in their decode phase: exactly
+             those decode, the others stay paused with their KV held (their next
+             inter-token gap spans the batches they sat out).
+    An empty plan (nothing to compute) means: wait for the next event (an arrival, KV freed).
     """
     admit: list[int] = field(default_factory=list)
     chunks: list[tuple[int, int]] = field(default_factory=list)
-    decode: bool = False
+    decode: bool | Collection[int] = False
     preempt: list[int] = field(default_factory=list)
 
 
 class ServerView(Protocol):
-    """What a policy may read at a batch boundary (the server implements it; read only).
+    """What a policy may read at a batch boundary (the replica's `ReplicaView`). Read only:
+    assigning any attribute raises an error naming the policy.
 
     Requests are integer ids (workload indices). Lengths are tokens; KV is counted in blocks.
     """
+    index: int                        # the replica's number in its cluster (0 alone)
+    role: str                         # "mixed", or "prefill" / "decode" when disaggregated
     now: float
     waiting: Sequence[int]            # queue, front first (preempted requests go to the front)
     running: Iterable[int]            # admitted requests, oldest admission first
     prefilling: Iterable[int]         # running requests still in their prefill phase
-    num_decoding: int                 # running requests in their decode phase
+    decoding: Collection[int]         # running requests in their decode phase (paused ones too)
+    num_decoding: int                 # len(decoding)
     block_size: int
     kv_capacity_blocks: int
     kv_used_blocks: int
@@ -39,6 +47,10 @@ class ServerView(Protocol):
     decode_new_blocks: int            # blocks one decode step of every decoder needs
     recent_batch_times: Sequence[float]
     recent_finished: Sequence[tuple[int, int]]   # (prompt, output) of recent finishes
+    mean_batch_time: float | None     # mean over every batch since the start (None before one)
+    iterations: int                   # batches run so far
+    arrivals_pending: bool            # whether any request is still to arrive (anywhere)
+    next_arrival: float | None        # time of the next arrival when known (None in a closed loop)
     cost_model: object                # the batch-time model (`time(BatchShape)`), for calibration
 
     def blocks_for(self, tokens: int) -> int: ...
@@ -48,15 +60,21 @@ class ServerView(Protocol):
     def prefill_target(self, i: int) -> int: ...      # prompt (+ generated tokens after preemption)
     def prefill_done(self, i: int) -> int: ...
     def generated(self, i: int) -> int: ...
+    def kv_tokens(self, i: int) -> int: ...
     def kv_blocks(self, i: int) -> int: ...
-    def is_decoding(self, i: int) -> bool: ...
+    def is_decoding(self, i: int) -> bool: ...        # in its decode phase (selected or paused)
     def needs_block(self, i: int) -> bool: ...        # its next decode token opens a new block
     def tier_priority(self, i: int) -> int: ...
+    def tbt_slo(self, i: int) -> float: ...           # seconds; infinity when its tier has none
+    def last_token_time(self, i: int) -> float | None: ...   # None before its first token
 
 
 class Policy(Protocol):
+    """`schedule` is required; the hooks are optional (called when the policy has them):
+    on_finish(i, view) when request i finishes, on_preempt(i, view) after the replica
+    preempted i for the policy's plan, on_batch_end(view) after every batch. A policy that
+    raises, returns something other than a `Plan`, names an unknown request or makes no
+    progress stops the run with one error naming it."""
     name: str
 
     def schedule(self, view: ServerView) -> Plan: ...
-
-    def on_finish(self, i: int, view: ServerView) -> None: ...

@@ -19,8 +19,19 @@ ROWS = [
     ("mean_kv_usage", "mean KV use"), ("peak_kv_usage", "peak KV use"),
     ("peak_queue_length", "peak queue"), ("preemptions", "preemptions"),
     ("iterations", "iterations"), ("simulated_seconds", "simulated s"), ("wall_seconds", "wall s"),
+    ("replicas", "replicas"), ("router", "router"), ("prefill_replicas", "prefill replicas"),
+    ("decode_replicas", "decode replicas"), ("decode_policy", "decode policy"),
+    ("mean_transfer_ms", "mean KV transfer ms"), ("p99_transfer_ms", "p99 KV transfer ms"),
+    ("prefill_busy_fraction", "prefill pool busy"), ("decode_busy_fraction", "decode pool busy"),
 ]
-PERCENT = {"mean_kv_usage", "peak_kv_usage"}
+OPTIONAL = {"replicas", "router", "prefill_replicas", "decode_replicas", "decode_policy", "mean_transfer_ms",
+            "p99_transfer_ms", "prefill_busy_fraction", "decode_busy_fraction"}   # shown when present
+PERCENT = {"mean_kv_usage", "peak_kv_usage", "prefill_busy_fraction", "decode_busy_fraction",
+           "busy_fraction"}
+REPLICA_COLUMNS = [("replica", "replica"), ("role", "role"), ("completed", "completed"),
+                   ("request_throughput", "requests/s"), ("mean_ttft_ms", "mean TTFT ms"),
+                   ("iterations", "iterations"), ("preemptions", "preemptions"), ("busy_fraction", "busy"),
+                   ("mean_kv_usage", "mean KV use"), ("peak_queue_length", "peak queue")]
 
 
 def _fmt(key: str, v: Any) -> str:
@@ -33,14 +44,25 @@ def _fmt(key: str, v: Any) -> str:
     return f"{v:,}" if isinstance(v, int) else str(v)
 
 
-def summary_table(s: dict[str, Any]) -> Table:
+def _rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(k, label) for k, label in ROWS if k not in OPTIONAL or any(k in s for s in summaries)]
+
+
+def summary_table(s: dict[str, Any]) -> Table | Group:
     t = Table(title=f"{s.get('policy')} on {s.get('model')} / {s.get('gpu')} ({s.get('cost_model')} cost)",
               title_justify="left")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    for key, label in ROWS:
+    for key, label in _rows([s]):
         t.add_row(label, _fmt(key, s.get(key)))
-    return t
+    if not s.get("replica_breakdown"):
+        return t
+    per = Table(title="per replica", title_justify="left")
+    for _, label in REPLICA_COLUMNS:
+        per.add_column(label, justify="right")
+    for row in s["replica_breakdown"]:
+        per.add_row(*(_fmt(k, row.get(k)) for k, _ in REPLICA_COLUMNS))
+    return Group(t, per)
 
 
 def comparison_table(summaries: Sequence[dict[str, Any]]) -> Table:
@@ -50,7 +72,7 @@ def comparison_table(summaries: Sequence[dict[str, Any]]) -> Table:
     t.add_column("metric")
     for s in summaries:
         t.add_column(str(s.get("policy")), justify="right")
-    for key, label in ROWS:
+    for key, label in _rows(summaries):
         t.add_row(label, *(_fmt(key, s.get(key)) for s in summaries))
     return t
 

@@ -1,7 +1,8 @@
-"""Requests in their decode phase, advanced together by one clock.
+"""Requests in their decode phase: cohorts that advance together, one clock per cohort.
 
-Every decode step adds one token to every member, so a member's state is its state at
-join plus (clock - clock at join). That makes a step O(1) whatever the batch size:
+Every decode step adds one token to every member of a stepping cohort, so a member's state
+is its state at join plus (cohort clock - clock at join). That makes a step O(1) whatever
+the cohort's size:
 - completions: a heap of the clock at which each member reaches its output length;
 - KV growth: a member opens a new block when its KV length is a multiple of the block
   size, and KV length - clock is constant per member, so members are counted by that
@@ -9,15 +10,28 @@ join plus (clock - clock at join). That makes a step O(1) whatever the batch siz
 - inter-token gaps: the gap of step k is the same for every member that also decoded at
   step k - 1, so gaps are kept per step (a buffer trimmed to the oldest member) and a
   member's maximum gap and SLO misses are read off its window when it leaves.
+
+A policy may decode a chosen subset of the decoders (`Plan.decode` as a set of ids). The
+others are paused: their cohort's clock does not move, so their KV is held and their next
+gap spans the batches they sat out. A selection that cuts a cohort splits it, moving the
+smaller side into a new cohort; cohorts selected alike are merged when there are more than
+`MAX_COHORTS`. Moving a member costs O(1) plus its gap window, so the cost of a batch grows
+with the number of requests whose selection changed, not with the batch size; decoding
+every member (`decode=True`) steps each cohort and moves nobody.
 """
 from __future__ import annotations
 
 import heapq
+from typing import Callable
 
 import numpy as np
 
+MAX_COHORTS = 8
 
-class DecodeSet:
+
+class Cohort:
+    """Members advanced together by one clock."""
+
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.clock = 0
@@ -44,6 +58,10 @@ class DecodeSet:
         c0, _, g0, _ = self.members[i]
         return g0 + self.clock - c0
 
+    def last_token(self, i: int) -> float:
+        c0, _, _, t0 = self.members[i]
+        return self.last_time if self.clock > c0 else t0
+
     def join(self, i: int, kv: int, gen: int, output: int, time: float) -> None:
         c = self.clock
         self.members[i] = (c, kv, gen, time)
@@ -57,7 +75,7 @@ class DecodeSet:
 
     def step(self, end: float) -> float:
         """One decode step ending at `end`; returns its gap for members that decoded the
-        step before (the fresh ones have their own first gap: end - their join time)."""
+        step before (the fresh ones have their own first gap: end - their last token)."""
         self.clock += 1
         gap = end - self.last_time
         k = self.clock - self._base
@@ -106,3 +124,83 @@ class DecodeSet:
         gaps = np.zeros(size)
         gaps[:len(kept)] = kept
         self._gaps, self._base = gaps, keep_from
+
+
+class DecodeSet:
+    """Every request in its decode phase, in cohorts (see the module docstring).
+
+    `move(i, src, dst)` is the owner's: it removes i from cohort `src` (folding its gap
+    window into its records) and joins it to `dst`; the owner keeps per-request records.
+    """
+
+    def __init__(self, block_size: int, move: Callable[[int, Cohort, Cohort], None]) -> None:
+        self.block_size = block_size
+        self.cohorts: list[Cohort] = [Cohort(block_size)]
+        self.where: dict[int, Cohort] = {}     # member -> its cohort (insertion order: join order)
+        self._move = move
+
+    @property
+    def n(self) -> int:
+        return len(self.where)
+
+    @property
+    def new_blocks(self) -> int:
+        """Blocks one decode step of every member needs."""
+        cs = self.cohorts
+        return cs[0].new_blocks if len(cs) == 1 else sum(c.new_blocks for c in cs)
+
+    def kv(self, i: int) -> int:
+        return self.where[i].kv(i)
+
+    def gen(self, i: int) -> int:
+        return self.where[i].gen(i)
+
+    def last_token(self, i: int) -> float:
+        return self.where[i].last_token(i)
+
+    def join(self, i: int, kv: int, gen: int, output: int, time: float) -> None:
+        c = self.cohorts[0]
+        c.join(i, kv, gen, output, time)
+        self.where[i] = c
+
+    def leave(self, i: int) -> tuple[int, int, float, np.ndarray]:
+        return self.where.pop(i).leave(i)
+
+    def select(self, chosen: set[int]) -> list[Cohort]:
+        """Split cohorts so that `chosen` (a subset of the members) is exactly a union of
+        cohorts; returns those cohorts. Requests whose cohort is not returned stay paused."""
+        on: list[Cohort] = []
+        off: list[Cohort] = []
+        for c in self.cohorts:
+            if not c.n:
+                continue
+            inside = chosen.intersection(c.members)
+            k = len(inside)
+            if k == c.n:
+                on.append(c)
+            elif k == 0:
+                off.append(c)
+            else:
+                new = Cohort(self.block_size)
+                if 2 * k <= c.n:
+                    self._transfer(inside, c, new)
+                    on.append(new)
+                    off.append(c)
+                else:
+                    self._transfer(c.members.keys() - inside, c, new)
+                    on.append(c)
+                    off.append(new)
+        while len(on) + len(off) > MAX_COHORTS:
+            group = min((g for g in (on, off) if len(g) > 1), key=lambda g: min(c.n for c in g))
+            group.sort(key=lambda c: c.n)
+            small = group.pop(0)
+            self._transfer(list(small.members), small, group[-1])
+        on.sort(key=lambda c: -c.n)
+        self.cohorts = (on + off) or [Cohort(self.block_size)]
+        return on
+
+    def _transfer(self, ids, src: Cohort, dst: Cohort) -> None:
+        where, move = self.where, self._move
+        for i in sorted(ids):                   # sorted: the same runs give the same heaps
+            move(i, src, dst)
+            where[i] = dst

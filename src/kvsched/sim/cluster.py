@@ -1,0 +1,229 @@
+"""Replicas behind a router, one event loop in time order (docs/architecture.md, "Cluster").
+
+Events, earliest first; at equal times: arrivals, then the loop's own events (closed-loop
+seats freed, prefill hand-offs, KV landing), then the replica steps (lowest index first).
+A replica steps at its clock and jumps to the end of the batch it runs, so every other
+replica's events up to that end are processed before it decides again.
+
+Prefill/decode disaggregation (`prefill_replicas` > 0): arrivals are routed to the prefill
+replicas, whose requests hand off at their first token; at that moment the decode router
+picks a decode replica, and the request's KV (its tokens x the model's KV bytes per token)
+crosses the prefill replica's FIFO link (`KVLink`). The prefill replica frees the KV when
+the transfer lands; the decode replica takes the request into its decode set once the KV
+fits there (waiting in arrival order meanwhile, the received KV held outside its pool).
+A preemption on a decode replica recomputes there (its policy prefills the request again);
+this keeps a decode replica's work local, as DistServe's decode instances do.
+"""
+from __future__ import annotations
+
+import heapq
+import time as _time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvsched.errors import KvschedError, PlanError
+from kvsched.kvcache import PagedKV
+from kvsched.metrics import GapHistogram, RunRecords
+from kvsched.sim.replica import DEFAULT_STALL_BATCHES, Arrivals, Replica
+from kvsched.sim.requests import INF, RequestTable
+from kvsched.sim.routers import ReplicaSummary, Router, make_router
+from kvsched.sim.transfer import KVLink
+from kvsched.workload.request import Workload
+
+SEAT, HANDOFF, LAND = range(3)
+
+
+class Cluster:
+    """`policies` has one policy object per replica (policies keep state). With
+    `prefill_replicas` = P > 0 the first P replicas are the prefill pool, the rest the
+    decode pool; `kv_bytes_per_token`, `bandwidth_gbps` and `latency_s` set the link."""
+
+    def __init__(self, workload: Workload, policies: Sequence, cost, kv: PagedKV, *,
+                 router: str | Router = "round-robin", router_seed: int = 0, prefill_replicas: int = 0,
+                 kv_bytes_per_token: float = 0.0, bandwidth_gbps: float = 25.0, latency_s: float = 0.0,
+                 max_model_len: int | None = None, record_timeline: bool = False,
+                 record_batches: bool = False, strict: bool = False,
+                 stall_batches: int = DEFAULT_STALL_BATCHES) -> None:
+        r = len(policies)
+        if r < 1:
+            raise KvschedError("a cluster needs at least one replica")
+        if prefill_replicas and not 0 < prefill_replicas < r:
+            raise KvschedError(f"{prefill_replicas} prefill replicas out of {r} leaves no decode replica")
+        self.reqs = RequestTable(workload, kv.block_size, kv.capacity_blocks,
+                                 max_model_len=max_model_len, strict=strict)
+        self.arrivals = Arrivals()
+        self.disaggregated = prefill_replicas > 0
+        self.replicas: list[Replica] = []
+        for k, pol in enumerate(policies):
+            role = "mixed" if not self.disaggregated else ("prefill" if k < prefill_replicas else "decode")
+            self.replicas.append(Replica(
+                self.reqs, pol, cost, kv if k == 0 else PagedKV(kv.capacity_tokens, kv.block_size),
+                index=k, role=role, arrivals=self.arrivals, record_timeline=record_timeline,
+                record_batches=record_batches, stall_batches=stall_batches,
+                handoff=self._handoff if role == "prefill" else None))
+        self.front = self.replicas[:prefill_replicas] if self.disaggregated else self.replicas
+        self.back = self.replicas[prefill_replicas:]
+        self.router = make_router(router, router_seed) if isinstance(router, str) else router
+        self.decode_router = make_router(self.router.name, router_seed + 1) if self.disaggregated else None
+        self.links = [KVLink(bandwidth_gbps, latency_s) for _ in self.front] if self.disaggregated else []
+        self.kv_bytes_per_token = kv_bytes_per_token
+        n = self.reqs.n
+        self.decode_replica = np.full(n, -1, np.int32) if self.disaggregated else None
+        self.transfer = np.full(n, np.nan) if self.disaggregated else None
+        self._events: list[tuple] = []
+        self._seq = 0
+        self._seats = 0
+
+    # ----- events ----------------------------------------------------------------------
+    def _push(self, t: float, kind: int, *payload) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, *payload))
+
+    def _handoff(self, i: int, t: float) -> None:
+        """A prefill replica's request yielded its first token at t (the replica runs ahead of
+        the loop, so the hand-off is an event at t)."""
+        self._push(t, HANDOFF, i)
+
+    def _route(self, router: Router, pool: list[Replica], i: int, t: float) -> int:
+        if len(pool) == 1:
+            return 0
+        if not router.uses_state:
+            return router.route(i, t, len(pool))
+        view = []
+        for k, rep in enumerate(pool):
+            out, kv, backlog = rep.summary_at(t)
+            view.append(ReplicaSummary(k, out, kv, rep.kv_capacity_blocks, backlog))
+        k = router.route(i, t, view)
+        if not (isinstance(k, (int, np.integer)) and 0 <= k < len(pool)):
+            raise KvschedError(f"router {router.name} chose replica {k!r} of {len(pool)}")
+        return int(k)
+
+    def _arrive(self, i: int, t: float) -> None:
+        k = self._route(self.router, self.front, i, t)
+        self.front[k].accept(i, t)
+        self.reqs.replica[i] = self.front[k].index
+
+    def _event(self, ev: tuple, closed: list[int] | None) -> None:
+        t, _, kind = ev[:3]
+        if kind == SEAT:
+            self._seats -= ev[3]
+            self._issue(t, closed)
+        elif kind == HANDOFF:
+            i = ev[3]
+            p = self.reqs.replica[i]
+            k = self._route(self.decode_router, self.back, i, t)
+            land = self.links[p].send(t, self.reqs.computed[i] * self.kv_bytes_per_token)
+            self.decode_replica[i] = self.back[k].index
+            self.transfer[i] = land - t
+            self._push(land, LAND, i, p, k)
+        else:
+            _, _, _, i, p, k = ev
+            self.replicas[p].release(i, t)
+            self.back[k].land(i, t)
+
+    def _issue(self, t: float, closed: list[int]) -> None:
+        """Closed loop: issue requests while seats are free, arriving now."""
+        reqs, rejected = self.reqs, self.reqs.rejected_list
+        nxt = reqs.issued
+        while nxt < reqs.n and self._seats < closed[nxt]:
+            reqs.arrival[nxt] = t
+            if not rejected[nxt]:
+                self._seats += 1
+                self._arrive(nxt, t)
+            nxt += 1
+        reqs.issued = nxt
+        self.arrivals.pending = nxt < reqs.n
+
+    # ----- the loop ----------------------------------------------------------------------
+    def run(self, progress: Callable[[int, int], None] | None = None) -> RunRecords:
+        wall0 = _time.perf_counter()
+        reqs, reps, events = self.reqs, self.replicas, self._events
+        arrival, rejected, n = reqs.arrival, reqs.rejected_list, reqs.n
+        closed = reqs.workload.concurrency.tolist() if reqs.workload.closed_loop else None
+        arr = self.arrivals
+        if closed is not None:
+            arr.pending, arr.next_time = n > 0, None
+            self._issue(0.0, closed)
+        else:
+            self._set_next(0)
+        single = reps[0] if len(reps) == 1 else None
+        nxt, steps = 0, 0
+        while reqs.done < reqs.remaining:
+            t_arr = arrival[nxt] if closed is None and nxt < n else INF
+            if single is not None:
+                rep, t_rep = single, single.next_event_time()
+            else:
+                rep, t_rep = None, INF
+                for r in reps:
+                    t = r.next_event_time()
+                    if t < t_rep:
+                        rep, t_rep = r, t
+            t_ev = events[0][0] if events else INF
+            if t_arr <= t_rep and t_arr <= t_ev and t_arr < INF:
+                if not rejected[nxt]:
+                    self._arrive(nxt, t_arr)
+                nxt += 1
+                reqs.issued = nxt
+                self._set_next(nxt)
+            elif t_ev <= t_rep and t_ev < INF:
+                self._event(heapq.heappop(events), closed)
+            elif t_rep == INF:
+                self._deadlock(closed is not None)
+            else:
+                before = reqs.done
+                if rep.step():
+                    steps += 1
+                    if progress is not None and steps % 4096 == 0:
+                        progress(reqs.done, reqs.remaining)
+                if closed is not None and reqs.done > before:
+                    self._push(rep.now, SEAT, reqs.done - before)
+        return self._records(_time.perf_counter() - wall0)
+
+    def _set_next(self, nxt: int) -> None:
+        k = self.reqs.next_servable(nxt)
+        self.arrivals.pending = k < self.reqs.n
+        self.arrivals.next_time = self.reqs.arrival[k] if k < self.reqs.n else None
+
+    def _deadlock(self, closed: bool) -> None:
+        stuck = [r for r in self.replicas if r._queue or r._running or r._landing]
+        r = stuck[0] if stuck else self.replicas[0]
+        where = f" on replica {r.index}" if len(self.replicas) > 1 else ""
+        raise PlanError(
+            f"policy {r.name} returned an empty plan with {len(r._queue)} waiting and "
+            f"{len(r._running)} running requests{where} and no arrivals left (deadlock"
+            f"{'; in a closed loop requests arrive only when others finish' if closed else ''})")
+
+    def _records(self, wall: float) -> RunRecords:
+        reqs, reps = self.reqs, self.replicas
+        w = reqs.workload
+        bs = reps[0].block_size
+        itl = reps[0].itl
+        if len(reps) > 1:
+            itl = GapHistogram.merged([r.itl for r in reps])
+        rec = RunRecords(
+            ids=w.ids, arrival=np.array(reqs.arrival, np.float64), prompt=w.prompt, output=w.output,
+            admitted=reqs.admitted, first_token=reqs.first, finished=reqs.finished,
+            preemptions=reqs.preempts, recomputed=reqs.recomputed, itl_max=reqs.itl_max,
+            tbt_violations=reqs.viol, rejected=reqs.rejected, itl=itl,
+            iterations=sum(r.iterations for r in reps), kv_capacity_tokens=reps[0].kv.capacity_tokens,
+            kv_time_integral=sum(r.kv_integral for r in reps) * bs,
+            kv_peak_tokens=max(r.peak_kv for r in reps) * bs, peak_queue=max(r.peak_queue for r in reps),
+            busy_time=sum(r.busy for r in reps), wall_seconds=wall)
+        if len(reps) > 1:
+            rec.replica = reqs.replica
+            rec.decode_replica = self.decode_replica
+            rec.transfer = self.transfer
+            rec.replica_stats = [{"replica": r.index, "role": r.role, "iterations": r.iterations,
+                                  "busy_time": r.busy, "preemptions": r.preemptions,
+                                  "kv_time_integral": r.kv_integral * bs, "kv_peak_tokens": r.peak_kv * bs,
+                                  "peak_queue": r.peak_queue} for r in reps]
+        return rec
+
+    @property
+    def timeline(self):
+        return self.replicas[0].timeline
+
+    @property
+    def batches(self):
+        return self.replicas[0].batches

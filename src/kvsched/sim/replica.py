@@ -1,0 +1,604 @@
+"""One serving replica, simulated iteration by iteration, behind a step API
+(docs/architecture.md, "Replica").
+
+Semantics (vLLM's): the last prefill chunk of a request yields its first output token, so a
+request with o output tokens then needs o - 1 decode steps; KV holds every token computed so
+far (prompt, then one more per decode step: at most prompt + o - 1); preemption is by
+recompute: KV freed, the request goes to the front of the queue and later prefills its prompt
+plus the tokens it had generated. A policy may decode a subset of the decoders; the others
+are paused with their KV held.
+
+Step API: `next_event_time()` is when the replica next decides (its clock, or infinity while
+it is idle or its policy waits for an event); `accept(i, t)` takes a routed request;
+`land(i, t)` takes a request whose KV arrived from a prefill replica; `step()` asks the
+policy for a plan and runs that batch at once: its effects land at the batch's end, where the
+replica's clock moves. Between the start and the end of a batch, routers see the replica as
+it was at the start (`outstanding`, `kv_used_blocks` and `prefill_backlog` of the router
+summary), plus the requests routed to it since.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import numpy as np
+
+from kvsched.cost.shape import BatchShape
+from kvsched.errors import KvschedError, PlanError
+from kvsched.kvcache import PagedKV
+from kvsched.metrics import GapHistogram
+from kvsched.policies.base import Plan
+from kvsched.sim.decode_set import Cohort, DecodeSet
+from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING, RequestTable
+from kvsched.sim.view import ReadOnlySeq, ReplicaView
+
+DEFAULT_STALL_BATCHES = 100_000
+
+
+class Arrivals:
+    """What replicas may know of future arrivals (set by the loop that feeds them)."""
+    __slots__ = ("pending", "next_time")
+
+    def __init__(self) -> None:
+        self.pending = True
+        self.next_time: float | None = None
+
+
+class Replica:
+    """A replica running `policy` with a KV pool and a batch-time model over requests of
+    `reqs`. `role` is "mixed", "prefill" (a request's first token hands it off through
+    `handoff(i, t)` instead of decoding here) or "decode" (requests arrive by `land`)."""
+
+    def __init__(self, reqs: RequestTable, policy, cost, kv: PagedKV, *, index: int = 0,
+                 role: str = "mixed", arrivals: Arrivals | None = None, record_timeline: bool = False,
+                 record_batches: bool = False, stall_batches: int = DEFAULT_STALL_BATCHES,
+                 handoff: Callable[[int, float], None] | None = None) -> None:
+        if stall_batches < 1:
+            raise KvschedError(f"stall_batches must be >= 1, got {stall_batches}")
+        self.reqs, self.policy, self.cost, self.kv = reqs, policy, cost, kv
+        self.index, self.role = index, role
+        self.name = getattr(policy, "name", type(policy).__name__)
+        self.block_size = bs = kv.block_size
+        self.kv_capacity_blocks = kv.capacity_blocks
+        self._arrivals = arrivals or Arrivals()
+        self._handoff = handoff
+        self._stall_limit = stall_batches
+        self._stall = 0
+        self._queue: deque[int] = deque()
+        self._running: dict[int, None] = {}
+        self._prefilling: dict[int, None] = {}
+        self._landing: deque[int] = deque()
+        self._decoders = DecodeSet(bs, self._move)
+        self.itl = GapHistogram()
+        self.now = 0.0
+        self.iterations = 0
+        self.busy = 0.0
+        self.kv_integral = 0.0
+        self.peak_kv = 0
+        self.peak_queue = 0
+        self.preemptions = 0
+        self.outstanding = 0            # waiting + running here
+        self.prefill_backlog = 0        # prefill tokens still to compute for waiting + prefilling
+        self._blocked = False           # the policy returned an empty plan: wait for an event
+        self._snap = (0, 0, 0)          # router summary at the current batch's start
+        self.recent_batch_times: deque[float] = deque(maxlen=64)
+        self.recent_finished: deque[tuple[int, int]] = deque(maxlen=1024)
+        self.timeline: list[tuple[float, int, int, int]] | None = [] if record_timeline else None
+        self.batches: list[tuple] | None = [] if record_batches else None
+        self._on_finish = self._hook("on_finish")
+        self._on_preempt = self._hook("on_preempt")
+        self._on_batch_end = self._hook("on_batch_end")
+        self.view = ReplicaView(self, {
+            "index": index, "role": role, "block_size": bs, "kv_capacity_blocks": kv.capacity_blocks,
+            "cost_model": cost, "waiting": ReadOnlySeq(self._queue), "running": self._running.keys(),
+            "prefilling": self._prefilling.keys(), "decoding": self._decoders.where.keys(),
+            "recent_batch_times": ReadOnlySeq(self.recent_batch_times),
+            "recent_finished": ReadOnlySeq(self.recent_finished),
+            "_output": reqs.output, "_admitted": reqs.admitted})
+
+    def _hook(self, name: str):
+        fn = getattr(self.policy, name, None)
+        return fn if callable(fn) else None
+
+    # ----- the view policies read (ReplicaView binds these) ---------------------------
+    @property
+    def num_decoding(self) -> int:
+        return len(self._decoders.where)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def kv_used_blocks(self) -> int:
+        return self.kv.used
+
+    @property
+    def kv_free_blocks(self) -> int:
+        return self.kv.capacity_blocks - self.kv.used
+
+    @property
+    def decode_new_blocks(self) -> int:
+        return self._decoders.new_blocks
+
+    @property
+    def mean_batch_time(self) -> float | None:
+        return self.busy / self.iterations if self.iterations else None
+
+    @property
+    def issued(self) -> int:
+        """Requests that have arrived so far, over the whole cluster (index order)."""
+        return self.reqs.issued
+
+    @property
+    def in_flight(self) -> int:
+        """Requests arrived and not finished, over the whole cluster."""
+        return self.reqs.in_flight
+
+    @property
+    def arrivals_pending(self) -> bool:
+        return self._arrivals.pending
+
+    @property
+    def next_arrival(self) -> float | None:
+        return self._arrivals.next_time
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def arrival(self, i: int) -> float:
+        return self.reqs.arrival[i]
+
+    def prompt_len(self, i: int) -> int:
+        return self.reqs.prompt[i]
+
+    def output_len(self, i: int) -> int | None:
+        r = self.reqs
+        return r.output[i] if r.known[i] else None
+
+    def prefill_target(self, i: int) -> int:
+        return self.reqs.target[i]
+
+    def prefill_done(self, i: int) -> int:
+        return self.reqs.computed[i]
+
+    def generated(self, i: int) -> int:
+        r = self.reqs
+        return self._decoders.gen(i) if r.status[i] == DECODE else r.gen[i]
+
+    def kv_tokens(self, i: int) -> int:
+        r = self.reqs
+        return self._decoders.kv(i) if r.status[i] == DECODE else r.computed[i]
+
+    def kv_blocks(self, i: int) -> int:
+        return -(-self.kv_tokens(i) // self.block_size)
+
+    def is_decoding(self, i: int) -> bool:
+        return self.reqs.status[i] == DECODE
+
+    def needs_block(self, i: int) -> bool:
+        return self.reqs.status[i] == DECODE and self._decoders.kv(i) % self.block_size == 0
+
+    def tier_priority(self, i: int) -> int:
+        return self.reqs.priority[i]
+
+    def tbt_slo(self, i: int) -> float:
+        """The request's time-between-tokens SLO in seconds (infinity when its tier has none)."""
+        return self.reqs.tbt[i]
+
+    def last_token_time(self, i: int) -> float | None:
+        """When its last output token came out (None before the first)."""
+        r = self.reqs
+        st = r.status[i]
+        if st == DECODE:
+            return self._decoders.last_token(i)
+        if st == DONE:
+            return float(r.finished[i])
+        return r.last_tok[i] if r.gen[i] else None
+
+    # ----- router summary --------------------------------------------------------------
+    def summary_at(self, t: float) -> tuple[int, int, int]:
+        """(outstanding, KV blocks in use, queued prefill tokens) as a router sees them at t:
+        during a batch, its state at the batch's start plus the requests routed since."""
+        if t >= self.now:
+            return self.outstanding, self.kv.used, self.prefill_backlog
+        return self._snap
+
+    # ----- step API ----------------------------------------------------------------------
+    def next_event_time(self) -> float:
+        if self._blocked or not (self._queue or self._running or self._landing):
+            return INF
+        return self.now
+
+    def accept(self, i: int, t: float) -> None:
+        """A request routed here arrives at t."""
+        r = self.reqs
+        r.status[i] = WAITING
+        self._queue.append(i)
+        r.in_flight += 1
+        self.outstanding += 1
+        self.prefill_backlog += r.target[i]
+        if t > self.now:
+            self.now = t
+        self._blocked = False
+        if self.now > t:                # mid-batch: routers see it from now on
+            out, kv, pre = self._snap
+            self._snap = (out + 1, kv, pre + r.target[i])
+
+    def land(self, i: int, t: float) -> None:
+        """The KV of a prefilled request arrives at t; it decodes here once its KV fits."""
+        self._landing.append(i)
+        self.outstanding += 1
+        if t > self.now:
+            self.now = t
+        self._blocked = False
+        if self.now > t:
+            out, kv, pre = self._snap
+            self._snap = (out + 1, kv, pre)
+
+    def release(self, i: int, t: float) -> None:
+        """The KV of request i (handed off) has left this replica at t."""
+        self.kv.used -= -(-self.reqs.computed[i] // self.block_size)
+        self.wake(t)
+
+    def wake(self, t: float) -> None:
+        """Something this replica may wait for happened at t (a blocked policy plans again)."""
+        if self._blocked:
+            self._blocked = False
+            if t > self.now:
+                self.now = t
+
+    def step(self) -> bool:
+        """Plan and run one batch at the replica's clock. Returns False if the policy planned
+        nothing (the replica then waits for the next event routed to it)."""
+        if self._landing:
+            self._land_ready()
+        q = len(self._queue)
+        if q > self.peak_queue:
+            self.peak_queue = q
+        try:
+            plan = self.policy.schedule(self.view)
+        except KvschedError:
+            raise
+        except Exception as exc:
+            raise self._policy_failed("schedule", exc) from exc
+        dt, held = self._execute(plan)
+        if dt is None:
+            self._blocked = True
+            return False
+        self.kv_integral += held * dt
+        self.busy += dt
+        if held > self.peak_kv:
+            self.peak_kv = held
+        self.iterations += 1
+        if self._on_batch_end is not None:
+            self._call(self._on_batch_end, "on_batch_end", None)
+        return True
+
+    # ----- policy safety ---------------------------------------------------------------
+    def _policy_failed(self, where: str, exc: Exception, i: int | None = None) -> PlanError:
+        req = f" (request {i})" if i is not None else ""
+        msg = " ".join(str(exc).split()) or "no message"
+        return PlanError(f"policy {self.name} raised {type(exc).__name__} in {where}{req} at "
+                         f"t={self.now:.6g}s: {msg}")
+
+    def _call(self, fn, where: str, i: int | None) -> None:
+        try:
+            if i is None:
+                fn(self.view)
+            else:
+                fn(i, self.view)
+        except KvschedError:
+            raise
+        except Exception as exc:
+            raise self._policy_failed(where, exc, i) from exc
+
+    def _unknown(self, i, what: str) -> PlanError:
+        return PlanError(f"policy {self.name} {what} request {i!r}, which does not exist "
+                         f"(requests are 0..{self.reqs.n - 1})")
+
+    def _check_id(self, i, what: str) -> None:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.reqs.n:
+            raise self._unknown(i, what)
+
+    # ----- one batch ---------------------------------------------------------------------
+    def _execute(self, plan: Plan) -> tuple[float | None, int]:
+        """Check and run one plan; returns (batch seconds or None if empty, blocks held)."""
+        if type(plan) is not Plan:
+            raise PlanError(f"policy {self.name} returned {type(plan).__name__} "
+                            f"{str(plan)[:60]!r}, not a Plan")
+        if type(plan.preempt) is not list or type(plan.admit) is not list or type(plan.chunks) is not list:
+            self._check_fields(plan)
+        for i in plan.preempt:
+            self._preempt(i)
+        for i in plan.admit:
+            self._admit(i)
+        chunks = plan.chunks
+        r = self.reqs
+        computed, target, status = r.computed, r.target, r.status
+        bs = self.block_size
+        new_blocks = pt = pattn = pctx = 0
+        shape_chunks = []
+        try:
+            for i, c in chunks:
+                p = computed[i]
+                if status[i] != PREFILL or not 0 < c <= target[i] - p or c != int(c) or i < 0:
+                    self._bad_chunk(i, c)
+                new_blocks += -(-(p + c) // bs) - -(-p // bs)
+                pt += c
+                pattn += c * (p + (c + 1) / 2)
+                pctx += p + c
+                shape_chunks.append((p, c))
+        except (TypeError, ValueError, IndexError):
+            raise self._malformed_chunks(chunks) from None
+        if len(chunks) > 1 and len({i for i, _ in chunks}) != len(chunks):
+            raise PlanError(f"policy {self.name} gave one request two chunks in a batch")
+        ds = self._decoders
+        d = plan.decode
+        if d is True:
+            cohorts = ds.cohorts
+            nd = ds.n
+        elif d is False:
+            cohorts, nd = (), 0
+        else:
+            cohorts = self._selected(d)
+            nd = sum(c.n for c in cohorts)
+        dctx = 0
+        if nd:
+            if len(cohorts) == 1:
+                c0 = cohorts[0]
+                new_blocks += c0.new_blocks
+                dctx = c0.ctx
+            else:
+                for c in cohorts:
+                    new_blocks += c.new_blocks
+                    dctx += c.ctx
+        if pt == 0 and nd == 0:
+            return None, 0
+        kv = self.kv
+        held = kv.used + new_blocks
+        if held > kv.capacity_blocks:
+            raise PlanError(
+                f"policy {self.name} planned a batch needing {held} KV blocks; only "
+                f"{kv.capacity_blocks} exist ({kv.capacity_blocks * bs} tokens)")
+        dt = self.cost.time(BatchShape(pt, len(chunks), pattn, pctx, nd, dctx + nd, shape_chunks))
+        if not 0 < dt < INF:
+            raise KvschedError(f"cost model gave batch time {dt!r}; it must be positive and finite")
+        start = self.now
+        end = start + dt
+        if not end > start:
+            raise KvschedError(f"batch time {dt!r} s vanishes at t={start!r} s (below the clock's "
+                               "resolution): rescale the workload's times or the cost model")
+        self._snap = (self.outstanding, held, self.prefill_backlog - pt)
+        kv.used = held
+        out = False
+        if nd:
+            self._decode_step(end, cohorts)
+            out = True
+        self.prefill_backlog -= pt
+        for i, c in chunks:
+            computed[i] += c
+            if computed[i] == target[i]:
+                self._prefill_complete(i, end)
+                out = True
+        if out:
+            self._stall = 0
+        else:
+            self._stall += 1
+            if self._stall >= self._stall_limit:
+                raise PlanError(
+                    f"policy {self.name} made no progress: no output token in {self._stall} batches "
+                    f"with {len(self._queue)} waiting and {len(self._running)} running requests "
+                    f"(t={end:.6g}s; the limit is stall_batches={self._stall_limit})")
+        self.now = end
+        self.recent_batch_times.append(dt)
+        if self.timeline is not None:
+            self.timeline.append((end, len(self._queue), len(self._running), kv.used * bs))
+        if self.batches is not None:
+            self.batches.append((start, dt, pt, len(chunks), nd, held * bs))
+        return dt, held
+
+    def _check_fields(self, plan: Plan) -> None:
+        for name in ("preempt", "admit", "chunks"):
+            x = getattr(plan, name)
+            if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
+                raise PlanError(f"policy {self.name} gave Plan.{name}={x!r:.60}; it must be a list")
+
+    def _malformed_chunks(self, chunks) -> PlanError:
+        for item in chunks:
+            try:
+                i, c = item
+            except (TypeError, ValueError):
+                return PlanError(f"policy {self.name} gave a chunk {item!r}; chunks are (request, tokens) pairs")
+            try:
+                self._check_id(i, "gave a chunk to")
+            except PlanError as exc:
+                return exc
+            if not isinstance(c, (int, np.integer)) or isinstance(c, bool):
+                return PlanError(f"policy {self.name} gave request {i} a chunk of {c!r} tokens; "
+                                 "tokens must be an integer")
+        return PlanError(f"policy {self.name} gave malformed chunks {chunks!r:.80}")
+
+    def _selected(self, d) -> list[Cohort]:
+        """The cohorts that decode when the plan names a set of decoders."""
+        if isinstance(d, (bool, np.bool_)):
+            return self._decoders.cohorts if d else []
+        if not isinstance(d, (set, frozenset)):
+            if isinstance(d, (str, bytes, int, float)) or d is None or not hasattr(d, "__iter__"):
+                raise PlanError(f"policy {self.name} gave decode={d!r:.60}; it must be True, False "
+                                "or a collection of request ids in their decode phase")
+            try:
+                d = set(d)
+            except TypeError:
+                raise PlanError(f"policy {self.name} gave decode with an unhashable id") from None
+        if not d:
+            return []
+        ds = self._decoders
+        bad = d.difference(ds.where)
+        if bad:
+            i = min(bad, key=repr)
+            self._check_id(i, "selected for decoding")
+            raise PlanError(f"policy {self.name} selected request {i} for decoding; it is not in its "
+                            f"decode phase on replica {self.index}")
+        if len(d) == ds.n:
+            return ds.cohorts
+        return ds.select(d)
+
+    def _bad_chunk(self, i: int, c) -> None:
+        self._check_id(i, "gave a chunk to")
+        r = self.reqs
+        state = ("not in its prefill phase" if r.status[i] != PREFILL
+                 else f"{r.target[i] - r.computed[i]} prefill tokens left")
+        raise PlanError(f"policy {self.name} gave request {i} a chunk of {c} tokens; it is {state}")
+
+    def _admit(self, i: int) -> None:
+        r = self.reqs
+        q = self._queue
+        try:
+            if q[0] == i and i >= 0:        # the common case: the queue front
+                q.popleft()
+            else:
+                q.remove(i)
+        except (IndexError, ValueError, TypeError):
+            self._check_id(i, "admitted")
+            raise PlanError(f"policy {self.name} admitted request {i}, which is not waiting"
+                            + (f" on replica {self.index}" if r.status[i] == WAITING else "")) from None
+        r.status[i] = PREFILL
+        self._running[i] = None
+        self._prefilling[i] = None
+        if r.admitted[i] == INF:
+            r.admitted[i] = self.now
+
+    def _decode_step(self, end: float, cohorts) -> None:
+        r = self.reqs
+        itl_max, viol, tbt, last, add = r.itl_max, r.viol, r.tbt, r.last_tok, self.itl.add
+        for ch in cohorts:
+            if not ch.n:
+                continue
+            fresh = ch.fresh
+            gap = ch.step(end)
+            add(gap, ch.n - len(fresh))
+            if fresh:
+                for i in fresh:
+                    g = end - last[i]
+                    add(g)
+                    if g > itl_max[i]:
+                        itl_max[i] = g
+                    if g > tbt[i]:
+                        viol[i] += 1
+                fresh.clear()
+            for i in ch.due():
+                kv_tokens = self._leave_decode(i)
+                self._finish(i, end, kv_tokens)
+
+    def _fold(self, i: int, gen: int, last: float, window: np.ndarray) -> None:
+        """Record what a request did in a cohort it leaves: its gaps' maximum and SLO misses."""
+        r = self.reqs
+        r.gen[i] = gen
+        r.last_tok[i] = last
+        if len(window):
+            m = float(window.max())
+            if m > r.itl_max[i]:
+                r.itl_max[i] = m
+            if m > r.tbt[i]:
+                r.viol[i] += int(np.count_nonzero(window > r.tbt[i]))
+
+    def _leave_decode(self, i: int) -> int:
+        kv_tokens, gen, last, window = self._decoders.leave(i)
+        self._fold(i, gen, last, window)
+        return kv_tokens
+
+    def _move(self, i: int, src: Cohort, dst: Cohort) -> None:
+        """Move a decoder between cohorts (a decode selection split or merged them)."""
+        kv_tokens, gen, last, window = src.leave(i)
+        self._fold(i, gen, last, window)
+        dst.join(i, kv_tokens, gen, self.reqs.output[i], last)
+
+    def _prefill_complete(self, i: int, t: float) -> None:
+        del self._prefilling[i]
+        r = self.reqs
+        g = r.gen[i] + 1
+        r.gen[i] = g
+        if g == 1:
+            r.first[i] = t
+        else:                                   # resumed after preemption: one long gap
+            gap = t - r.last_tok[i]
+            self.itl.add(gap)
+            if gap > r.itl_max[i]:
+                r.itl_max[i] = gap
+            if gap > r.tbt[i]:
+                r.viol[i] += 1
+        r.last_tok[i] = t
+        if g >= r.output[i]:
+            self._finish(i, t, r.computed[i])
+        elif self._handoff is not None:         # prefill replica: the KV moves on, held until sent
+            r.status[i] = TRANSFER
+            del self._running[i]
+            self.outstanding -= 1
+            self._handoff(i, t)
+        else:
+            r.status[i] = DECODE
+            self._decoders.join(i, r.computed[i], g, r.output[i], t)
+
+    def _land_ready(self) -> None:
+        """Landed requests join the decode set in arrival order while their KV (and one decode
+        step of every decoder) fits."""
+        r, kv, ds, bs = self.reqs, self.kv, self._decoders, self.block_size
+        landing = self._landing
+        while landing:
+            i = landing[0]
+            tokens = r.computed[i]
+            need = -(-tokens // bs)
+            if kv.used + need + ds.new_blocks + (tokens % bs == 0) > kv.capacity_blocks:
+                break
+            landing.popleft()
+            kv.used += need
+            r.status[i] = DECODE
+            self._running[i] = None
+            ds.join(i, tokens, r.gen[i], r.output[i], r.last_tok[i])
+
+    def _finish(self, i: int, t: float, kv_tokens: int) -> None:
+        r = self.reqs
+        r.status[i] = DONE
+        r.finished[i] = t
+        del self._running[i]
+        self.kv.used -= -(-kv_tokens // self.block_size)
+        r.done += 1
+        r.in_flight -= 1
+        self.outstanding -= 1
+        self.recent_finished.append((r.prompt[i], r.output[i]))
+        if self._on_finish is not None:
+            self._call(self._on_finish, "on_finish", i)
+        # drop this request's own int/float objects: later reads see shared ones
+        r.gen[i] = r.output[i]
+        r.computed[i] = 0
+        r.last_tok[i] = 0.0
+
+    def _preempt(self, i: int) -> None:
+        r = self.reqs
+        try:
+            st = r.status[i] if i >= 0 else None
+        except (TypeError, IndexError):
+            st = None
+        if st == DECODE and i in self._running:
+            kv_tokens = self._leave_decode(i)
+            r.target[i] = r.prompt[i] + r.gen[i]
+            r.recomputed[i] += kv_tokens + 1
+            self.prefill_backlog += r.target[i]
+        elif st == PREFILL and i in self._prefilling:
+            kv_tokens = r.computed[i]
+            del self._prefilling[i]
+            r.recomputed[i] += kv_tokens
+            self.prefill_backlog += kv_tokens
+        else:
+            self._check_id(i, "preempted")
+            raise PlanError(f"policy {self.name} preempted request {i}, which is not running")
+        self.kv.used -= -(-kv_tokens // self.block_size)
+        r.computed[i] = 0
+        r.status[i] = WAITING
+        del self._running[i]
+        self._queue.appendleft(i)
+        r.preempts[i] += 1
+        self.preemptions += 1
+        if self._on_preempt is not None:
+            self._call(self._on_preempt, "on_preempt", i)

@@ -1,0 +1,82 @@
+"""Per-request state and records of one run, shared by every replica of a cluster.
+
+A request is on one replica at a time (on a prefill replica, then a decode replica when
+prefill and decode are disaggregated), so replicas read and write one table instead of
+each holding arrays over the whole workload. Records live in preallocated arrays, so
+memory does not grow as requests finish.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from kvsched.errors import KvschedError
+from kvsched.workload.request import Workload
+
+ARRIVING, WAITING, PREFILL, DECODE, DONE, REJECTED, TRANSFER = range(7)
+INF = float("inf")
+
+
+class RequestTable:
+    def __init__(self, workload: Workload, block_size: int, capacity_blocks: int, *,
+                 max_model_len: int | None = None, strict: bool = False) -> None:
+        if not workload.timed:
+            raise KvschedError(f"{workload.source} has no arrival times: give --rate or --arrivals")
+        w = self.workload = workload
+        n = len(w)
+        self.n = n
+        self.arrival = w.arrival.tolist()
+        self.prompt = w.prompt.tolist()
+        self.output = w.output.tolist()
+        self.known = w.output_known.tolist()
+        slo = [INF if t.tbt_slo is None else t.tbt_slo for t in w.tiers]
+        tiers = w.tier_index.tolist()
+        self.tbt = [INF if t < 0 else slo[t] for t in tiers]
+        self.priority = [0 if t < 0 else w.tiers[t].priority for t in tiers]
+        self.target = list(self.prompt)
+        self.computed = [0] * n
+        self.gen = [0] * n
+        self.status = [ARRIVING] * n
+        self.last_tok = [0.0] * n
+        self.admitted = np.full(n, INF)
+        self.first = np.full(n, INF)
+        self.finished = np.full(n, INF)
+        self.itl_max = np.zeros(n)
+        self.viol = np.zeros(n, np.int64)
+        self.preempts = np.zeros(n, np.int64)
+        self.recomputed = np.zeros(n, np.int64)
+        self.replica = np.full(n, -1, np.int32)         # where it was routed on arrival
+        self.rejected = self._find_rejected(block_size, capacity_blocks, max_model_len, strict)
+        self.rejected_list = self.rejected.tolist()
+        for i in np.flatnonzero(self.rejected).tolist():
+            self.status[i] = REJECTED
+        self.remaining = n - int(self.rejected.sum())
+        self.done = 0           # finished requests
+        self.issued = 0         # requests that have arrived so far (index order)
+        self.in_flight = 0      # arrived, not rejected and not finished (all replicas)
+
+    def _find_rejected(self, block_size: int, capacity_blocks: int, max_model_len: int | None,
+                       strict: bool) -> np.ndarray:
+        w = self.workload
+        footprint = w.prompt + w.output - 1
+        too_big = -(-footprint // block_size) > capacity_blocks
+        too_long = (w.prompt + w.output > max_model_len) if max_model_len else np.zeros(len(w), bool)
+        bad = too_big | too_long
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            why = (f"needs {int(footprint[k])} KV tokens, capacity is {capacity_blocks * block_size}"
+                   if too_big[k] else f"is {int(w.prompt[k] + w.output[k])} tokens, model max is {max_model_len}")
+            msg = (f"{int(bad.sum())} request(s) can never be served; first: request "
+                   f"{int(w.ids[k])} (prompt {int(w.prompt[k])}, output {int(w.output[k])}) {why}")
+            if strict:
+                raise KvschedError(msg)
+            warnings.warn(msg + "; they are counted as rejected", stacklevel=4)
+        return bad
+
+    def next_servable(self, k: int) -> int:
+        """The first request at or after index k that is not rejected (n if none)."""
+        rejected = self.rejected_list
+        while k < self.n and rejected[k]:
+            k += 1
+        return k
