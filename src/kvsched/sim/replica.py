@@ -371,6 +371,7 @@ class Replica:
                                "resolution): rescale the workload's times or the cost model")
         self._snap = (self.outstanding, held, self.prefill_backlog - pt)
         kv.used = held
+        self.now = end                          # hooks called by the batch's effects see its end
         out = False
         if nd:
             self._decode_step(end, cohorts)
@@ -390,7 +391,6 @@ class Replica:
                     f"policy {self.name} made no progress: no output token in {self._stall} batches "
                     f"with {len(self._queue)} waiting and {len(self._running)} running requests "
                     f"(t={end:.6g}s; the limit is stall_batches={self._stall_limit})")
-        self.now = end
         self.recent_batch_times.append(dt)
         if self.timeline is not None:
             self.timeline.append((end, len(self._queue), len(self._running), kv.used * bs))
