@@ -8,6 +8,7 @@ for any number of tokens.
 from __future__ import annotations
 
 import math
+from math import log as _log
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ class GapHistogram:
         self._ratio = 1.0 + resolution
         self.low = low
         self.counts = [0] * (int((math.log(high) - self._log_low) * self._scale) + 2)
+        self._top = len(self.counts) - 1
         self.n = 0
         self.total = 0.0
         self.total_sq = 0.0
@@ -33,8 +35,13 @@ class GapHistogram:
     def add(self, gap: float, n: int = 1) -> None:
         if n <= 0:
             return
-        k = int((math.log(gap) - self._log_low) * self._scale) + 1 if gap > self.low else 0
-        self.counts[min(k, len(self.counts) - 1)] += n
+        if gap > self.low:
+            k = int((_log(gap) - self._log_low) * self._scale) + 1
+            if k >= self._top:
+                k = self._top
+        else:
+            k = 0
+        self.counts[k] += n
         self.n += n
         self.total += gap * n
         self.total_sq += gap * gap * n

@@ -35,18 +35,22 @@ class RooflineCost:
         object.__setattr__(self, "_attn_flops", 4.0 * m.layers * m.heads * m.head_dim)
         object.__setattr__(self, "_flop_rate", self.gpu.flops * self.compute_efficiency)
         object.__setattr__(self, "_byte_rate", self.gpu.bandwidth * self.memory_efficiency)
+        object.__setattr__(self, "_kv_bytes", m.kv_bytes_per_token)
+        object.__setattr__(self, "_gemm_flops", 2.0 * m.active)     # per computed token
+        object.__setattr__(self, "_dense", m.active_params is None)
+        object.__setattr__(self, "_weights", m.weight_bytes)
 
     def time(self, shape: BatchShape):
-        m = self.model
         tokens = shape.prefill_tokens + shape.decode_seqs
         pairs = shape.prefill_attn + shape.decode_ctx
-        flops = 2.0 * m.active * tokens + self._attn_flops * pairs
-        if m.active_params is None:
-            weights = m.weight_bytes + 0 * tokens
+        flops = self._gemm_flops * tokens + self._attn_flops * pairs
+        if self._dense:
+            weights = self._weights + 0 * tokens
         else:   # MoE: experts touched grow with tokens until all are read
+            m = self.model
             touched = m.active * tokens
             weights = m.dtype_bytes * (touched + m.params - abs(touched - m.params)) / 2
-        kv = m.kv_bytes_per_token * (shape.prefill_ctx + shape.decode_ctx)
+        kv = self._kv_bytes * (shape.prefill_ctx + shape.decode_ctx)
         compute = flops / self._flop_rate
         memory = (weights + kv) / self._byte_rate
         return self.overhead + (compute + memory + abs(compute - memory)) / 2

@@ -66,6 +66,9 @@ class Cluster:
         self.back = self.replicas[prefill_replicas:]
         self.router = make_router(router, router_seed) if isinstance(router, str) else router
         self.decode_router = make_router(self.router.name, router_seed + 1) if self.disaggregated else None
+        for pool, rt in ((self.front, self.router), (self.back, self.decode_router)):
+            for rep in pool:
+                rep.track_start = rt is not None and rt.uses_state and len(pool) > 1
         self.links = [KVLink(bandwidth_gbps, latency_s) for _ in self.front] if self.disaggregated else []
         self.kv_bytes_per_token = kv_bytes_per_token
         n = self.reqs.n
@@ -151,14 +154,24 @@ class Cluster:
         nxt, steps = 0, 0
         while reqs.done < reqs.remaining:
             t_arr = arrival[nxt] if closed is None and nxt < n else INF
-            if single is not None:
-                rep, t_rep = single, single.next_event_time()
+            if single is not None:                  # next_event_time(), inline: this is the hot loop
+                rep = single
+                t_rep = INF if rep._blocked or not (rep._queue or rep._running or rep._landing) else rep.now
             else:
                 rep, t_rep = None, INF
                 for r in reps:
                     t = r.next_event_time()
                     if t < t_rep:
                         rep, t_rep = r, t
+            if t_rep < t_arr and not events:       # the common case: the replica runs a batch
+                before = reqs.done
+                if rep.step():
+                    steps += 1
+                    if progress is not None and steps % 4096 == 0:
+                        progress(reqs.done, reqs.remaining)
+                if closed is not None and reqs.done > before:
+                    self._push(rep.now, SEAT, reqs.done - before)
+                continue
             t_ev = events[0][0] if events else INF
             if t_arr <= t_rep and t_arr <= t_ev and t_arr < INF:
                 if not rejected[nxt]:

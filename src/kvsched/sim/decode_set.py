@@ -137,17 +137,17 @@ class DecodeSet:
         self.block_size = block_size
         self.cohorts: list[Cohort] = [Cohort(block_size)]
         self.where: dict[int, Cohort] = {}     # member -> its cohort (insertion order: join order)
+        self.n = 0
         self._move = move
-
-    @property
-    def n(self) -> int:
-        return len(self.where)
 
     @property
     def new_blocks(self) -> int:
         """Blocks one decode step of every member needs."""
         cs = self.cohorts
-        return cs[0].new_blocks if len(cs) == 1 else sum(c.new_blocks for c in cs)
+        if len(cs) == 1:
+            c = cs[0]
+            return c.residue[-c.clock % c.block_size]
+        return sum(c.new_blocks for c in cs)
 
     def kv(self, i: int) -> int:
         return self.where[i].kv(i)
@@ -162,8 +162,10 @@ class DecodeSet:
         c = self.cohorts[0]
         c.join(i, kv, gen, output, time)
         self.where[i] = c
+        self.n += 1
 
     def leave(self, i: int) -> tuple[int, int, float, np.ndarray]:
+        self.n -= 1
         return self.where.pop(i).leave(i)
 
     def select(self, chosen: set[int]) -> list[Cohort]:

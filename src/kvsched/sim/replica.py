@@ -69,6 +69,10 @@ class Replica:
         self._prefilling: dict[int, None] = {}
         self._landing: deque[int] = deque()
         self._decoders = DecodeSet(bs, self._move)
+        self._where = self._decoders.where
+        # the table's per-request lists, aliased for the view's hot reads (mutated in place only)
+        self._arrival, self._prompt, self._output, self._known = reqs.arrival, reqs.prompt, reqs.output, reqs.known
+        self._target, self._computed, self._status = reqs.target, reqs.computed, reqs.status
         self.itl = GapHistogram()
         self.now = 0.0
         self.iterations = 0
@@ -81,10 +85,12 @@ class Replica:
         self.prefill_backlog = 0        # prefill tokens still to compute for waiting + prefilling
         self._blocked = False           # the policy returned an empty plan: wait for an event
         self._snap = (0, 0, 0)          # router summary at the current batch's start
+        self.track_start = False        # keep _snap (the cluster sets it for state-based routers)
         self.recent_batch_times: deque[float] = deque(maxlen=64)
         self.recent_finished: deque[tuple[int, int]] = deque(maxlen=1024)
         self.timeline: list[tuple[float, int, int, int]] | None = [] if record_timeline else None
         self.batches: list[tuple] | None = [] if record_batches else None
+        self._schedule = policy.schedule
         self._on_finish = self._hook("on_finish")
         self._on_preempt = self._hook("on_preempt")
         self._on_batch_end = self._hook("on_batch_end")
@@ -103,7 +109,7 @@ class Replica:
     # ----- the view policies read (ReplicaView binds these) ---------------------------
     @property
     def num_decoding(self) -> int:
-        return len(self._decoders.where)
+        return self._decoders.n
 
     @property
     def num_waiting(self) -> int:
@@ -147,37 +153,46 @@ class Replica:
         return -(-tokens // self.block_size)
 
     def arrival(self, i: int) -> float:
-        return self.reqs.arrival[i]
+        return self._arrival[i]
 
     def prompt_len(self, i: int) -> int:
-        return self.reqs.prompt[i]
+        return self._prompt[i]
 
     def output_len(self, i: int) -> int | None:
-        r = self.reqs
-        return r.output[i] if r.known[i] else None
+        return self._output[i] if self._known[i] else None
 
     def prefill_target(self, i: int) -> int:
-        return self.reqs.target[i]
+        return self._target[i]
 
     def prefill_done(self, i: int) -> int:
-        return self.reqs.computed[i]
+        return self._computed[i]
 
     def generated(self, i: int) -> int:
-        r = self.reqs
-        return self._decoders.gen(i) if r.status[i] == DECODE else r.gen[i]
+        if self._status[i] == DECODE:
+            c = self._where[i]
+            c0, _, g0, _ = c.members[i]
+            return g0 + c.clock - c0
+        return self.reqs.gen[i]
 
     def kv_tokens(self, i: int) -> int:
-        r = self.reqs
-        return self._decoders.kv(i) if r.status[i] == DECODE else r.computed[i]
+        if self._status[i] == DECODE:
+            c = self._where[i]
+            c0, k0, _, _ = c.members[i]
+            return k0 + c.clock - c0
+        return self._computed[i]
 
     def kv_blocks(self, i: int) -> int:
         return -(-self.kv_tokens(i) // self.block_size)
 
     def is_decoding(self, i: int) -> bool:
-        return self.reqs.status[i] == DECODE
+        return self._status[i] == DECODE
 
     def needs_block(self, i: int) -> bool:
-        return self.reqs.status[i] == DECODE and self._decoders.kv(i) % self.block_size == 0
+        if self._status[i] != DECODE:
+            return False
+        c = self._where[i]
+        c0, k0, _, _ = c.members[i]
+        return (k0 + c.clock - c0) % self.block_size == 0
 
     def tier_priority(self, i: int) -> int:
         return self.reqs.priority[i]
@@ -221,7 +236,7 @@ class Replica:
         if t > self.now:
             self.now = t
         self._blocked = False
-        if self.now > t:                # mid-batch: routers see it from now on
+        if self.now > t and self.track_start:     # mid-batch: routers see it from now on
             out, kv, pre = self._snap
             self._snap = (out + 1, kv, pre + r.target[i])
 
@@ -232,7 +247,7 @@ class Replica:
         if t > self.now:
             self.now = t
         self._blocked = False
-        if self.now > t:
+        if self.now > t and self.track_start:
             out, kv, pre = self._snap
             self._snap = (out + 1, kv, pre)
 
@@ -257,20 +272,14 @@ class Replica:
         if q > self.peak_queue:
             self.peak_queue = q
         try:
-            plan = self.policy.schedule(self.view)
+            plan = self._schedule(self.view)
         except KvschedError:
             raise
         except Exception as exc:
             raise self._policy_failed("schedule", exc) from exc
-        dt, held = self._execute(plan)
-        if dt is None:
+        if not self._execute(plan):
             self._blocked = True
             return False
-        self.kv_integral += held * dt
-        self.busy += dt
-        if held > self.peak_kv:
-            self.peak_kv = held
-        self.iterations += 1
         if self._on_batch_end is not None:
             self._call(self._on_batch_end, "on_batch_end", None)
         return True
@@ -302,37 +311,26 @@ class Replica:
             raise self._unknown(i, what)
 
     # ----- one batch ---------------------------------------------------------------------
-    def _execute(self, plan: Plan) -> tuple[float | None, int]:
-        """Check and run one plan; returns (batch seconds or None if empty, blocks held)."""
+    def _execute(self, plan: Plan) -> bool:
+        """Check and run one plan; False if it is empty."""
         if type(plan) is not Plan:
             raise PlanError(f"policy {self.name} returned {type(plan).__name__} "
                             f"{str(plan)[:60]!r}, not a Plan")
-        if type(plan.preempt) is not list or type(plan.admit) is not list or type(plan.chunks) is not list:
-            self._check_fields(plan)
-        for i in plan.preempt:
-            self._preempt(i)
-        for i in plan.admit:
-            self._admit(i)
-        chunks = plan.chunks
-        r = self.reqs
-        computed, target, status = r.computed, r.target, r.status
-        bs = self.block_size
-        new_blocks = pt = pattn = pctx = 0
-        shape_chunks = []
         try:
-            for i, c in chunks:
-                p = computed[i]
-                if status[i] != PREFILL or not 0 < c <= target[i] - p or c != int(c) or i < 0:
-                    self._bad_chunk(i, c)
-                new_blocks += -(-(p + c) // bs) - -(-p // bs)
-                pt += c
-                pattn += c * (p + (c + 1) / 2)
-                pctx += p + c
-                shape_chunks.append((p, c))
-        except (TypeError, ValueError, IndexError):
-            raise self._malformed_chunks(chunks) from None
-        if len(chunks) > 1 and len({i for i, _ in chunks}) != len(chunks):
-            raise PlanError(f"policy {self.name} gave one request two chunks in a batch")
+            for i in plan.preempt:
+                self._preempt(i)
+            for i in plan.admit:
+                self._admit(i)
+            chunks = plan.chunks
+        except TypeError:
+            self._check_fields(plan)
+            raise
+        bs = self.block_size
+        if chunks:
+            new_blocks, pt, pattn, pctx, shape_chunks = self._prefill_shape(plan, chunks)
+        else:
+            new_blocks = pt = pattn = pctx = 0
+            shape_chunks = ()
         ds = self._decoders
         d = plan.decode
         if d is True:
@@ -347,14 +345,14 @@ class Replica:
         if nd:
             if len(cohorts) == 1:
                 c0 = cohorts[0]
-                new_blocks += c0.new_blocks
+                new_blocks += c0.residue[-c0.clock % bs]     # c0.new_blocks, inline
                 dctx = c0.ctx
             else:
                 for c in cohorts:
                     new_blocks += c.new_blocks
                     dctx += c.ctx
         if pt == 0 and nd == 0:
-            return None, 0
+            return False
         kv = self.kv
         held = kv.used + new_blocks
         if held > kv.capacity_blocks:
@@ -369,34 +367,69 @@ class Replica:
         if not end > start:
             raise KvschedError(f"batch time {dt!r} s vanishes at t={start!r} s (below the clock's "
                                "resolution): rescale the workload's times or the cost model")
-        self._snap = (self.outstanding, held, self.prefill_backlog - pt)
+        if self.track_start:
+            self._snap = (self.outstanding, held, self.prefill_backlog - pt)
         kv.used = held
         self.now = end                          # hooks called by the batch's effects see its end
-        out = False
         if nd:
             self._decode_step(end, cohorts)
-            out = True
-        self.prefill_backlog -= pt
-        for i, c in chunks:
-            computed[i] += c
-            if computed[i] == target[i]:
-                self._prefill_complete(i, end)
-                out = True
-        if out:
-            self._stall = 0
-        else:
-            self._stall += 1
-            if self._stall >= self._stall_limit:
-                raise PlanError(
-                    f"policy {self.name} made no progress: no output token in {self._stall} batches "
-                    f"with {len(self._queue)} waiting and {len(self._running)} running requests "
-                    f"(t={end:.6g}s; the limit is stall_batches={self._stall_limit})")
+            if self._stall:
+                self._stall = 0
+        if pt:
+            self.prefill_backlog -= pt
+            out = nd
+            computed, target = self._computed, self._target
+            for i, c in chunks:
+                computed[i] += c
+                if computed[i] == target[i]:
+                    self._prefill_complete(i, end)
+                    out = True
+            if not out:
+                self._stalled(end)
+            elif self._stall:
+                self._stall = 0
         self.recent_batch_times.append(dt)
         if self.timeline is not None:
             self.timeline.append((end, len(self._queue), len(self._running), kv.used * bs))
         if self.batches is not None:
             self.batches.append((start, dt, pt, len(chunks), nd, held * bs))
-        return dt, held
+        self.kv_integral += held * dt
+        self.busy += dt
+        if held > self.peak_kv:
+            self.peak_kv = held
+        self.iterations += 1
+        return True
+
+    def _prefill_shape(self, plan: Plan, chunks) -> tuple[int, int, float, int, list[tuple[int, int]]]:
+        """Check the chunks; (new KV blocks, tokens, query-key pairs, KV touched, per chunk)."""
+        computed, target, status, bs = self._computed, self._target, self._status, self.block_size
+        new_blocks = pt = pattn = pctx = 0
+        shape_chunks = []
+        try:
+            for i, c in chunks:
+                p = computed[i]
+                if status[i] != PREFILL or not 0 < c <= target[i] - p or c != int(c) or i < 0:
+                    self._bad_chunk(i, c)
+                new_blocks += -(-(p + c) // bs) - -(-p // bs)
+                pt += c
+                pattn += c * (p + (c + 1) / 2)
+                pctx += p + c
+                shape_chunks.append((p, c))
+        except (TypeError, ValueError, IndexError):
+            self._check_fields(plan)
+            raise self._malformed_chunks(chunks) from None
+        if len(chunks) > 1 and len({i for i, _ in chunks}) != len(chunks):
+            raise PlanError(f"policy {self.name} gave one request two chunks in a batch")
+        return new_blocks, pt, pattn, pctx, shape_chunks
+
+    def _stalled(self, end: float) -> None:
+        """A batch without an output token: stop the policy after `stall_batches` in a row."""
+        self._stall += 1
+        if self._stall >= self._stall_limit:
+            raise PlanError(
+                f"policy {self.name} made no progress: no output token in {self._stall} batches "
+                f"with {len(self._queue)} waiting and {len(self._running)} running requests "
+                f"(t={end:.6g}s; the limit is stall_batches={self._stall_limit})")
 
     def _check_fields(self, plan: Plan) -> None:
         for name in ("preempt", "admit", "chunks"):
@@ -470,8 +503,7 @@ class Replica:
             r.admitted[i] = self.now
 
     def _decode_step(self, end: float, cohorts) -> None:
-        r = self.reqs
-        itl_max, viol, tbt, last, add = r.itl_max, r.viol, r.tbt, r.last_tok, self.itl.add
+        add = self.itl.add
         for ch in cohorts:
             if not ch.n:
                 continue
@@ -479,6 +511,8 @@ class Replica:
             gap = ch.step(end)
             add(gap, ch.n - len(fresh))
             if fresh:
+                r = self.reqs
+                itl_max, viol, tbt, last = r.itl_max, r.viol, r.tbt, r.last_tok
                 for i in fresh:
                     g = end - last[i]
                     add(g)

@@ -16,9 +16,12 @@ from kvsched.errors import PlanError
 _METHODS = ("blocks_for", "arrival", "prompt_len", "output_len", "prefill_target", "prefill_done",
             "generated", "kv_tokens", "kv_blocks", "is_decoding", "needs_block", "tier_priority",
             "tbt_slo", "last_token_time")
-_SCALARS = ("now", "num_decoding", "kv_used_blocks", "kv_free_blocks", "decode_new_blocks",
-            "mean_batch_time", "iterations", "arrivals_pending", "next_arrival", "outstanding",
-            "prefill_backlog", "num_waiting", "issued", "in_flight")
+# view attribute -> the replica attribute path it reads (C-level attrgetter, no Python frame)
+_SCALARS = {"now": "now", "num_decoding": "_decoders.n", "kv_used_blocks": "kv.used",
+            "mean_batch_time": "mean_batch_time", "iterations": "iterations",
+            "arrivals_pending": "_arrivals.pending", "next_arrival": "_arrivals.next_time",
+            "outstanding": "outstanding", "prefill_backlog": "prefill_backlog", "num_waiting": "num_waiting",
+            "issued": "reqs.issued", "in_flight": "reqs.in_flight"}
 _FIXED = ("index", "role", "block_size", "kv_capacity_blocks", "cost_model", "waiting", "running",
           "prefilling", "decoding", "recent_batch_times", "recent_finished", "_output", "_admitted")
 
@@ -44,11 +47,13 @@ class ReadOnlySeq(Sequence):
 
 
 class ReplicaView:
-    __slots__ = ("_r", "_policy_name") + _METHODS + _FIXED
+    __slots__ = ("_r", "_kv", "_ds", "_policy_name") + _METHODS + _FIXED
 
     def __init__(self, replica, fixed: dict) -> None:
         put = object.__setattr__
         put(self, "_r", replica)
+        put(self, "_kv", replica.kv)
+        put(self, "_ds", replica._decoders)
         put(self, "_policy_name", getattr(replica.policy, "name", type(replica.policy).__name__))
         for name in _METHODS:
             put(self, name, getattr(replica, name))
@@ -62,9 +67,20 @@ class ReplicaView:
     def __delattr__(self, name: str) -> None:
         self.__setattr__(name, None)
 
+    # the hottest reads, one Python call each
+    @property
+    def kv_free_blocks(self) -> int:
+        kv = self._kv
+        return kv.capacity_blocks - kv.used
+
+    @property
+    def decode_new_blocks(self) -> int:
+        """Blocks one decode step of every decoder needs."""
+        return self._ds.new_blocks
+
     def __repr__(self) -> str:
         return f"<view of replica {self.index} at t={self.now:.6g}>"
 
 
-for _name in _SCALARS:         # C-level getters: view.now reads replica.now
-    setattr(ReplicaView, _name, property(attrgetter(f"_r.{_name}")))
+for _name, _path in _SCALARS.items():
+    setattr(ReplicaView, _name, property(attrgetter(f"_r.{_path}")))
