@@ -14,10 +14,12 @@ the cohort's size:
 A policy may decode a chosen subset of the decoders (`Plan.decode` as a set of ids). The
 others are paused: their cohort's clock does not move, so their KV is held and their next
 gap spans the batches they sat out. A selection that cuts a cohort splits it, moving the
-smaller side into a new cohort; cohorts selected alike are merged when there are more than
-`MAX_COHORTS`. Moving a member costs O(1) plus its gap window, so the cost of a batch grows
-with the number of requests whose selection changed, not with the batch size; decoding
-every member (`decode=True`) steps each cohort and moves nobody.
+smaller side into a new cohort, and then the cohorts selected alike (and those paused alike)
+are merged, smaller into larger: after a selection there are at most two cohorts. Moving a
+member costs O(1) plus its gap window, so the cost of a batch grows with the number of
+requests whose selection changed, not with the batch size; decoding every member
+(`decode=True`) steps each cohort and moves nobody, except that cohorts of at most `FOLD`
+members in all are folded into the largest.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-MAX_COHORTS = 8
+FOLD = 16       # decode-all batches fold cohorts this small (in all) into the largest
 
 
 class Cohort:
@@ -170,9 +172,11 @@ class DecodeSet:
 
     def select(self, chosen: set[int]) -> list[Cohort]:
         """Split cohorts so that `chosen` (a subset of the members) is exactly a union of
-        cohorts; returns those cohorts. Requests whose cohort is not returned stay paused."""
+        cohorts, then merge each side into one; returns the chosen side's cohorts. Requests
+        whose cohort is not returned stay paused."""
         on: list[Cohort] = []
         off: list[Cohort] = []
+        cut: list[tuple[Cohort, set[int]]] = []
         for c in self.cohorts:
             if not c.n:
                 continue
@@ -183,23 +187,44 @@ class DecodeSet:
             elif k == 0:
                 off.append(c)
             else:
-                new = Cohort(self.block_size)
-                if 2 * k <= c.n:
-                    self._transfer(inside, c, new)
-                    on.append(new)
-                    off.append(c)
-                else:
-                    self._transfer(c.members.keys() - inside, c, new)
-                    on.append(c)
-                    off.append(new)
-        while len(on) + len(off) > MAX_COHORTS:
-            group = min((g for g in (on, off) if len(g) > 1), key=lambda g: min(c.n for c in g))
-            group.sort(key=lambda c: c.n)
-            small = group.pop(0)
-            self._transfer(list(small.members), small, group[-1])
-        on.sort(key=lambda c: -c.n)
+                cut.append((c, inside))
+        for c, inside in cut:                   # the smaller side moves, into its side's largest cohort
+            if 2 * len(inside) <= c.n:
+                dst = max(on, key=lambda x: x.n) if on else Cohort(self.block_size)
+                self._transfer(inside, c, dst)
+                if dst not in on:
+                    on.append(dst)
+                off.append(c)
+            else:
+                dst = max(off, key=lambda x: x.n) if off else Cohort(self.block_size)
+                self._transfer(c.members.keys() - inside, c, dst)
+                if dst not in off:
+                    off.append(dst)
+                on.append(c)
+        on, off = self._merged(on), self._merged(off)
         self.cohorts = (on + off) or [Cohort(self.block_size)]
         return on
+
+    def everyone(self) -> list[Cohort]:
+        """The cohorts when every member decodes; cohorts of at most `FOLD` members in all
+        are folded into the largest first, so a one-off selection stops costing a clock."""
+        cs = self.cohorts
+        if len(cs) > 1:
+            big = max(cs, key=lambda c: c.n)
+            if self.n - big.n <= FOLD:
+                self.cohorts = cs = self._merged(cs)
+        return cs
+
+    def _merged(self, group: list[Cohort]) -> list[Cohort]:
+        """One cohort holding every member of `group` (the smaller ones move into the largest)."""
+        group = [c for c in group if c.n]
+        if len(group) <= 1:
+            return group
+        group.sort(key=lambda c: c.n)
+        big = group[-1]
+        for c in group[:-1]:
+            self._transfer(list(c.members), c, big)
+        return [big]
 
     def _transfer(self, ids, src: Cohort, dst: Cohort) -> None:
         where, move = self.where, self._move

@@ -334,7 +334,7 @@ class Replica:
         ds = self._decoders
         d = plan.decode
         if d is True:
-            cohorts = ds.cohorts
+            cohorts = ds.cohorts if len(ds.cohorts) == 1 else ds.everyone()
             nd = ds.n
         elif d is False:
             cohorts, nd = (), 0
@@ -455,7 +455,7 @@ class Replica:
     def _selected(self, d) -> list[Cohort]:
         """The cohorts that decode when the plan names a set of decoders."""
         if isinstance(d, (bool, np.bool_)):
-            return self._decoders.cohorts if d else []
+            return self._decoders.everyone() if d else []
         if not isinstance(d, (set, frozenset)):
             if isinstance(d, (str, bytes, int, float)) or d is None or not hasattr(d, "__iter__"):
                 raise PlanError(f"policy {self.name} gave decode={d!r:.60}; it must be True, False "
@@ -474,7 +474,7 @@ class Replica:
             raise PlanError(f"policy {self.name} selected request {i} for decoding; it is not in its "
                             f"decode phase on replica {self.index}")
         if len(d) == ds.n:
-            return ds.cohorts
+            return ds.everyone()
         return ds.select(d)
 
     def _bad_chunk(self, i: int, c) -> None:
