@@ -10,7 +10,8 @@ from kvsched.policies import Plan
 from kvsched.sim.server import Server
 from kvsched.workload import Workload
 
-from conftest import Checked, run
+from conftest import run
+from test_properties import params, scenarios
 
 
 class OddEven:
@@ -124,28 +125,16 @@ class RandomPause:
         self.inner.on_finish(i, v)
 
 
-@st.composite
-def paused_runs(draw):
-    n = draw(st.integers(1, 40))
-    gaps = draw(st.lists(st.floats(0, 1.0), min_size=n, max_size=n))
-    prompt = draw(st.lists(st.integers(1, 100), min_size=n, max_size=n))
-    output = draw(st.lists(st.integers(1, 60), min_size=n, max_size=n))
-    block = draw(st.sampled_from([1, 4, 16]))
-    need = max(p + o - 1 for p, o in zip(prompt, output))
-    kv = block * draw(st.integers(-(-need // block), 6 * -(-need // block)))
-    policy = draw(st.sampled_from(["vllm-v1", "sarathi", "orca", "vllm-v0"]))
-    return Workload.build(np.cumsum(gaps), prompt, output), policy, block, kv, draw(st.integers(0, 2**31))
-
-
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(paused_runs())
-def test_invariants_with_paused_decoders(sc):
+@given(scenarios(), st.integers(0, 2**31))
+def test_invariants_with_paused_decoders(sc, seed):
+    """Every policy, its decodes thinned to random subsets: KV within capacity (checked each
+    step), tokens conserved, every request finishes with its output."""
     from kvsched.hardware import get_gpu
     from kvsched.policies import make_policy
-    w, policy, block, kv, seed = sc
-    limits = {"max_num_batched_tokens": 64, "max_num_seqs": 8} if policy != "sarathi" else {"chunk_size": 32, "max_num_seqs": 8}
-    pol = RandomPause(make_policy(policy, limits, get_gpu("a100-80gb")), seed)
-    server, rec, checked = run(w, pol, kv_tokens=kv, block_size=block)   # Checked: KV and per-request state each step
+    w, policy, block, kv, cost, cap = sc
+    pol = RandomPause(make_policy(policy, params(policy, cap), get_gpu("a100-80gb")), seed)
+    server, rec, checked = run(w, pol, cost=cost, kv_tokens=kv, block_size=block)
     assert all(b[5] <= server.kv.capacity_blocks * block for b in server.batches)
     assert np.isfinite(rec.finished).all() and sorted(checked.finished) == list(range(len(w)))
     assert sum(b[2] for b in server.batches) == int(w.prompt.sum() + rec.recomputed.sum())

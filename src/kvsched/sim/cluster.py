@@ -163,34 +163,27 @@ class Cluster:
                     t = r.next_event_time()
                     if t < t_rep:
                         rep, t_rep = r, t
-            if t_rep < t_arr and not events:       # the common case: the replica runs a batch
-                before = reqs.done
-                if rep.step():
-                    steps += 1
-                    if progress is not None and steps % 4096 == 0:
-                        progress(reqs.done, reqs.remaining)
-                if closed is not None and reqs.done > before:
-                    self._push(rep.now, SEAT, reqs.done - before)
-                continue
-            t_ev = events[0][0] if events else INF
-            if t_arr <= t_rep and t_arr <= t_ev and t_arr < INF:
-                if not rejected[nxt]:
-                    self._arrive(nxt, t_arr)
-                nxt += 1
-                reqs.issued = nxt
-                self._set_next(nxt)
-            elif t_ev <= t_rep and t_ev < INF:
-                self._event(heapq.heappop(events), closed)
-            elif t_rep == INF:
-                self._deadlock(closed is not None)
-            else:
-                before = reqs.done
-                if rep.step():
-                    steps += 1
-                    if progress is not None and steps % 4096 == 0:
-                        progress(reqs.done, reqs.remaining)
-                if closed is not None and reqs.done > before:
-                    self._push(rep.now, SEAT, reqs.done - before)
+            if t_arr <= t_rep or events:           # else the common case: the replica runs a batch
+                t_ev = events[0][0] if events else INF
+                if t_arr <= t_rep and t_arr <= t_ev and t_arr < INF:
+                    if not rejected[nxt]:
+                        self._arrive(nxt, t_arr)
+                    nxt += 1
+                    reqs.issued = nxt
+                    self._set_next(nxt)
+                    continue
+                if t_ev <= t_rep and t_ev < INF:
+                    self._event(heapq.heappop(events), closed)
+                    continue
+                if t_rep == INF:
+                    self._deadlock(closed is not None)
+            before = reqs.done
+            if rep.step():
+                steps += 1
+                if progress is not None and steps % 4096 == 0:
+                    progress(reqs.done, reqs.remaining)
+            if closed is not None and reqs.done > before:
+                self._push(rep.now, SEAT, reqs.done - before)
         return self._records(_time.perf_counter() - wall0)
 
     def _set_next(self, nxt: int) -> None:
