@@ -132,6 +132,11 @@ def test_cli_replicas_breakdown_and_csv(tmp_path):
     assert s["replicas"] == 3 and s["router"] == "least-outstanding"
     assert [row["replica"] for row in s["replica_breakdown"]] == [0, 1, 2]
     assert sum(row["completed"] for row in s["replica_breakdown"]) == s["completed"] == 80
+    batches = (out / "batches.csv").read_text().splitlines() if (out / "batches.csv").exists() else None
+    assert batches is None
+    timeline = (out / "timeline.csv").read_text().splitlines()
+    assert timeline[0].endswith(",replica") and len(timeline) - 1 == s["iterations"]
+    assert {row.split(",")[-1] for row in timeline[1:]} == {"0", "1", "2"}
     header, *rows = (out / "requests.csv").read_text().splitlines()
     assert header.split(",")[-1] == "replica" and {r.split(",")[-1] for r in rows} == {"0", "1", "2"}
     one = runner.invoke(app, ["simulate", "--num-requests", "80", "--rate", "20", "--json"])
@@ -149,3 +154,18 @@ def test_cli_replicas_breakdown_and_csv(tmp_path):
                           "--kv-transfer-latency must be >= 0")]:
         bad = runner.invoke(app, ["simulate", "--num-requests", "5", *args])
         assert bad.exit_code == 2 and needle in bad.output, (args, bad.output)
+
+
+def test_routers_see_replicas_mid_batch():
+    """Constant batch time 1 s. Request 0 (500-token prompt) starts a batch on replica 0 at 0;
+    at 0.1 and 0.2 replica 0 is mid-batch holding 500 KV tokens, so least-kv sends both
+    newcomers to replica 1 (a stale or empty view would tie and alternate)."""
+    from kvsched.workload import Request, Workload
+    w = Workload.from_requests([Request(0.0, 500, 5), Request(0.1, 10, 5), Request(0.2, 10, 5)])
+    rec = simulate(Scenario(w, cost="constant", cost_params={"b": 1.0}, kv_capacity=5000, block_size=1,
+                            replicas=2, router="least-kv"), "vllm-v1").records
+    assert rec.replica.tolist() == [0, 1, 1]
+    w4 = Workload.from_requests([Request(0.0, 50, 5), Request(0.1, 50, 5), Request(0.2, 50, 5), Request(0.3, 50, 5)])
+    rec = simulate(Scenario(w4, cost="constant", cost_params={"b": 1.0}, kv_capacity=5000, block_size=1,
+                            replicas=3, router="least-outstanding"), "vllm-v1").records
+    assert rec.replica.tolist() == [0, 1, 2, 0]

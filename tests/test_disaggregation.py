@@ -59,21 +59,38 @@ def test_transfers_queue_on_the_link():
     assert rec.transfer.tolist() == pytest.approx([2e-4, 4e-4], abs=1e-12)
 
 
-def test_decode_replica_waits_for_kv_then_decodes():
+def test_decode_replica_pulls_kv_when_it_has_room():
     """Every replica holds 1000 tokens. A (s=900, o=5) and B (s=100, o=5) at 0.
     prefill: [0, 0.1] A 512; [0.1, 0.2] A 388 + B 100 (exactly 1000 tokens): both first tokens at 0.2.
-    link: A 9e5 B lands 0.2009; B 1e5 B queues behind it, lands 0.2010.
-    decode: A decodes from 0.2009 (4 steps, done 0.6009). B needs 100 + 1 more blocks than are
-    free while A runs, so it waits (no preemption) and decodes from 0.6009: done 1.0009."""
+    decode replica: pulls A at 0.2 (9e5 B: lands 0.2009) and decodes it from 0.2009: done 0.6009.
+    B (100 blocks + 1 for its next token) has no room beside A, so its KV stays on the prefill
+    replica until A finishes at 0.6009; then it crosses (1e-4 s), lands 0.601 and decodes
+    [0.601, 1.001]. No preemption; the prefill replica holds B's KV until 0.601."""
     w = Workload.from_requests([Request(0.0, 900, 5), Request(0.0, 100, 5)])
     c = pd_cluster(w, kv_tokens=1000, latency=0.0)
+    seen = []
+    inner = c.replicas[0].policy.schedule
+    c.replicas[0]._schedule = lambda v: (seen.append((v.now, v.kv_used_blocks)), inner(v))[1]
     rec = c.run()
     assert rec.first_token.tolist() == pytest.approx([0.2, 0.2], abs=1e-12)
-    assert rec.transfer.tolist() == pytest.approx([9e-4, 1e-3], abs=1e-12)
-    assert rec.finished.tolist() == pytest.approx([0.6009, 1.0009], abs=1e-12)
-    assert rec.itl_max[1] == pytest.approx(0.7009 - 0.2, abs=1e-12)
+    assert rec.transfer.tolist() == pytest.approx([9e-4, 0.401], abs=1e-12)
+    assert rec.finished.tolist() == pytest.approx([0.6009, 1.001], abs=1e-12)
+    assert rec.itl_max[1] == pytest.approx(0.701 - 0.2, abs=1e-12)
     assert rec.preemptions.sum() == 0
     assert max(b[5] for b in c.replicas[1].batches) <= 1000 and max(b[5] for b in c.replicas[0].batches) == 1000
+    assert c.replicas[0].kv.used == 0 and c.replicas[1].kv.used == 0
+
+
+def test_full_decode_pool_pushes_back_on_prefill():
+    """With a small decode pool, KV waits on the prefill replicas (never in no pool at all):
+    every replica stays within its capacity and every request finishes."""
+    w = synthetic(Uniform(50, 150), Uniform(100, 300), rate=200, n=300, seed=9)
+    c = pd_cluster(w, kv_tokens=2000, prefill=2, decode=1, latency=0.0, b=0.01)
+    rec = c.run()
+    assert np.isfinite(rec.finished).all()
+    for r in c.replicas:
+        assert max(b[5] for b in r.batches) <= 2000 and r.kv.used == 0
+    assert np.nanmax(rec.transfer) > 0.5        # requests waited for decode room
 
 
 @pytest.mark.parametrize("decode_policy", ["vllm-v1", "sarathi", "vllm-v0"])

@@ -112,6 +112,14 @@ class Bad(Fcfs):
             return None
         if m == "dict":
             return {"admit": [0]}
+        if m == "generator" and self.k == 2:
+            return Plan(admit=(1 / 0 for _ in [1]))
+        if m == "array-id" and self.k == 2:
+            return Plan(admit=[np.array([[1, 2], [3, 4]])])
+        if m == "kvsched-error" and self.k == 2:
+            raise KvschedError("my own check failed")
+        if m == "chunks-none" and self.k == 2:
+            return Plan(chunks=None, decode=True)
         if m == "unknown" and self.k == 2:
             return Plan([99], [(99, 5)])
         if m == "unknown-chunk" and self.k == 2:
@@ -140,8 +148,12 @@ class Bad(Fcfs):
 
 @pytest.mark.parametrize("mode,needle", [
     ("raise", r"policy bad raised ZeroDivisionError in schedule at t=.*: division by zero"),
-    ("none", r"policy bad returned NoneType 'None', not a Plan"),
-    ("dict", r"policy bad returned dict .*not a Plan"),
+    ("none", r"policy bad returned None \(NoneType\), not a Plan"),
+    ("dict", r"policy bad returned \{'admit': \[0\]\} \(dict\), not a Plan"),
+    ("generator", r"policy bad gave a plan that cannot be read: ZeroDivisionError: division by zero"),
+    ("array-id", r"policy bad admitted request array\(\[\[1, 2\], \[3, 4\]\]\), which does not exist"),
+    ("kvsched-error", r"policy bad: my own check failed"),
+    ("chunks-none", r"policy bad gave Plan.chunks=None; it must be a list"),
     ("unknown", r"policy bad admitted request 99, which does not exist \(requests are 0..5\)"),
     ("unknown-chunk", r"policy bad gave a chunk to request 1.5, which does not exist"),
     ("bad-chunk", r"policy bad gave request 0 a chunk of '5' tokens; tokens must be an integer"),
@@ -156,6 +168,20 @@ def test_bad_policy_gives_one_line_naming_it(mode, needle):
     with pytest.raises(PlanError) as exc:
         sim(Bad("bad", mode), stall_batches=50)
     assert __import__("re").search(needle, one_line(exc)), one_line(exc)
+
+
+def test_plan_subclass_is_a_plan():
+    class MyPlan(Plan):
+        __slots__ = ()
+
+    class Sub(Fcfs):
+        name = "sub"
+
+        def schedule(self, v):
+            p = super().schedule(v)
+            return MyPlan(p.admit, p.chunks, p.decode, p.preempt)
+
+    assert sim(Sub()).summary["completed"] == 6
 
 
 def test_stall_limit_is_configurable_and_checked():
@@ -189,3 +215,23 @@ def test_batch_shape_lists_each_chunk():
     assert shapes[1][:2] == ([(32, 32)], 32)
     assert shapes[2][:2] == ([(64, 6), (0, 20)], 26)
     assert shapes[3] == ([], 0, 2, 71 + 21)     # both decode: contexts 70 + 1 and 20 + 1
+
+
+def test_shape_counts_only_decoding_requests():
+    """A prefill-only batch while requests decode elsewhere in time carries no decode context
+    (the engine before Engine v2 passed the idle decoders' context)."""
+    shapes = []
+
+    class Recording(ConstantCost):
+        def time(self, shape: BatchShape):
+            shapes.append((shape.prefill_tokens, shape.decode_seqs, shape.decode_ctx))
+            return super().time(shape)
+
+    from kvsched.kvcache import PagedKV
+    from kvsched.policies import make_policy
+    from kvsched.hardware import get_gpu
+    from kvsched.sim.server import Server
+    w = Workload.build(np.array([0.0, 0.05, 0.3]), [40, 30, 20], [10, 10, 10])
+    Server(w, make_policy("vllm-v0", {}, get_gpu("a30")), Recording(0.1), PagedKV(1000, 1)).run()
+    prefill_only = [s for s in shapes if s[0] and not s[1]]
+    assert len(prefill_only) >= 2 and all(ctx == 0 for _, _, ctx in prefill_only)

@@ -215,31 +215,36 @@ def summarize(rec: RunRecords, goodput: Goodput | None = None, trim: int = 0) ->
     })
     summary.update(rec.extra)
     if rec.replica_stats is not None:
-        summary.update(cluster_summary(rec, duration))
+        summary.update(cluster_summary(rec, in_window, duration))
     return summary
 
 
-def cluster_summary(rec: RunRecords, duration: float) -> dict[str, Any]:
+def cluster_summary(rec: RunRecords, in_window: np.ndarray, duration: float) -> dict[str, Any]:
     """Per-replica breakdown, and for disaggregated pools the KV transfer times and each
-    pool's busy fraction (busy seconds / (replicas x duration))."""
+    pool's busy fraction. A replica's `completed` counts the requests that finished there
+    (a prefill replica finishes only one-token outputs) and its throughput those finished in
+    the summary's window (`--trim`); TTFT is over the first tokens it produced; busy
+    fractions are busy seconds over the whole simulated span (first arrival to last finish)."""
     done = np.isfinite(rec.finished)
+    span = float(rec.finished[done].max() - rec.arrival.min()) if done.any() else 0.0
     cap = rec.kv_capacity_tokens
+    routed = rec.replica
+    decoded = rec.decode_replica if rec.decode_replica is not None else np.full(len(routed), -1)
     rows = []
     for st in rec.replica_stats:
-        k = st["replica"]
-        mine = (rec.decode_replica if st["role"] == "decode" else rec.replica) == k
-        fin = mine & done
-        first = mine & np.isfinite(rec.first_token)
-        ttft = (rec.first_token[first] - rec.arrival[first]) * 1000
+        k, role = st["replica"], st["role"]
+        here = (decoded == k) if role == "decode" else (routed == k) & (decoded < 0)
+        firsts = (routed == k) & np.isfinite(rec.first_token) if role != "decode" else np.zeros(len(routed), bool)
+        ttft = (rec.first_token[firsts] - rec.arrival[firsts]) * 1000
         busy = st["busy_time"]
         rows.append({
-            "replica": k, "role": st["role"], "completed": int(fin.sum()),
-            "request_throughput": int(fin.sum()) / duration if duration > 0 else math.nan,
-            "first_tokens": int(first.sum()),
+            "replica": k, "role": role, "completed": int((here & done).sum()),
+            "request_throughput": int((here & in_window).sum()) / duration if duration > 0 else math.nan,
+            "first_tokens": int(firsts.sum()),
             "mean_ttft_ms": float(ttft.mean()) if len(ttft) else math.nan,
             "p99_ttft_ms": float(np.percentile(ttft, 99)) if len(ttft) else math.nan,
             "iterations": st["iterations"], "preemptions": st["preemptions"],
-            "busy_fraction": busy / duration if duration > 0 else math.nan,
+            "busy_fraction": busy / span if span > 0 else math.nan,
             "mean_kv_usage": st["kv_time_integral"] / busy / cap if busy > 0 else 0.0,
             "peak_kv_usage": st["kv_peak_tokens"] / cap, "peak_queue_length": st["peak_queue"]})
     out: dict[str, Any] = {"replica_breakdown": rows}
@@ -248,7 +253,7 @@ def cluster_summary(rec: RunRecords, duration: float) -> dict[str, Any]:
         out["mean_transfer_ms"] = float(x.mean()) if len(x) else math.nan
         out["p99_transfer_ms"] = float(np.percentile(x, 99)) if len(x) else math.nan
         for role in ("prefill", "decode"):
-            pool = [r for r in rows if r["role"] == role]
-            busy = sum(st["busy_time"] for st in rec.replica_stats if st["role"] == role)
-            out[f"{role}_busy_fraction"] = busy / (len(pool) * duration) if duration > 0 else math.nan
+            stats = [st for st in rec.replica_stats if st["role"] == role]
+            busy = sum(st["busy_time"] for st in stats)
+            out[f"{role}_busy_fraction"] = busy / (len(stats) * span) if span > 0 else math.nan
     return out

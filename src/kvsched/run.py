@@ -111,11 +111,13 @@ class Result:
                             adm, first, fin, ttft, e2el, int(r.preemptions[k]), int(r.recomputed[k]),
                             int(r.output[k]) - 1 if fin != "" else "", r.itl_max[k] if fin != "" else "",
                             itl_sum, int(r.tbt_violations[k]), replica[k]] + self._pd_cells(k))
+        per_replica = ["replica"] if r.replica_stats is not None else []
         if self.timeline is not None:
-            _write_rows(d / "timeline.csv", ["time", "queue_length", "running", "kv_used_tokens"], self.timeline)
+            _write_rows(d / "timeline.csv", ["time", "queue_length", "running", "kv_used_tokens"] + per_replica,
+                        self.timeline)
         if self.batches is not None:
             _write_rows(d / "batches.csv", ["start", "duration", "prefill_tokens", "prefill_requests",
-                                            "decode_requests", "kv_used_tokens"], self.batches)
+                                            "decode_requests", "kv_used_tokens"] + per_replica, self.batches)
 
 
     def _pd_cells(self, k: int) -> list:
@@ -136,6 +138,8 @@ def _write_rows(path: Path, header: list[str], rows) -> None:
 def _jsonable(x):
     if isinstance(x, dict):
         return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x
@@ -184,7 +188,8 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
             dp, dparams = policy, {**(policy_params or {}), **(decode_params or {})}
         else:
             dp, dparams = decode_policy, decode_params
-        pols += [_policy(dp, dparams, gpu, k) for k in range(replicas - prefill)]
+        first = prefill if dp is policy else 0      # the same object: copies for every decode replica
+        pols += [_policy(dp, dparams, gpu, first + k) for k in range(replicas - prefill)]
     kv = PagedKV(tokens, scenario.block_size)
     max_len = scenario.max_model_len if scenario.max_model_len is not None else model.max_len
     cluster = Cluster(scenario.workload, pols, cost, kv, router=scenario.router, router_seed=scenario.router_seed,

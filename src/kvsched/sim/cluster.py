@@ -7,16 +7,23 @@ replica's events up to that end are processed before it decides again.
 
 Prefill/decode disaggregation (`prefill_replicas` > 0): arrivals are routed to the prefill
 replicas, whose requests hand off at their first token; at that moment the decode router
-picks a decode replica, and the request's KV (its tokens x the model's KV bytes per token)
-crosses the prefill replica's FIFO link (`KVLink`). The prefill replica frees the KV when
-the transfer lands; the decode replica takes the request into its decode set once the KV
-fits there (waiting in arrival order meanwhile, the received KV held outside its pool).
-A preemption on a decode replica recomputes there (its policy prefills the request again);
-this keeps a decode replica's work local, as DistServe's decode instances do.
+picks a decode replica. The decode replica pulls the request's KV when it has room for it
+(beside its decoders and one decode step of them all), in hand-off order; until then the
+request waits there and its KV stays on the prefill replica, so a full decode pool pushes
+back on the prefill pool, as DistServe's decode instances pull KV from prefill instances
+that act as queuing buffers. The pulled KV (its tokens x the model's KV bytes per token)
+crosses the prefill replica's FIFO link (`KVLink`); the prefill replica frees it when it
+lands, and the request decodes from the decode replica's next batch. Its transfer time is
+from its first token to the landing (waiting for room and for the link included).
+A preemption on a decode replica recomputes there (its policy prefills the request again).
+This departs from DistServe (rad-slai.txt Algorithm 5), which swaps preempted KV to host
+memory, and whose prefill instances run one whole prompt at a time FCFS: here the prefill
+replicas run whatever policy is chosen, batched and chunked as it decides.
 """
 from __future__ import annotations
 
 import heapq
+from collections import deque
 import time as _time
 from typing import Callable, Sequence
 
@@ -31,7 +38,7 @@ from kvsched.sim.routers import ReplicaSummary, Router, make_router
 from kvsched.sim.transfer import KVLink
 from kvsched.workload.request import Workload
 
-SEAT, HANDOFF, LAND = range(3)
+SEAT, HANDOFF, PULL, LAND = range(4)
 
 
 class Cluster:
@@ -63,17 +70,20 @@ class Cluster:
                 record_batches=record_batches, stall_batches=stall_batches,
                 handoff=self._handoff if role == "prefill" else None))
         self.front = self.replicas[:prefill_replicas] if self.disaggregated else self.replicas
+        self.front_size = len(self.front)
         self.back = self.replicas[prefill_replicas:]
         self.router = make_router(router, router_seed) if isinstance(router, str) else router
         self.decode_router = make_router(self.router.name, router_seed + 1) if self.disaggregated else None
-        for pool, rt in ((self.front, self.router), (self.back, self.decode_router)):
+        pools = [(self.front, self.router)] + ([(self.back, self.decode_router)] if self.disaggregated else [])
+        for pool, rt in pools:
             for rep in pool:
-                rep.track_start = rt is not None and rt.uses_state and len(pool) > 1
+                rep.track_start = rt.uses_state and len(pool) > 1 or rep.role == "decode"
         self.links = [KVLink(bandwidth_gbps, latency_s) for _ in self.front] if self.disaggregated else []
         self.kv_bytes_per_token = kv_bytes_per_token
         n = self.reqs.n
         self.decode_replica = np.full(n, -1, np.int32) if self.disaggregated else None
         self.transfer = np.full(n, np.nan) if self.disaggregated else None
+        self._pulls = [deque() for _ in self.back] if self.disaggregated else None
         self._events: list[tuple] = []
         self._seq = 0
         self._seats = 0
@@ -91,13 +101,14 @@ class Cluster:
     def _route(self, router: Router, pool: list[Replica], i: int, t: float) -> int:
         if len(pool) == 1:
             return 0
-        if not router.uses_state:
-            return router.route(i, t, len(pool))
-        view = []
-        for k, rep in enumerate(pool):
-            out, kv, backlog = rep.summary_at(t)
-            view.append(ReplicaSummary(k, out, kv, rep.kv_capacity_blocks, backlog))
-        k = router.route(i, t, view)
+        if router.uses_state:
+            view = []
+            for k, rep in enumerate(pool):
+                out, kv, backlog = rep.summary_at(t)
+                view.append(ReplicaSummary(k, out, kv, rep.kv_capacity_blocks, backlog))
+            k = router.route(i, t, view)
+        else:
+            k = router.route(i, t, len(pool))
         if not (isinstance(k, (int, np.integer)) and 0 <= k < len(pool)):
             raise KvschedError(f"router {router.name} chose replica {k!r} of {len(pool)}")
         return int(k)
@@ -114,16 +125,32 @@ class Cluster:
             self._issue(t, closed)
         elif kind == HANDOFF:
             i = ev[3]
-            p = self.reqs.replica[i]
             k = self._route(self.decode_router, self.back, i, t)
-            land = self.links[p].send(t, self.reqs.computed[i] * self.kv_bytes_per_token)
             self.decode_replica[i] = self.back[k].index
-            self.transfer[i] = land - t
-            self._push(land, LAND, i, p, k)
+            self._pulls[k].append(i)
+            self._pull(k, t)
+        elif kind == PULL:
+            self._pull(ev[3], t)
         else:
             _, _, _, i, p, k = ev
             self.replicas[p].release(i, t)
             self.back[k].land(i, t)
+
+    def _pull(self, k: int, t: float) -> None:
+        """Decode replica k pulls waiting requests' KV while it has room; if it lacks room during
+        a batch, it looks again when the batch ends."""
+        d, q, reqs = self.back[k], self._pulls[k], self.reqs
+        while q:
+            i = q[0]
+            if not d.reserve(i, t):
+                if t < d.now:
+                    self._push(d.now, PULL, k)
+                return
+            q.popleft()
+            p = int(reqs.replica[i])
+            land = self.links[p].send(t, reqs.computed[i] * self.kv_bytes_per_token)
+            self.transfer[i] = land - reqs.first[i]
+            self._push(land, LAND, i, p, k)
 
     def _issue(self, t: float, closed: list[int]) -> None:
         """Closed loop: issue requests while seats are free, arriving now."""
@@ -151,6 +178,7 @@ class Cluster:
         else:
             self._set_next(0)
         single = reps[0] if len(reps) == 1 else None
+        pulls = self._pulls
         nxt, steps = 0, 0
         while reqs.done < reqs.remaining:
             t_arr = arrival[nxt] if closed is None and nxt < n else INF
@@ -184,6 +212,8 @@ class Cluster:
                     progress(reqs.done, reqs.remaining)
             if closed is not None and reqs.done > before:
                 self._push(rep.now, SEAT, reqs.done - before)
+            if pulls is not None and rep.role == "decode" and pulls[rep.index - self.front_size]:
+                self._push(rep.now, PULL, rep.index - self.front_size)   # its KV may have room at the batch end
         return self._records(_time.perf_counter() - wall0)
 
     def _set_next(self, nxt: int) -> None:
@@ -193,6 +223,9 @@ class Cluster:
 
     def _deadlock(self, closed: bool) -> None:
         stuck = [r for r in self.replicas if r._queue or r._running or r._landing]
+        if not stuck and self._pulls and any(self._pulls):
+            raise KvschedError("disaggregation deadlock: requests wait for decode KV that never frees "
+                               "(report this: it is a simulator bug)")
         r = stuck[0] if stuck else self.replicas[0]
         where = f" on replica {r.index}" if len(self.replicas) > 1 else ""
         raise PlanError(
@@ -228,8 +261,18 @@ class Cluster:
 
     @property
     def timeline(self):
-        return self.replicas[0].timeline
+        """Rows (time, queue, running, KV used) per batch; in a cluster every replica's rows,
+        by time, with the replica's number last."""
+        return self._rows("timeline")
 
     @property
     def batches(self):
-        return self.replicas[0].batches
+        """Rows (start, duration, prefill tokens, prefill requests, decode requests, KV used)
+        per batch; in a cluster every replica's rows, by start, with the replica's number last."""
+        return self._rows("batches")
+
+    def _rows(self, name: str):
+        reps = self.replicas
+        if len(reps) == 1 or getattr(reps[0], name) is None:
+            return getattr(reps[0], name)
+        return sorted((row + (r.index,) for r in reps for row in getattr(r, name)), key=lambda x: (x[0], x[-1]))

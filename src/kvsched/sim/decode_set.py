@@ -41,7 +41,7 @@ class Cohort:
         self.ctx = 0                           # sum of members' KV tokens
         self.residue = [0] * block_size
         self.members: dict[int, tuple[int, int, int, float]] = {}   # id -> (clock, kv, gen, time)
-        self.fresh: list[int] = []             # joined since the last step
+        self.fresh: dict[int, None] = {}       # joined since the last step (a dict: O(1) removal)
         self.last_time = 0.0
         self._heap: list[tuple[int, int]] = []
         self._finish: dict[int, int] = {}
@@ -67,7 +67,7 @@ class Cohort:
     def join(self, i: int, kv: int, gen: int, output: int, time: float) -> None:
         c = self.clock
         self.members[i] = (c, kv, gen, time)
-        self.fresh.append(i)
+        self.fresh[i] = None
         self.n += 1
         self.ctx += kv
         self.residue[(kv - c) % self.block_size] += 1
@@ -111,7 +111,7 @@ class Cohort:
         self.ctx -= kv
         self.residue[(k0 - c0) % self.block_size] -= 1
         if steps == 0:
-            self.fresh.remove(i)
+            del self.fresh[i]
         last = self.last_time if steps else t0
         window = self._gaps[c0 + 2 - self._base:self.clock + 1 - self._base]
         return kv, g0 + steps, last, window

@@ -35,6 +35,12 @@ from kvsched.sim.view import ReadOnlySeq, ReplicaView
 DEFAULT_STALL_BATCHES = 100_000
 
 
+def _short(x, limit: int = 60) -> str:
+    """repr (str for exceptions) on one line, at most `limit` characters."""
+    text = " ".join((str(x) if isinstance(x, BaseException) else repr(x)).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class Arrivals:
     """What replicas may know of future arrivals (set by the loop that feeds them)."""
     __slots__ = ("pending", "next_time")
@@ -100,7 +106,7 @@ class Replica:
             "prefilling": self._prefilling.keys(), "decoding": self._decoders.where.keys(),
             "recent_batch_times": ReadOnlySeq(self.recent_batch_times),
             "recent_finished": ReadOnlySeq(self.recent_finished),
-            "_output": reqs.output, "_admitted": reqs.admitted})
+            "_output": reqs.output_ro, "_admitted": reqs.admitted_ro})
 
     def _hook(self, name: str):
         fn = getattr(self.policy, name, None)
@@ -168,29 +174,32 @@ class Replica:
         return self._computed[i]
 
     def generated(self, i: int) -> int:
-        if self._status[i] == DECODE:
-            c = self._where[i]
+        c = self._where.get(i)
+        if c is not None:
             c0, _, g0, _ = c.members[i]
             return g0 + c.clock - c0
-        return self.reqs.gen[i]
+        return self.reqs.gen[i] if self._status[i] != DECODE else self._remote(i)
 
     def kv_tokens(self, i: int) -> int:
-        if self._status[i] == DECODE:
-            c = self._where[i]
+        c = self._where.get(i)
+        if c is not None:
             c0, k0, _, _ = c.members[i]
             return k0 + c.clock - c0
-        return self._computed[i]
+        return self._computed[i] if self._status[i] != DECODE else self._remote(i)
+
+    def _remote(self, i: int):
+        raise PlanError(f"policy {self.name} asked about request {i}, which is decoding on another replica")
 
     def kv_blocks(self, i: int) -> int:
         return -(-self.kv_tokens(i) // self.block_size)
 
     def is_decoding(self, i: int) -> bool:
-        return self._status[i] == DECODE
+        return i in self._where
 
     def needs_block(self, i: int) -> bool:
-        if self._status[i] != DECODE:
+        c = self._where.get(i)
+        if c is None:
             return False
-        c = self._where[i]
         c0, k0, _, _ = c.members[i]
         return (k0 + c.clock - c0) % self.block_size == 0
 
@@ -205,7 +214,7 @@ class Replica:
         """When its last output token came out (None before the first)."""
         r = self.reqs
         st = r.status[i]
-        if st == DECODE:
+        if i in self._where:
             return self._decoders.last_token(i)
         if st == DONE:
             return float(r.finished[i])
@@ -240,8 +249,25 @@ class Replica:
             out, kv, pre = self._snap
             self._snap = (out + 1, kv, pre + r.target[i])
 
+    def reserve(self, i: int, t: float) -> bool:
+        """Reserve KV for request i's transfer at t if it fits beside the decoders here (and one
+        decode step of them all); during a batch, judged by the KV held at the batch's start."""
+        tokens = self.reqs.computed[i]
+        bs = self.block_size
+        need = -(-tokens // bs)
+        mid = t < self.now and self.track_start
+        used = self._snap[1] if mid else self.kv.used
+        if used + need + self._decoders.new_blocks + (tokens % bs == 0) > self.kv.capacity_blocks:
+            return False
+        self.kv.used += need
+        if mid:
+            out, kv, pre = self._snap
+            self._snap = (out, kv + need, pre)
+        return True
+
     def land(self, i: int, t: float) -> None:
-        """The KV of a prefilled request arrives at t; it decodes here once its KV fits."""
+        """The KV of a prefilled request (reserved here) arrives at t; it decodes from the next
+        batch on."""
         self._landing.append(i)
         self.outstanding += 1
         if t > self.now:
@@ -273,11 +299,18 @@ class Replica:
             self.peak_queue = q
         try:
             plan = self._schedule(self.view)
-        except KvschedError:
-            raise
+        except KvschedError as exc:
+            raise self._named(exc) from exc
         except Exception as exc:
             raise self._policy_failed("schedule", exc) from exc
-        if not self._execute(plan):
+        try:
+            ran = self._execute(plan)
+        except KvschedError:
+            raise
+        except Exception as exc:                # e.g. a generator in the plan that raises
+            raise PlanError(f"policy {self.name} gave a plan that cannot be read: {type(exc).__name__}: "
+                            f"{_short(exc, 120)}") from exc
+        if not ran:
             self._blocked = True
             return False
         if self._on_batch_end is not None:
@@ -285,9 +318,13 @@ class Replica:
         return True
 
     # ----- policy safety ---------------------------------------------------------------
+    def _named(self, exc: KvschedError) -> KvschedError:
+        """A KvschedError a policy raised, with the policy's name in front if it lacks it."""
+        return exc if str(exc).startswith(f"policy {self.name}") else PlanError(f"policy {self.name}: {_short(exc, 300)}")
+
     def _policy_failed(self, where: str, exc: Exception, i: int | None = None) -> PlanError:
         req = f" (request {i})" if i is not None else ""
-        msg = " ".join(str(exc).split()) or "no message"
+        msg = _short(exc, 300) or "no message"
         return PlanError(f"policy {self.name} raised {type(exc).__name__} in {where}{req} at "
                          f"t={self.now:.6g}s: {msg}")
 
@@ -297,13 +334,13 @@ class Replica:
                 fn(self.view)
             else:
                 fn(i, self.view)
-        except KvschedError:
-            raise
+        except KvschedError as exc:
+            raise self._named(exc) from exc
         except Exception as exc:
             raise self._policy_failed(where, exc, i) from exc
 
     def _unknown(self, i, what: str) -> PlanError:
-        return PlanError(f"policy {self.name} {what} request {i!r}, which does not exist "
+        return PlanError(f"policy {self.name} {what} request {_short(i)}, which does not exist "
                          f"(requests are 0..{self.reqs.n - 1})")
 
     def _check_id(self, i, what: str) -> None:
@@ -313,9 +350,8 @@ class Replica:
     # ----- one batch ---------------------------------------------------------------------
     def _execute(self, plan: Plan) -> bool:
         """Check and run one plan; False if it is empty."""
-        if type(plan) is not Plan:
-            raise PlanError(f"policy {self.name} returned {type(plan).__name__} "
-                            f"{str(plan)[:60]!r}, not a Plan")
+        if type(plan) is not Plan and not isinstance(plan, Plan):
+            raise PlanError(f"policy {self.name} returned {_short(plan)} ({type(plan).__name__}), not a Plan")
         try:
             for i in plan.preempt:
                 self._preempt(i)
@@ -328,6 +364,8 @@ class Replica:
         bs = self.block_size
         if chunks:
             new_blocks, pt, pattn, pctx, shape_chunks = self._prefill_shape(plan, chunks)
+        elif chunks is None:
+            self._check_fields(plan)
         else:
             new_blocks = pt = pattn = pctx = 0
             shape_chunks = ()
@@ -402,13 +440,15 @@ class Replica:
 
     def _prefill_shape(self, plan: Plan, chunks) -> tuple[int, int, float, int, list[tuple[int, int]]]:
         """Check the chunks; (new KV blocks, tokens, query-key pairs, KV touched, per chunk)."""
-        computed, target, status, bs = self._computed, self._target, self._status, self.block_size
+        computed, target, prefilling, bs = self._computed, self._target, self._prefilling, self.block_size
         new_blocks = pt = pattn = pctx = 0
         shape_chunks = []
         try:
             for i, c in chunks:
+                if i not in prefilling:         # this replica's prefilling requests only
+                    self._bad_chunk(i, c)
                 p = computed[i]
-                if status[i] != PREFILL or not 0 < c <= target[i] - p or c != int(c) or i < 0:
+                if not 0 < c <= target[i] - p or c != int(c):
                     self._bad_chunk(i, c)
                 new_blocks += -(-(p + c) // bs) - -(-p // bs)
                 pt += c
@@ -428,29 +468,29 @@ class Replica:
         if self._stall >= self._stall_limit:
             raise PlanError(
                 f"policy {self.name} made no progress: no output token in {self._stall} batches "
-                f"with {len(self._queue)} waiting and {len(self._running)} running requests "
+                f"with {len(self._queue)} waiting and {len(self._running)} running requests on replica {self.index} "
                 f"(t={end:.6g}s; the limit is stall_batches={self._stall_limit})")
 
     def _check_fields(self, plan: Plan) -> None:
         for name in ("preempt", "admit", "chunks"):
             x = getattr(plan, name)
             if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
-                raise PlanError(f"policy {self.name} gave Plan.{name}={x!r:.60}; it must be a list")
+                raise PlanError(f"policy {self.name} gave Plan.{name}={_short(x)}; it must be a list")
 
     def _malformed_chunks(self, chunks) -> PlanError:
         for item in chunks:
             try:
                 i, c = item
             except (TypeError, ValueError):
-                return PlanError(f"policy {self.name} gave a chunk {item!r}; chunks are (request, tokens) pairs")
+                return PlanError(f"policy {self.name} gave a chunk {_short(item)}; chunks are (request, tokens) pairs")
             try:
                 self._check_id(i, "gave a chunk to")
             except PlanError as exc:
                 return exc
             if not isinstance(c, (int, np.integer)) or isinstance(c, bool):
-                return PlanError(f"policy {self.name} gave request {i} a chunk of {c!r} tokens; "
+                return PlanError(f"policy {self.name} gave request {i} a chunk of {_short(c)} tokens; "
                                  "tokens must be an integer")
-        return PlanError(f"policy {self.name} gave malformed chunks {chunks!r:.80}")
+        return PlanError(f"policy {self.name} gave malformed chunks {_short(chunks)}")
 
     def _selected(self, d) -> list[Cohort]:
         """The cohorts that decode when the plan names a set of decoders."""
@@ -458,7 +498,7 @@ class Replica:
             return self._decoders.everyone() if d else []
         if not isinstance(d, (set, frozenset)):
             if isinstance(d, (str, bytes, int, float)) or d is None or not hasattr(d, "__iter__"):
-                raise PlanError(f"policy {self.name} gave decode={d!r:.60}; it must be True, False "
+                raise PlanError(f"policy {self.name} gave decode={_short(d)}; it must be True, False "
                                 "or a collection of request ids in their decode phase")
             try:
                 d = set(d)
@@ -480,7 +520,7 @@ class Replica:
     def _bad_chunk(self, i: int, c) -> None:
         self._check_id(i, "gave a chunk to")
         r = self.reqs
-        state = ("not in its prefill phase" if r.status[i] != PREFILL
+        state = (f"not in its prefill phase on replica {self.index}" if i not in self._prefilling
                  else f"{r.target[i] - r.computed[i]} prefill tokens left")
         raise PlanError(f"policy {self.name} gave request {i} a chunk of {c} tokens; it is {state}")
 
@@ -575,21 +615,13 @@ class Replica:
             self._decoders.join(i, r.computed[i], g, r.output[i], t)
 
     def _land_ready(self) -> None:
-        """Landed requests join the decode set in arrival order while their KV (and one decode
-        step of every decoder) fits."""
-        r, kv, ds, bs = self.reqs, self.kv, self._decoders, self.block_size
-        landing = self._landing
-        while landing:
-            i = landing[0]
-            tokens = r.computed[i]
-            need = -(-tokens // bs)
-            if kv.used + need + ds.new_blocks + (tokens % bs == 0) > kv.capacity_blocks:
-                break
-            landing.popleft()
-            kv.used += need
+        """Landed requests (their KV reserved by `reserve`) join the decode set."""
+        r, ds = self.reqs, self._decoders
+        for i in self._landing:
             r.status[i] = DECODE
             self._running[i] = None
-            ds.join(i, tokens, r.gen[i], r.output[i], r.last_tok[i])
+            ds.join(i, r.computed[i], r.gen[i], r.output[i], r.last_tok[i])
+        self._landing.clear()
 
     def _finish(self, i: int, t: float, kv_tokens: int) -> None:
         r = self.reqs

@@ -47,6 +47,9 @@ class RequestTable:
         self.preempts = np.zeros(n, np.int64)
         self.recomputed = np.zeros(n, np.int64)
         self.replica = np.full(n, -1, np.int32)         # where it was routed on arrival
+        self.output_ro = tuple(self.output)             # read-only copies for the view
+        self.admitted_ro = self.admitted.view()
+        self.admitted_ro.flags.writeable = False
         self.rejected = self._find_rejected(block_size, capacity_blocks, max_model_len, strict)
         self.rejected_list = self.rejected.tolist()
         for i in np.flatnonzero(self.rejected).tolist():
