@@ -23,7 +23,6 @@ replicas run whatever policy is chosen, batched and chunked as it decides.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 import time as _time
 from typing import Callable, Sequence
 
@@ -83,7 +82,7 @@ class Cluster:
         n = self.reqs.n
         self.decode_replica = np.full(n, -1, np.int32) if self.disaggregated else None
         self.transfer = np.full(n, np.nan) if self.disaggregated else None
-        self._pulls = [deque() for _ in self.back] if self.disaggregated else None
+        self._pulls = [rep.pulls for rep in self.back] if self.disaggregated else None
         self._events: list[tuple] = []
         self._seq = 0
         self._seats = 0

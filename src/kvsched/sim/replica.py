@@ -74,6 +74,7 @@ class Replica:
         self._running: dict[int, None] = {}
         self._prefilling: dict[int, None] = {}
         self._landing: deque[int] = deque()
+        self.pulls: deque[int] = deque()        # decode role: handed-off requests waiting for KV room
         self._decoders = DecodeSet(bs, self._move)
         self._where = self._decoders.where
         # the table's per-request lists, aliased for the view's hot reads (mutated in place only)
@@ -223,10 +224,12 @@ class Replica:
     # ----- router summary --------------------------------------------------------------
     def summary_at(self, t: float) -> tuple[int, int, int]:
         """(outstanding, KV blocks in use, queued prefill tokens) as a router sees them at t:
-        during a batch, its state at the batch's start plus the requests routed since."""
+        during a batch, its state at the batch's start plus the requests routed since.
+        Outstanding counts requests waiting for their KV to be pulled here."""
         if t >= self.now:
-            return self.outstanding, self.kv.used, self.prefill_backlog
-        return self._snap
+            return self.outstanding + len(self.pulls), self.kv.used, self.prefill_backlog
+        out, kv, backlog = self._snap
+        return out + len(self.pulls), kv, backlog
 
     # ----- step API ----------------------------------------------------------------------
     def next_event_time(self) -> float:
