@@ -10,6 +10,8 @@ import dataclasses
 import math
 from typing import Any, Iterable
 
+import numpy as np
+
 from kvsched.errors import KvschedError
 
 
@@ -47,8 +49,30 @@ def _convert(owner: str, key: str, value: Any, kind: str) -> Any:
     return value
 
 
+def parse_range(text: str) -> tuple[float, float, bool, bool]:
+    """'[1, inf)' -> (1, inf, lower included, upper included)."""
+    lo, hi = text[1:-1].split(",")
+    return float(lo), float(hi), text[0] == "[", text[-1] == "]"
+
+
+def check_range(owner: str, key: str, value: Any, kind: str, text: str) -> None:
+    """A parameter's value against its type and its range `text` (values finite, ints whole)."""
+    if kind.startswith("bool"):
+        if not isinstance(value, bool):
+            raise KvschedError(f"{owner}: {key}={value!r} must be true or false")
+        return
+    integer = kind.startswith("int")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer) if integer else (int, float, np.number)):
+        raise KvschedError(f"{owner}: {key}={value!r} must be {'a whole number' if integer else 'a number'} in {text}")
+    lo, hi, lo_in, hi_in = parse_range(text)
+    ok = (value > lo or lo_in and value == lo) and (value < hi or hi_in and value == hi)
+    if not (ok and math.isfinite(value)):
+        raise KvschedError(f"{owner}: {key}={value!r} is outside its range {text}")
+
+
 def build(cls: type, owner: str, overrides: dict[str, Any], defaults: dict[str, Any] | None = None):
-    """Instantiate dataclass `cls` from defaults overlaid with (string) overrides."""
+    """Instantiate dataclass `cls` from defaults overlaid with (string) overrides; every field
+    with a `range` in its metadata is checked (type and range) before the object is built."""
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(overrides) - set(fields))
     if unknown:
@@ -56,21 +80,30 @@ def build(cls: type, owner: str, overrides: dict[str, Any], defaults: dict[str, 
         raise KvschedError(f"{owner} has no parameter {unknown[0]!r} (parameters: {known})")
     values = dict(defaults or {})
     for key, value in overrides.items():
-        kind = fields[key].type if isinstance(fields[key].type, str) else fields[key].type.__name__
-        values[key] = _convert(owner, key, value, kind)
+        values[key] = _convert(owner, key, value, _kind(fields[key]))
+    for key, f in fields.items():
+        text = f.metadata.get("range", "true/false" if _kind(f).startswith("bool") else None)
+        value = values.get(key, f.default)
+        if text is not None and value is not None and value is not dataclasses.MISSING:
+            check_range(owner, key, value, _kind(f), text)
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:
         raise KvschedError(f"{owner}: {exc}") from None
 
 
-def describe(cls: type) -> list[tuple[str, str, str]]:
-    """(name, default, help) for each parameter of a dataclass."""
+def _kind(f: dataclasses.Field) -> str:
+    return f.type if isinstance(f.type, str) else f.type.__name__
+
+
+def describe(cls: type) -> list[tuple[str, str, str, str]]:
+    """(name, default, range, help) for each parameter of a dataclass."""
     rows = []
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
         default = f.default if f.default is not dataclasses.MISSING else "required"
-        rows.append((f.name, "auto" if default is None else str(default), f.metadata.get("help", "")))
+        rng = f.metadata.get("range", "true/false" if _kind(f).startswith("bool") else "")
+        rows.append((f.name, "auto" if default is None else str(default), rng, f.metadata.get("help", "")))
     return rows
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from kvsched.cost import make_cost_model
 from kvsched.errors import KvschedError
 from kvsched.hardware import get_gpu, get_model, kv_capacity_tokens
@@ -63,8 +65,9 @@ class Scenario:
 
     def resolve(self):
         model, gpu = get_model(self.model), get_gpu(self.gpu)
-        if self.kv_capacity is not None and self.kv_capacity < 1:
-            raise KvschedError(f"--kv-capacity must be >= 1 token, got {self.kv_capacity}")
+        for flag, v in (("--kv-capacity", self.kv_capacity), ("--max-model-len", self.max_model_len)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+                raise KvschedError(f"{flag} must be >= 1 (a whole number of tokens), got {v!r}")
         tokens = self.kv_capacity if self.kv_capacity is not None else kv_capacity_tokens(
             model, gpu, self.memory_utilization)
         cost = make_cost_model(self.cost, self.cost_params, model, gpu)

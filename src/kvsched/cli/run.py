@@ -114,12 +114,13 @@ def policies_cmd() -> None:
         table = Table(title=f"{name} — {SOURCES[name]}", title_justify="left", show_edge=False)
         table.add_column("parameter")
         table.add_column("default")
+        table.add_column("range")
         table.add_column("meaning")
-        for pname, default, help_ in describe(cls):
+        for pname, default, range_, help_ in describe(cls):
             if default == "auto":
                 default = "{} / {} (>=70 GiB GPU / smaller)".format(
                     engine_defaults(GPUS['h100-sxm'])[pname], engine_defaults(GPUS['a30'])[pname])
-            table.add_row(pname, default, help_)
+            table.add_row(pname, default, range_, help_)
         console.print(table)
         console.print((cls.__doc__ or "").strip().split("\n\n")[0].replace("\n    ", " ") + "\n",
                       markup=False, highlight=False)

@@ -190,8 +190,13 @@ def eb_threshold_cmd(p0: float = typer.Option(..., "--p0", help="completion haza
     """theta0 (eq. 3: theta0/(1-theta0) + ln(1-theta0) = p0 alpha_p / alpha_d), delta_theta
     (IFR correction, eq. 5), theta_star = theta0 + delta_theta, zeta = -ln(1 - theta0)."""
     def body() -> None:
+        if not 0 <= eta < float("inf"):
+            raise KvschedError(f"--eta must be a finite slope >= 0 (h(t) = p0 + eta t is a hazard), got {eta}")
         th = eb.theta0(p0, alpha_p, alpha_d)
         dth = eb.delta_theta(th, p0, eta, alpha_d, beta_d, batch_size)
+        if not 0 < th + dth < 1:
+            raise KvschedError(f"theta_star = {th + dth:.6g} is outside (0, 1): the first-order IFR correction "
+                               f"(eq. 5) does not hold at eta {eta:g} (delta_theta {dth:.6g} against theta0 {th:.6g})")
         _emit({"theta0": th, "delta_theta": dth, "theta_star": th + dth, "zeta": eb.zeta(th)}, json_,
               "EB switching threshold")
     guard(body)

@@ -59,9 +59,9 @@ class VllmV1(_Base):
     not fit preempts the newest running requests (itself last, ending the step's running
     phase). Defaults are vLLM's: 8192 tokens / 1024 sequences on GPUs with >= 70 GiB,
     else 2048 / 256."""
-    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget per step"})
-    max_num_seqs: int | None = field(default=None, metadata={"help": "max running requests"})
-    long_prefill_token_threshold: int = field(default=0, metadata={
+    max_num_batched_tokens: int | None = field(default=None, metadata={"range": "[1, inf)", "help": "token budget per step"})
+    max_num_seqs: int | None = field(default=None, metadata={"range": "[1, inf)", "help": "max running requests"})
+    long_prefill_token_threshold: int = field(default=0, metadata={"range": "[0, inf)", 
         "help": "cap on one request's prefill tokens per step, 0 = none (vLLM's option; the chunk s_hat of stability-capacity.txt)"})
     name = "vllm-v1"
 
@@ -125,8 +125,8 @@ class Sarathi(_Base):
     chunked prefills, then new prefills in arrival order, under a token budget (the chunk
     size) and max_num_seqs. As in its vLLM-v0 block manager, a request is admitted only if
     KV for its whole prompt is free (reserved for its remaining chunks)."""
-    chunk_size: int = field(default=512, metadata={"help": "token budget per batch"})
-    max_num_seqs: int = field(default=128, metadata={"help": "max running requests"})
+    chunk_size: int = field(default=512, metadata={"range": "[1, inf)", "help": "token budget per batch"})
+    max_num_seqs: int = field(default=128, metadata={"range": "[1, inf)", "help": "max running requests"})
     name = "sarathi"
 
     def __post_init__(self) -> None:
@@ -176,9 +176,9 @@ class VllmV0(_Base):
     it is decode-only, preempting the newest requests if decodes do not fit. A prompt
     longer than the budget runs alone (vLLM v0 would refuse it). The watermark applies
     only while requests run, so a lone request that fits is never starved."""
-    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget per prefill step"})
-    max_num_seqs: int | None = field(default=None, metadata={"help": "max running requests"})
-    watermark: float = field(default=0.01, metadata={"help": "fraction of KV blocks kept free at admission"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"range": "[1, inf)", "help": "token budget per prefill step"})
+    max_num_seqs: int | None = field(default=None, metadata={"range": "[1, inf)", "help": "max running requests"})
+    watermark: float = field(default=0.01, metadata={"range": "[0, 1)", "help": "fraction of KV blocks kept free at admission"})
     name = "vllm-v0"
 
     def __post_init__(self) -> None:
@@ -223,8 +223,8 @@ class Orca(_Base):
     each step and new requests join with their whole prompt (FCFS) while the token budget,
     max_num_seqs and KV allow; a prompt longer than the budget runs alone once no decode is
     running. Defaults follow vllm-v1's for the GPU."""
-    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget per step"})
-    max_num_seqs: int | None = field(default=None, metadata={"help": "max running requests"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"range": "[1, inf)", "help": "token budget per step"})
+    max_num_seqs: int | None = field(default=None, metadata={"range": "[1, inf)", "help": "max running requests"})
     name = "orca"
 
     def __post_init__(self) -> None:
@@ -248,7 +248,7 @@ class RequestLevel(_Base):
     batch, then run decode-only batches until every one of them has finished; only then
     admit the next b. Requests whose prompts do not fit in free KV wait for the next cycle;
     decodes that outgrow KV preempt the newest (it rejoins the queue front)."""
-    b: int = field(default=64, metadata={"help": "requests per cycle"})
+    b: int = field(default=64, metadata={"range": "[1, inf)", "help": "requests per cycle"})
     name = "request-level"
 
     def __post_init__(self) -> None:

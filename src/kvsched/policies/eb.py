@@ -37,14 +37,14 @@ class ExclusiveBatching:
     under the token budget) and decoding resumes. Optional KV-aware gate (appendix D.6,
     eq. 23): the switch to prefill waits until free KV >= f_KV x capacity, f_KV =
     clip(N mu_O s_KV / (block_size x total blocks) + f_0, 0.05, 0.6)."""
-    max_num_seqs: int | None = field(default=None, metadata={"help": "N, the slots (max running requests)"})
-    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget of a prefill batch"})
-    k: int = field(default=1, metadata={"help": "idle slots that trigger a prefill phase"})
-    theta: float = field(default=0.0, metadata={"help": "if > 0: k = max(1, floor(theta N))"})
+    max_num_seqs: int | None = field(default=None, metadata={"range": "[1, inf)", "help": "N, the slots (max running requests)"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"range": "[1, inf)", "help": "token budget of a prefill batch"})
+    k: int = field(default=1, metadata={"range": "[1, inf)", "help": "idle slots that trigger a prefill phase"})
+    theta: float = field(default=0.0, metadata={"range": "[0, 1]", "help": "if > 0: k = max(1, floor(theta N))"})
     kv_gate: bool = field(default=False, metadata={"help": "defer the prefill phase while free KV is short (D.6)"})
-    gate_safety: float = field(default=0.5, metadata={"help": "s_KV, multiplier on mu_O in the gate"})
-    gate_base: float = field(default=0.0, metadata={"help": "f_0, base reserve of the gate"})
-    watermark: float = field(default=0.01, metadata={"help": "fraction of KV blocks kept free at admission while requests decode (as vllm-v0)"})
+    gate_safety: float = field(default=0.5, metadata={"range": "(0, inf)", "help": "s_KV, multiplier on mu_O in the gate"})
+    gate_base: float = field(default=0.0, metadata={"range": "[0, 1]", "help": "f_0, base reserve of the gate"})
+    watermark: float = field(default=0.01, metadata={"range": "[0, 1)", "help": "fraction of KV blocks kept free at admission while requests decode (as vllm-v0)"})
     name = "eb"
 
     def __post_init__(self) -> None:
@@ -177,18 +177,18 @@ class EbAdaptive(ExclusiveBatching):
     of Algorithm 1 and is off by default (kv_gate=true turns it on, as the authors run it:
     with long outputs its eq. (23) reserve reaches the 60% clip and starves the batch).
     Options for the authors' practice: see the module docstring."""
-    eps: float = field(default=0.01, metadata={"help": "allowed probability of exceeding KV (eq. 2)"})
-    window: int = field(default=500, metadata={"help": "completions in the estimation window"})
-    update_every: int = field(default=100, metadata={"help": "completions between updates"})
-    min_samples: int = field(default=30, metadata={"help": "completions before the first update"})
-    theta_start: float = field(default=0.70, metadata={"help": "theta before the first update"})
-    theta_min: float = field(default=0.01, metadata={"help": "lower clip of theta*"})
-    theta_max: float = field(default=0.80, metadata={"help": "upper clip of theta*"})
-    theta_ema: float = field(default=1.0, metadata={"help": "weight of a new theta* (1 = paper; practice 0.3)"})
-    delta_theta_cap: float = field(default=0.0, metadata={"help": "cap Delta theta at this x theta0 (0 = none; practice 5)"})
+    eps: float = field(default=0.01, metadata={"range": "(0, 1)", "help": "allowed probability of exceeding KV (eq. 2)"})
+    window: int = field(default=500, metadata={"range": "[2, inf)", "help": "completions in the estimation window"})
+    update_every: int = field(default=100, metadata={"range": "[1, inf)", "help": "completions between updates"})
+    min_samples: int = field(default=30, metadata={"range": "[2, inf)", "help": "completions before the first update"})
+    theta_start: float = field(default=0.70, metadata={"range": "(0, 1)", "help": "theta before the first update"})
+    theta_min: float = field(default=0.01, metadata={"range": "(0, 1)", "help": "lower clip of theta*"})
+    theta_max: float = field(default=0.80, metadata={"range": "(0, 1)", "help": "upper clip of theta*"})
+    theta_ema: float = field(default=1.0, metadata={"range": "(0, 1]", "help": "weight of a new theta* (1 = paper; practice 0.3)"})
+    delta_theta_cap: float = field(default=0.0, metadata={"range": "[0, inf)", "help": "cap Delta theta at this x theta0 (0 = none; practice 5)"})
     clamp_eta: bool = field(default=False, metadata={"help": "eta = max(eta, 0) (practice)"})
     floor_p0: bool = field(default=False, metadata={"help": "p0 = max(p0, 1/mean output) (practice)"})
-    fit_lower_quantile: float = field(default=0.0, metadata={"help": "start of the fit range (0 = t=1; practice 0.05)"})
+    fit_lower_quantile: float = field(default=0.0, metadata={"range": "[0, 1)", "help": "start of the fit range (0 = t=1; practice 0.05)"})
     name = "eb-adaptive"
 
     def __post_init__(self) -> None:
@@ -278,13 +278,13 @@ class EbPlus(EbAdaptive):
     ema_up when it rises, ema_down when it falls). Hysteresis (mb_margin), a cooldown of
     evaluations after a switch and no switching below min_occupancy: the paper asks for
     stable switching without giving values; these defaults are the authors'. Starts in MB."""
-    delta: float = field(default=1e-5, metadata={"help": "priority margin of eq. (8), s/token"})
-    evaluate_every: int = field(default=100, metadata={"help": "completions between mode decisions"})
-    ema_up: float = field(default=0.3, metadata={"help": "N_obs EMA weight when occupancy rises"})
-    ema_down: float = field(default=0.03, metadata={"help": "N_obs EMA weight when occupancy falls"})
-    mb_margin: float = field(default=3.0, metadata={"help": "back to MB when LHS < RHS - mb_margin x delta (-1: eq. 8 as printed)"})
-    cooldown: int = field(default=3, metadata={"help": "evaluations without a switch after one"})
-    min_occupancy: float = field(default=16.0, metadata={"help": "no switching while N_obs is below this"})
+    delta: float = field(default=1e-5, metadata={"range": "[0, inf)", "help": "priority margin of eq. (8), s/token"})
+    evaluate_every: int = field(default=100, metadata={"range": "[1, inf)", "help": "completions between mode decisions"})
+    ema_up: float = field(default=0.3, metadata={"range": "(0, 1]", "help": "N_obs EMA weight when occupancy rises"})
+    ema_down: float = field(default=0.03, metadata={"range": "(0, 1]", "help": "N_obs EMA weight when occupancy falls"})
+    mb_margin: float = field(default=3.0, metadata={"range": "(-inf, inf)", "help": "back to MB when LHS < RHS - mb_margin x delta (-1: eq. 8 as printed)"})
+    cooldown: int = field(default=3, metadata={"range": "[0, inf)", "help": "evaluations without a switch after one"})
+    min_occupancy: float = field(default=16.0, metadata={"range": "[0, inf)", "help": "no switching while N_obs is below this"})
     name = "eb-plus"
 
     def __post_init__(self) -> None:

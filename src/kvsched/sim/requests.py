@@ -62,16 +62,19 @@ class RequestTable:
     def _find_rejected(self, block_size: int, capacity_blocks: int, max_model_len: int | None,
                        strict: bool) -> np.ndarray:
         w = self.workload
-        footprint = w.prompt + w.output - 1
-        too_big = -(-footprint // block_size) > capacity_blocks
-        too_long = (w.prompt + w.output > max_model_len) if max_model_len else np.zeros(len(w), bool)
+        cap = capacity_blocks * block_size
+        # each length alone first, so that the sums below cannot overflow int64 unnoticed
+        too_big = (w.prompt > cap) | (w.output > cap) | (w.prompt + w.output - 1 > cap)
+        too_long = ((w.prompt > max_model_len) | (w.output > max_model_len) | (w.prompt + w.output > max_model_len)
+                    if max_model_len else np.zeros(len(w), bool))
         bad = too_big | too_long
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
-            why = (f"needs {int(footprint[k])} KV tokens, capacity is {capacity_blocks * block_size}"
-                   if too_big[k] else f"is {int(w.prompt[k] + w.output[k])} tokens, model max is {max_model_len}")
+            s, o = int(w.prompt[k]), int(w.output[k])
+            why = (f"needs {s + o - 1} KV tokens, capacity is {cap}" if too_big[k]
+                   else f"is {s + o} tokens, model max is {max_model_len}")
             msg = (f"{int(bad.sum())} request(s) can never be served; first: request "
-                   f"{int(w.ids[k])} (prompt {int(w.prompt[k])}, output {int(w.output[k])}) {why}")
+                   f"{int(w.ids[k])} (prompt {s}, output {o}) {why}")
             if strict:
                 raise KvschedError(msg)
             warnings.warn(msg + "; they are counted as rejected", stacklevel=4)

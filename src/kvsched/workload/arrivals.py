@@ -66,8 +66,8 @@ class GammaArrivals:
 
     def __post_init__(self) -> None:
         _check_rate(self.rate)
-        if not (self.cv > 0 and math.isfinite(self.cv)):
-            raise KvschedError(f"arrivals: gamma CV must be > 0, got {self.cv}")
+        if not (self.cv > 0 and math.isfinite(self.cv) and 0 < self.cv * self.cv < math.inf):
+            raise KvschedError(f"arrivals: gamma CV must be a number > 0 whose square is finite and > 0, got {self.cv}")
 
     @property
     def mean_rate(self) -> float:
@@ -168,6 +168,9 @@ class Sinusoid:
         return f"sine:{self.mean:g}:{self.amplitude:g}:{self.period:g}"
 
 
+MAX_CONCURRENCY = 2 ** 40
+
+
 @dataclass(frozen=True)
 class Closed:
     """Closed loop at concurrency c: c requests in flight; the next is issued the moment one
@@ -175,8 +178,9 @@ class Closed:
     concurrency: int
 
     def __post_init__(self) -> None:
-        if int(self.concurrency) != self.concurrency or self.concurrency < 1:
-            raise KvschedError(f"arrivals: closed-loop concurrency must be an integer >= 1, got {self.concurrency}")
+        if int(self.concurrency) != self.concurrency or not 1 <= self.concurrency <= MAX_CONCURRENCY:
+            raise KvschedError(f"arrivals: closed-loop concurrency must be an integer >= 1 and at most "
+                               f"{MAX_CONCURRENCY:,}, got {self.concurrency}")
 
     def __str__(self) -> str:
         return f"closed:{self.concurrency}"

@@ -1,6 +1,7 @@
 """Token-length distributions. Each samples integer lengths >= 1 from a numpy Generator."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -17,10 +18,15 @@ class LengthDist(Protocol):
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray: ...
 
 
+MAX_TOKENS = 2 ** 40       # longest length a distribution may produce (about 1.1e12 tokens)
+
+
 def _positive(name: str, **values: float) -> None:
     for key, v in values.items():
-        if not v > 0:
-            raise KvschedError(f"{name}: {key} must be > 0, got {v}")
+        if not (v > 0 and math.isfinite(v)):
+            raise KvschedError(f"{name}: {key} must be a finite number > 0, got {v}")
+        if v > MAX_TOKENS:
+            raise KvschedError(f"{name}: {key} {v:g} is beyond {MAX_TOKENS:,} tokens")
 
 
 @dataclass(frozen=True)
@@ -28,8 +34,8 @@ class Fixed:
     value: int
 
     def __post_init__(self) -> None:
-        if int(self.value) != self.value or self.value < 1:
-            raise KvschedError(f"fixed: length must be an integer >= 1, got {self.value}")
+        if int(self.value) != self.value or not 1 <= self.value <= MAX_TOKENS:
+            raise KvschedError(f"fixed: length must be an integer in 1..{MAX_TOKENS:,}, got {self.value}")
 
     @property
     def mean(self) -> float:
@@ -49,8 +55,8 @@ class Uniform:
     high: int
 
     def __post_init__(self) -> None:
-        if not 1 <= self.low <= self.high:
-            raise KvschedError(f"uniform: need 1 <= low <= high, got {self.low}, {self.high}")
+        if not 1 <= self.low <= self.high <= MAX_TOKENS:
+            raise KvschedError(f"uniform: need 1 <= low <= high <= {MAX_TOKENS:,}, got {self.low}, {self.high}")
 
     @property
     def mean(self) -> float:
@@ -79,8 +85,8 @@ class Geometric:
     mean: float
 
     def __post_init__(self) -> None:
-        if not self.mean >= 1:
-            raise KvschedError(f"geometric: mean must be >= 1, got {self.mean}")
+        if not 1 <= self.mean <= MAX_TOKENS:
+            raise KvschedError(f"geometric: mean must be in 1..{MAX_TOKENS:,}, got {self.mean}")
 
     def sample(self, rng, n):
         return rng.geometric(1.0 / self.mean, size=n).astype(np.int64)
@@ -145,6 +151,9 @@ class Quantiles:
         return np.maximum(1, np.rint(np.interp(rng.random(n), p, x))).astype(np.int64)
 
 
+HAZARD_SUPPORT = 4_000_000     # tokens a hazard pmf is tabulated over at most
+
+
 @dataclass(frozen=True)
 class LinearHazard:
     """Output lengths whose discrete hazard is h(t) = min(1, p0 + eta t), t = 1, 2, ...: the
@@ -153,11 +162,22 @@ class LinearHazard:
     eta: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.p0 <= 1 or self.eta < 0:
-            raise KvschedError(f"hazard: need 0 < p0 <= 1 and eta >= 0, got {self.p0}, {self.eta}")
+        if not (0 < self.p0 <= 1 and 0 <= self.eta < math.inf):
+            raise KvschedError(f"hazard: need 0 < p0 <= 1 and a finite eta >= 0, got {self.p0}, {self.eta}")
+        if self.eta > 0 and self._support() > HAZARD_SUPPORT:
+            raise KvschedError(f"hazard: p0 {self.p0:g} and eta {self.eta:g} give lengths beyond "
+                               f"{HAZARD_SUPPORT:,} tokens (raise p0 or eta)")
+
+    def _support(self) -> int:
+        """A length t with survival below 1e-15: sum of h up to t >= ln(1e15), since
+        prod(1 - h) <= exp(-sum h)."""
+        need = math.log(1e15)
+        if self.eta == 0:
+            return math.ceil(need / self.p0)
+        return math.ceil((-self.p0 + math.sqrt(self.p0 ** 2 + 2 * self.eta * need)) / self.eta)
 
     def _pmf(self) -> np.ndarray:
-        t = np.arange(1, 1_000_001, dtype=np.float64)
+        t = np.arange(1, max(self._support(), 1_000_000) + 1, dtype=np.float64)
         h = np.minimum(1.0, self.p0 + self.eta * t)
         survive = np.concatenate(([1.0], np.cumprod(1 - h)[:-1]))
         pmf = h * survive
@@ -166,10 +186,14 @@ class LinearHazard:
 
     @property
     def mean(self) -> float:
+        if self.eta == 0 and self._support() > HAZARD_SUPPORT:
+            return 1.0 / self.p0
         pmf = self._pmf()
         return float(np.dot(np.arange(1, len(pmf) + 1), pmf) / pmf.sum())
 
     def sample(self, rng, n):
+        if self.eta == 0 and self._support() > HAZARD_SUPPORT:     # constant hazard: geometric, exact
+            return rng.geometric(self.p0, size=n).astype(np.int64)
         cdf = np.cumsum(self._pmf())
         return 1 + np.searchsorted(cdf / cdf[-1], rng.random(n), side="right").astype(np.int64)
 
@@ -191,8 +215,8 @@ def parse_length(spec: str) -> LengthDist:
         raise KvschedError(f"length distribution {spec!r} takes {arity} value(s)")
     try:
         return maker(*(kind(a) for a in args))
-    except ValueError:
-        raise KvschedError(f"length distribution {spec!r}: values must be numbers") from None
+    except (ValueError, OverflowError):
+        raise KvschedError(f"length distribution {spec!r}: values must be finite numbers") from None
 
 
 def empirical(values: Sequence[int]) -> Empirical:

@@ -92,7 +92,7 @@ class Workload:
         if self.phase is None:
             object.__setattr__(self, "phase", np.zeros(n, np.int16))
         if self.concurrency is None:
-            object.__setattr__(self, "concurrency", np.zeros(n, np.int32))
+            object.__setattr__(self, "concurrency", np.zeros(n, np.int64))
         for name in ("prompt", "output", "output_known", "tier_index", "ids", "phase", "concurrency"):
             if len(getattr(self, name)) != n:
                 raise KvschedError(f"workload: {name} has {len(getattr(self, name))} entries, expected {n}")
@@ -130,7 +130,7 @@ class Workload:
                    np.asarray(output, np.int64)[order], column(output_known, bool, False),
                    column(tier_index, np.int16, -1), tuple(tiers),
                    np.arange(n, dtype=np.int64)[order] if ids is None else np.asarray(ids, np.int64)[order],
-                   source, column(phase, np.int16, 0), tuple(phases), column(concurrency, np.int32, 0),
+                   source, column(phase, np.int16, 0), tuple(phases), column(concurrency, np.int64, 0),
                    None if prefix is None else prefix.take(order), timed)
 
     @classmethod

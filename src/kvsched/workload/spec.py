@@ -9,6 +9,8 @@ another in issue order, each with its own concurrency (exclusive-batching-eb.txt
 """
 from __future__ import annotations
 
+import os
+
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,18 @@ from kvsched.workload.arrivals import Arrivals, Closed, Poisson, Replay
 from kvsched.workload.readers import read_trace
 from kvsched.workload.lengths import LengthDist
 from kvsched.workload.request import Ragged, Tier, Workload
+
+
+BYTES_PER_REQUEST = 400     # workload arrays, per-request state and records, measured ~330 B
+
+
+def max_requests() -> int:
+    """Requests whose simulation fits in this machine's physical memory."""
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = 2 ** 36
+    return mem // BYTES_PER_REQUEST
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,12 @@ class WorkloadSpec:
                 ph.check(k)
             except KvschedError as exc:
                 raise KvschedError(f"{self.name}: {exc}") from None
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise KvschedError(f"{self.name}: --seed must be an integer >= 0, got {self.seed!r}")
+        total = sum(ph.requests or 0 for ph in self.phases)
+        if total > max_requests():
+            raise KvschedError(f"{self.name}: {total:,} requests need about {total * BYTES_PER_REQUEST / 2**30:,.0f} GiB "
+                               f"to simulate; this machine fits at most {max_requests():,}")
         seeds = np.random.SeedSequence(self.seed).spawn(len(self.phases) + 1)
         parts, t0 = [], 0.0
         for k, ph in enumerate(self.phases):
