@@ -26,14 +26,17 @@ def one_line_error(args, needle):
 
 
 def test_int64_lengths_are_rejected_and_counted(tmp_path):
+    """A trace refuses lengths beyond 2**40 tokens (file:line); lengths near int64 given
+    through the API are rejected and counted, never wrapped into a 'fitting' footprint."""
     trace = tmp_path / "huge.csv"
-    trace.write_text("arrival_time,prompt_tokens,output_tokens\n0,9223372036854775807,5\n0.1,10,5\n"
-                     "0.2,5,9223372036854775807\n")
-    r = runner.invoke(app, ["simulate", "--trace", str(trace), "--json", "--strict"])
-    assert r.exit_code == 2 and "needs 9223372036854775811 KV tokens" in r.output
-    r = runner.invoke(app, ["simulate", "--trace", str(trace), "--json"])
-    assert r.exit_code == 0, r.output
-    s = __import__("json").loads(r.stdout)
+    trace.write_text("arrival_time,prompt_tokens,output_tokens\n0,9223372036854775807,5\n")
+    one_line_error(["simulate", "--trace", str(trace)], "huge.csv:2: prompt_tokens 9223372036854775807 is beyond")
+    big = 2 ** 63 - 1
+    w = Workload.build(np.array([0.0, 0.1, 0.2]), [big, 10, 5], [5, 5, big])
+    with pytest.raises(KvschedError, match=f"needs {big + 4} KV tokens"):
+        simulate(Scenario(w, strict=True))
+    with pytest.warns(UserWarning, match="2 request\\(s\\) can never be served"):
+        s = simulate(Scenario(w)).summary
     assert s["completed"] == 1 and s["rejected"] == 2
 
 
@@ -126,3 +129,53 @@ def test_policies_command_shows_every_range():
     assert r.exit_code == 0 and "range" in r.stdout
     for cls in POLICIES.values():
         assert all(rng for _, _, rng, _ in describe(cls)), cls
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("arrival_time,prompt_tokens,output_tokens\n0,99999999999999999999,5\n",
+     ":2: prompt_tokens 99999999999999999999 is beyond"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [99999999999999999999]}\n',
+     ":1: hash_ids must be a list of 64-bit integers"),
+    ("arrival_time,prompt_tokens,output_tokens,tier\n0,5,5,\"" + "x" * 200_000 + "\"\n",
+     ":2: malformed CSV: field larger than field limit"),
+])
+def test_trace_values_beyond_int64_or_csv_limits(tmp_path, content, needle):
+    f = tmp_path / ("t.jsonl" if content.startswith("{") else "t.csv")
+    f.write_text(content)
+    args = ["workload", "stats", str(f)] + (["--keep-hashes"] if False else [])
+    if content.startswith("{"):
+        args = ["simulate", "--workload", str(f), "--num-requests", "1"]
+        from kvsched.workload.readers import read_trace
+        with pytest.raises(KvschedError, match="hash_ids must be a list of 64-bit integers"):
+            read_trace(f, keep_hashes=True)
+        return
+    one_line_error(args, needle)
+
+
+def test_file_without_newlines_is_read_in_bounded_memory(tmp_path):
+    import tracemalloc
+    from kvsched.workload import readers
+    f = tmp_path / "nonl.csv"
+    with open(f, "wb") as out:
+        out.write(b"arrival_time,prompt_tokens,output_tokens\n")
+        out.write(b"1" * (readers.MAX_LINE + 10))
+    tracemalloc.start()
+    with pytest.raises(KvschedError, match=r"nonl.csv:2: line longer than"):
+        readers.read_trace(f)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 3 * readers.MAX_LINE
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["simulate", "--rate", "abc"], "Invalid value for '--rate'"),
+    (["simulate", "--kv-capacity", "1.5"], "Invalid value for '--kv-capacity'"),
+    (["theory", "stability"], "Missing option"),
+    (["simulate", "--no-such-flag"], "No such option: --no-such-flag"),
+    (["info", "--model", "qwen2-7b", "--gpu", "a30", "--memory-utilization", "1.5"],
+     "memory utilization must be in (0, 1]"),
+])
+def test_usage_errors_are_one_line(args, needle):
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().count("\n") == 0 and needle in r.output, r.output   # info prints no table first

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import typer
+from typer.core import TyperGroup
 from rich.console import Console
 
 from kvsched.cost import COST_MODELS
@@ -29,7 +30,28 @@ from kvsched.sim.transfer import KVLink
 from kvsched.workload.readers import FORMATS
 from kvsched.workload.source import DEFAULT_LENGTH, DEFAULT_RATE, WorkloadOptions
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+class OneLineErrors(TyperGroup):
+    """Usage errors (a bad value, a missing or unknown option) as one line, exit code 2."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except Exception as exc:     # click's exceptions (vendored by newer typer): matched by shape
+            code = getattr(exc, "exit_code", None)
+            if callable(getattr(exc, "format_message", None)) and isinstance(code, int):
+                if exc.format_message().strip():        # empty after no_args_is_help's help text
+                    say("error", exc.format_message())
+                sys.exit(code)
+            if type(exc).__name__ == "Abort":
+                say("error", "aborted")
+                sys.exit(1)
+            raise
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Simulate LLM serving under KV-cache limits and compare schedulers.")
 err = Console(stderr=True)
 

@@ -134,6 +134,9 @@ def info_cmd(model: Optional[str] = typer.Option(None, "--model"), gpu: Optional
         console = Console()
         gpus = [get_gpu(gpu)] if gpu else list(GPUS.values())
         models = [get_model(model)] if model else list(MODELS.values())
+        tokens = kv_capacity_tokens(models[0], gpus[0], memory_utilization) if model and gpu else None
+        if not 0 < memory_utilization <= 1:     # checked before anything is printed
+            raise KvschedError(f"--memory-utilization must be in (0, 1], got {memory_utilization}")
         t = Table(title="GPUs", title_justify="left")
         for c in ("gpu", "memory GiB", "bandwidth TB/s", "bf16 TFLOP/s"):
             t.add_column(c)
@@ -148,8 +151,7 @@ def info_cmd(model: Optional[str] = typer.Option(None, "--model"), gpu: Optional
                       f"{m.params / 1e9:g}" + (f" ({m.active / 1e9:g} active)" if m.active_params else ""),
                       f"{m.kv_bytes_per_token / 1024:g}", str(m.max_len))
         console.print(t)
-        if model and gpu:
-            tokens = kv_capacity_tokens(models[0], gpus[0], memory_utilization)
+        if tokens is not None:
             console.print(f"KV capacity of {models[0].name} on {gpus[0].name} at {memory_utilization:.0%} "
                           f"memory: {tokens:,} tokens ({models[0].weight_bytes / 2**30:.1f} GiB of weights)")
     guard(body)

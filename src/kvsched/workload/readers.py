@@ -28,6 +28,7 @@ from typing import Iterator
 import numpy as np
 
 from kvsched.errors import KvschedError
+from kvsched.workload.lengths import MAX_TOKENS
 from kvsched.workload.request import Ragged
 
 # format -> (columns or keys: time, prompt, output)
@@ -66,10 +67,19 @@ class _Where:
         return KvschedError(f"{self.path}:{self.line}: {message}")
 
 
+MAX_LINE = 16 * 2 ** 20        # bytes: a longer line is refused (memory stays bounded)
+
+
 def _lines(f, where: _Where) -> Iterator[str]:
-    """Decoded non-blank lines, tracking the line number."""
-    for raw in f:
+    """Decoded non-blank lines, tracking the line number; a line is read at most MAX_LINE
+    bytes at a time, so a file without newlines cannot fill memory."""
+    while True:
+        raw = f.readline(MAX_LINE + 1)
+        if not raw:
+            return
         where.line += 1
+        if len(raw) > MAX_LINE:
+            raise where.error(f"line longer than {MAX_LINE:,} bytes (is this a trace?)")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -79,19 +89,24 @@ def _lines(f, where: _Where) -> Iterator[str]:
 
 
 def _tokens(where: _Where, name: str, value) -> int:
-    if type(value) is str and value.isdigit() and value[0] != "0":      # the common case, fast
+    if type(value) is str and len(value) < 13 and value.isdigit() and value[0] != "0":   # the common case, fast
         return int(value)
-    if type(value) is int and value >= 1:
+    if type(value) is int and 1 <= value <= MAX_TOKENS:
         return value
     if isinstance(value, bool):
         raise where.error(f"{name} must be an integer >= 1, got {value!r}")
     if isinstance(value, str):
         try:
-            value = float(value)
+            value = int(value)
         except ValueError:
-            raise where.error(f"{name} {value!r} is not a number") from None
+            try:
+                value = float(value)
+            except ValueError:
+                raise where.error(f"{name} {value!r} is not a number") from None
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value) or value < 1:
         raise where.error(f"{name} must be an integer >= 1, got {value!r}")
+    if value > MAX_TOKENS:
+        raise where.error(f"{name} {int(value)} is beyond {MAX_TOKENS:,} tokens")
     return int(value)
 
 
@@ -240,7 +255,7 @@ def _read_csv(header_line: str, lines, where: _Where, fmt: str, col: _Collector)
     t_col, p_col, o_col = (header.index(c) if c else None for c in names)
     tier_col = header.index("tier") if fmt == "csv" and "tier" in header else None
     width = len(header)
-    for row in csv.reader(lines):
+    for row in _csv_rows(lines, where):
         if len(row) != width:
             raise where.error(f"expected {width} fields ({','.join(header)}), got {len(row)}")
         if t_col is None:
@@ -252,6 +267,18 @@ def _read_csv(header_line: str, lines, where: _Where, fmt: str, col: _Collector)
         if not col.add(t, _tokens(where, names[1], row[p_col]), _tokens(where, names[2], row[o_col]),
                        row[tier_col].strip() if tier_col is not None else None):
             return
+
+
+def _csv_rows(lines, where: _Where):
+    """csv rows; a malformed row (e.g. a field beyond the csv module's limit) names its line."""
+    reader = csv.reader(lines)
+    while True:
+        try:
+            yield next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise where.error(f"malformed CSV: {exc}") from None
 
 
 def _read_jsonl(first_line: str, lines, where: _Where, fmt: str, col: _Collector) -> None:
@@ -270,8 +297,9 @@ def _read_jsonl(first_line: str, lines, where: _Where, fmt: str, col: _Collector
         hashes = None
         if fmt == "mooncake" and col.hashes is not None:
             hashes = obj.get("hash_ids", [])
-            if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in hashes):
-                raise where.error("hash_ids must be a list of integers")
+            if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool)
+                                                       and -2 ** 63 <= h < 2 ** 63 for h in hashes):
+                raise where.error("hash_ids must be a list of 64-bit integers")
         tier = obj.get("tier") if fmt == "jsonl" else None
         if tier is not None and not isinstance(tier, str):
             raise where.error(f"tier must be a string, got {tier!r}")
