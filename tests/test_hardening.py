@@ -179,3 +179,13 @@ def test_usage_errors_are_one_line(args, needle):
     r = runner.invoke(app, args)
     assert r.exit_code == 2, r.output
     assert r.output.strip().count("\n") == 0 and needle in r.output, r.output   # info prints no table first
+
+
+def test_cli_start_up_does_not_import_scipy_optimize():
+    """`kvsched --help` stays fast (figures in benchmarks/bench_startup.py): scipy.optimize,
+    0.35 s to import, loads only when a closed form needs a root."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import sys, kvsched.cli; print('scipy.optimize' in sys.modules)"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"

