@@ -34,7 +34,8 @@ def test_out_writes_all_files(tmp_path):
     r = invoke("simulate", *SMALL, "--policy", "sarathi", "--set", "chunk_size=256",
                "--out", str(out), "--record-batches", "--json")
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in out.iterdir()) == ["batches.csv", "requests.csv", "summary.json", "timeline.csv"]
+    assert sorted(p.name for p in out.iterdir()) == [".kvsched-run", "batches.csv", "requests.csv", "run.json",
+                                                    "summary.json", "timeline.csv"]
     rows = (out / "batches.csv").read_text().splitlines()
     assert rows[0] == "start,duration,prefill_tokens,prefill_requests,decode_requests,kv_used_tokens"
     assert all(int(row.split(",")[2]) + int(row.split(",")[4]) <= 256 for row in rows[1:])

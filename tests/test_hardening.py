@@ -189,3 +189,15 @@ def test_cli_start_up_does_not_import_scipy_optimize():
     out = subprocess.run([sys.executable, "-c", "import sys, kvsched.cli; print('scipy.optimize' in sys.modules)"],
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+def test_more_reproducers(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_time,prompt_tokens,output_tokens\n0,10,5\n1,10,5\n")
+    one_line_error(["simulate", "--trace", str(trace), "--arrivals", "replay:x1e-300"], "vanishes at t=")
+    jl = tmp_path / "t.jsonl"
+    jl.write_text('{"arrival_time": 0, "prompt_tokens": 99999999999999999999, "output_tokens": 5}\n')
+    one_line_error(["simulate", "--trace", str(jl)], "t.jsonl:1: prompt_tokens 99999999999999999999 is beyond")
+    toml = tmp_path / "w.toml"
+    toml.write_text('requests = 1000000000000\nprompt = "fixed:10"\noutput = "fixed:10"\narrivals = "poisson:5"\n')
+    one_line_error(["simulate", "--workload", str(toml)], "1,000,000,000,000 requests need about")

@@ -1,12 +1,14 @@
 """One simulation from names and numbers: the Python API behind `kvsched simulate/compare`."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import json
 import math
 import os
 import shutil
+import signal
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,8 +70,14 @@ class Scenario:
         for flag, v in (("--kv-capacity", self.kv_capacity), ("--max-model-len", self.max_model_len)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
                 raise KvschedError(f"{flag} must be >= 1 (a whole number of tokens), got {v!r}")
-        tokens = self.kv_capacity if self.kv_capacity is not None else kv_capacity_tokens(
-            model, gpu, self.memory_utilization)
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, (int, np.integer)) or self.block_size < 1:
+            raise KvschedError(f"--block-size must be >= 1, got {self.block_size!r}")
+        if self.kv_capacity is not None:
+            tokens = self.kv_capacity
+        else:   # vLLM keeps block 0 as its null block: G blocks give G - 1 usable ones
+            tokens = (kv_capacity_tokens(model, gpu, self.memory_utilization) // self.block_size - 1) * self.block_size
+            if tokens < self.block_size:
+                raise KvschedError(f"{model.name} on {gpu.name} leaves no KV block beside vLLM's null block")
         cost = make_cost_model(self.cost, self.cost_params, model, gpu)
         return model, gpu, tokens, cost
 
@@ -90,7 +98,10 @@ class Result:
         write_atomically(out, self.write_files)
 
     def write_files(self, d: Path) -> None:
-        (d / "summary.json").write_text(json.dumps(_jsonable(self.summary), indent=2) + "\n")
+        results = {k: v for k, v in self.summary.items() if k not in RUN_ENVIRONMENT}
+        (d / "summary.json").write_text(json.dumps(jsonable(results), indent=2, allow_nan=False) + "\n")
+        (d / "run.json").write_text(json.dumps(jsonable({k: self.summary.get(k) for k in RUN_ENVIRONMENT}),
+                                               indent=2, allow_nan=False) + "\n")
         r = self.records
         n = len(r.arrival)
         replica = r.replica.tolist() if r.replica is not None else [0 if not x else -1 for x in r.rejected.tolist()]
@@ -138,38 +149,90 @@ def _write_rows(path: Path, header: list[str], rows) -> None:
         w.writerows(rows)
 
 
-def _jsonable(x):
+RUN_ENVIRONMENT = ("wall_seconds",)    # figures of the machine, not of the run: kept out of summary.json
+
+
+def jsonable(x):
+    """Non-finite floats as None (strict JSON has no NaN or Infinity), numpy scalars as Python
+    numbers, through dicts, lists and tuples."""
     if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
+        return {k: jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x
 
 
+MANIFEST = ".kvsched-run"          # the files kvsched wrote into an --out folder, one per line
+
+
 def write_atomically(out: Path, fill: Callable[[Path], None]) -> None:
+    """Write a run into folder `out`: `fill` writes a new sibling folder, which then replaces
+    `out` by renames, so `out` always holds exactly one complete run. A folder `out` that
+    holds files kvsched did not write (not in its manifest) is refused, never deleted.
+    SIGTERM and SIGINT during the write leave no temporary folder behind."""
+    if str(out).strip() in ("", ".") or Path(out).resolve() == Path.cwd():
+        raise KvschedError("--out needs a folder name (an empty name would write into the current folder)")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise KvschedError(f"--out {out} exists and is not a folder")
+    if out.is_dir():
+        _check_ours(out)
     parent = out.resolve().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
     except OSError as exc:
         raise KvschedError(f"cannot write to {out}: {exc.strerror or exc}") from None
+    old = None
     try:
-        fill(tmp)
-        out.mkdir(exist_ok=True)
-        for item in sorted(tmp.iterdir()):
-            dest = out / item.name
-            if dest.is_dir() and not item.is_file():
-                shutil.rmtree(dest)
-            os.replace(item, dest)
+        with _terminate_as_interrupt():
+            fill(tmp)
+            (tmp / MANIFEST).write_text("".join(f"{p.relative_to(tmp)}\n" for p in sorted(tmp.rglob("*"))
+                                                if p.is_file()))
+            if out.is_dir():
+                _check_ours(out)
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=parent))
+                os.replace(out, old / "run")
+            os.replace(tmp, out)
     except OSError as exc:
         raise KvschedError(f"cannot write to {out}: {exc.strerror or exc}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_ours(out: Path) -> None:
+    """Refuse a non-empty folder unless every file in it is listed in kvsched's manifest."""
+    files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    if not files:
+        return
+    listed = set((out / MANIFEST).read_text().split("\n")) if (out / MANIFEST).is_file() else set()
+    strangers = sorted(files - listed - {MANIFEST})
+    if strangers:
+        raise KvschedError(f"--out {out} holds files kvsched did not write ({strangers[0]}"
+                           f"{f' and {len(strangers) - 1} more' if len(strangers) > 1 else ''}); "
+                           "choose a new or empty folder")
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt while writing, so the cleanup above runs."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:                  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params: dict[str, Any] | None = None,

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-import numpy as np
 import typer
 from typer.core import TyperGroup
 from rich.console import Console
@@ -23,7 +22,7 @@ from kvsched.errors import KvschedError
 from kvsched.metrics import Goodput
 from kvsched.params import parse_assignments
 from kvsched.hardware import get_gpu, get_model
-from kvsched.run import Scenario
+from kvsched.run import Scenario, jsonable
 from kvsched.sim.replica import DEFAULT_STALL_BATCHES
 from kvsched.sim.routers import ROUTERS
 from kvsched.sim.transfer import KVLink
@@ -66,19 +65,10 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def plain(x):
-    """numpy scalars inside dicts and lists -> Python numbers, for json."""
-    if isinstance(x, dict):
-        return {k: plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [plain(v) for v in x]
-    return x.item() if isinstance(x, np.generic) else x
-
-
 def emit(payload, as_json: bool, render: Callable[[], object]) -> None:
     """`--json`: the payload as one JSON line on stdout; else the rendered table."""
     if as_json:
-        typer.echo(json.dumps(plain(payload), allow_nan=True, default=str))
+        typer.echo(json.dumps(jsonable(payload), allow_nan=False, default=str))
     else:
         Console().print(render())
 

@@ -16,7 +16,7 @@ from kvsched.hardware import GPUS, MODELS, get_gpu, get_model, kv_capacity_token
 from kvsched.params import describe, parse_assignments
 from kvsched.policies import POLICIES, SOURCES, engine_defaults
 from kvsched.report.table import comparison_table, summary_table
-from kvsched.run import Result, Scenario, simulate, write_atomically
+from kvsched.run import RUN_ENVIRONMENT, Result, Scenario, jsonable, simulate, write_atomically
 from kvsched.workload.source import WorkloadOptions, load
 
 
@@ -76,8 +76,9 @@ def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], outs: OutputOpt
                 target.mkdir(exist_ok=True)
                 r.write_files(target)
             if keyed:
-                (d / "compare.json").write_text(json.dumps({r.policy: r.summary for r in results},
-                                                           indent=2, default=str) + "\n")
+                keep = {r.policy: {k: v for k, v in r.summary.items() if k not in RUN_ENVIRONMENT} for r in results}
+                (d / "compare.json").write_text(json.dumps(jsonable(keep), indent=2, allow_nan=False,
+                                                           default=str) + "\n")
         write_atomically(out, fill)
     _emit(results, json_, keyed)
 

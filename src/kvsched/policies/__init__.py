@@ -40,6 +40,8 @@ def make_policy(name: str, overrides: dict[str, Any], gpu: GPU) -> Policy:
     defaults = {}
     if issubclass(cls, ENGINE_LIMITS):
         defaults = engine_defaults(gpu)
+        if cls is Orca:             # Orca has no token budget (its own field default: none)
+            defaults.pop("max_num_batched_tokens")
     return build(cls, f"policy {name}", overrides, defaults)
 
 

@@ -34,6 +34,7 @@ from kvsched.metrics import GapHistogram, RunRecords
 from kvsched.sim.replica import DEFAULT_STALL_BATCHES, Arrivals, Replica
 from kvsched.sim.requests import INF, RequestTable
 from kvsched.sim.routers import ReplicaSummary, Router, make_router
+from kvsched.sim.rowlog import MergedRows
 from kvsched.sim.transfer import KVLink
 from kvsched.workload.request import Workload
 
@@ -274,4 +275,4 @@ class Cluster:
         reps = self.replicas
         if len(reps) == 1 or getattr(reps[0], name) is None:
             return getattr(reps[0], name)
-        return sorted((row + (r.index,) for r in reps for row in getattr(r, name)), key=lambda x: (x[0], x[-1]))
+        return MergedRows((r.index, getattr(r, name)) for r in reps)

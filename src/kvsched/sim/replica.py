@@ -30,6 +30,7 @@ from kvsched.metrics import GapHistogram
 from kvsched.policies.base import Plan
 from kvsched.sim.decode_set import Cohort, DecodeSet
 from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING, RequestTable
+from kvsched.sim.rowlog import CHUNK, RowLog
 from kvsched.sim.view import ReadOnlySeq, ReplicaView
 
 DEFAULT_STALL_BATCHES = 100_000
@@ -95,8 +96,10 @@ class Replica:
         self.track_start = False        # keep _snap (the cluster sets it for state-based routers)
         self.recent_batch_times: deque[float] = deque(maxlen=64)
         self.recent_finished: deque[tuple[int, int]] = deque(maxlen=1024)
-        self.timeline: list[tuple[float, int, int, int]] | None = [] if record_timeline else None
-        self.batches: list[tuple] | None = [] if record_batches else None
+        # (end, queue, running, KV tokens) and (start, duration, prefill tokens, prefill requests,
+        # decode requests, KV tokens) per batch, spilled to disk in chunks (memory stays flat)
+        self.timeline: RowLog | None = RowLog("fiii") if record_timeline else None
+        self.batches: RowLog | None = RowLog("ffiiii") if record_batches else None
         self._schedule = policy.schedule
         self._on_finish = self._hook("on_finish")
         self._on_preempt = self._hook("on_preempt")
@@ -439,6 +442,10 @@ class Replica:
         if held > self.peak_kv:
             self.peak_kv = held
         self.iterations += 1
+        if not self.iterations % CHUNK:
+            for log in (self.timeline, self.batches):
+                if log is not None:
+                    log.check()
         return True
 
     def _prefill_shape(self, plan: Plan, chunks) -> tuple[int, int, float, int, list[tuple[int, int]]]:

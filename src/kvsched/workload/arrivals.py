@@ -37,7 +37,8 @@ def _check_rate(rate: float, what: str = "rate") -> float:
 
 
 @dataclass(frozen=True)
-class Poisson:
+class _AtRate:
+    """A process given by its mean rate alone."""
     rate: float
 
     def __post_init__(self) -> None:
@@ -46,6 +47,11 @@ class Poisson:
     @property
     def mean_rate(self) -> float:
         return self.rate
+
+
+@dataclass(frozen=True)
+class Poisson(_AtRate):
+    """Exponential gaps at `rate` requests per second."""
 
     def times(self, rng, n):
         return np.cumsum(rng.exponential(1.0 / self.rate, size=n))
@@ -223,7 +229,23 @@ class Replay:
         return base + (f" (spread {self.spread:g} s)" if self.spread else "")
 
 
-Arrivals = Poisson | GammaArrivals | Piecewise | Sinusoid | Closed | Replay
+@dataclass(frozen=True)
+class TraceRate(_AtRate):
+    """`--rate` on a trace not yet read: its own times rescaled to `rate` if it is timed
+    (Replay), Poisson at `rate` if it holds lengths only. Resolved when the trace is read, so
+    the file is read once (a pipe can be read only once)."""
+
+    def resolve(self, timed: bool) -> "Replay | Poisson":
+        return Replay(rate=self.rate) if timed else Poisson(self.rate)
+
+    def with_rate(self, rate):
+        return TraceRate(_check_rate(rate))
+
+    def __str__(self) -> str:
+        return f"trace times at {self.rate:g} req/s (Poisson if the trace has no times)"
+
+
+Arrivals = Poisson | GammaArrivals | Piecewise | Sinusoid | Closed | Replay | TraceRate
 
 _FORMS = ("poisson:RATE, gamma:RATE:CV, piecewise:R1:S1,R2:S2,..., sine:MEAN:AMPLITUDE:PERIOD, "
           "closed:C, replay, replay:RATE or replay:xF")

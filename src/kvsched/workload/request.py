@@ -17,6 +17,11 @@ class Tier:
     tbt_slo: float | None = None
     priority: int = 0
 
+    def __post_init__(self) -> None:
+        if not self.name or any(ord(ch) < 32 or ch == "\x7f" for ch in self.name):
+            raise KvschedError(f"tier name {self.name!r} must be non-empty and hold no control characters "
+                               "(newlines, tabs)")
+
 
 @dataclass(frozen=True)
 class Request:

@@ -12,7 +12,6 @@ from kvsched.workload.config import (load_workload_file, parse_phase_flag, parse
                                      parse_window, with_spread)
 from kvsched.workload.lengths import parse_length
 from kvsched.workload.presets import PRESETS
-from kvsched.workload.readers import read_trace
 from kvsched.workload.request import Workload
 from kvsched.workload.spec import Phase, RequestType, WorkloadSpec
 from kvsched.workload.traces import trace_arrivals
@@ -109,8 +108,7 @@ def _override(ph: Phase, k: int, opts: WorkloadOptions, arrivals, window) -> Pha
     new = arrivals if arrivals is not None else ph.arrivals
     if opts.rate is not None:
         if ph.trace is not None:
-            timed = None if new is not None else read_trace(ph.trace, format=opts.format, first=1).arrival is not None
-            new = trace_arrivals(timed, opts.rate, new)
+            new = trace_arrivals(None, opts.rate, new)
         elif isinstance(new, Closed):
             raise KvschedError("--rate does not apply to closed-loop arrivals (the loop sets the rate); "
                                "change the concurrency with --arrivals closed:C")

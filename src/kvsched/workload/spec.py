@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from kvsched.errors import KvschedError
-from kvsched.workload.arrivals import Arrivals, Closed, Poisson, Replay
+from kvsched.workload.arrivals import Arrivals, Closed, Poisson, Replay, TraceRate
 from kvsched.workload.readers import read_trace
 from kvsched.workload.lengths import LengthDist
 from kvsched.workload.request import Ragged, Tier, Workload
@@ -206,6 +206,8 @@ def _from_trace(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool, 
     have = len(rows.prompt)
     n = have if ph.requests is None else int(ph.requests)
     arrivals = ph.arrivals
+    if isinstance(arrivals, TraceRate):
+        arrivals = arrivals.resolve(rows.arrival is not None)
     untimed = arrivals is None and rows.arrival is None and untimed_ok
     if arrivals is None and not untimed:
         if rows.arrival is None:

@@ -9,8 +9,7 @@ from pathlib import Path
 
 
 from kvsched.errors import KvschedError
-from kvsched.workload.arrivals import Arrivals, Closed, Poisson, Replay
-from kvsched.workload.readers import read_trace
+from kvsched.workload.arrivals import Arrivals, Closed, Poisson, Replay, TraceRate
 from kvsched.workload.request import Workload
 from kvsched.workload.spec import Phase, WorkloadSpec
 
@@ -26,6 +25,8 @@ def trace_arrivals(timed: bool | None, rate: float | None, arrivals: Arrivals | 
         return arrivals.with_rate(rate)
     if rate is None:
         return None
+    if timed is None:
+        return TraceRate(rate)
     return Replay(rate=rate) if timed else Poisson(rate)
 
 
@@ -40,11 +41,8 @@ def load_trace(path: str | Path, *, rate: float | None = None, arrivals: Arrival
     path = Path(path)
     if num_requests is not None and num_requests < 1:
         raise KvschedError(f"--num-requests must be >= 1, got {num_requests}")
-    timed = None
-    if rate is not None and arrivals is None:
-        timed = read_trace(path, format=format, first=1).arrival is not None
     phase = Phase(num_requests, trace=path, format=format, window=window,
-                  arrivals=trace_arrivals(timed, rate, arrivals))
+                  arrivals=trace_arrivals(None, rate, arrivals))
     return WorkloadSpec((phase,), seed=seed, cap_len=cap_len, keep_hashes=keep_hashes,
                         name=str(path)).build()
 
