@@ -201,3 +201,18 @@ def test_more_reproducers(tmp_path):
     toml = tmp_path / "w.toml"
     toml.write_text('requests = 1000000000000\nprompt = "fixed:10"\noutput = "fixed:10"\narrivals = "poisson:5"\n')
     one_line_error(["simulate", "--workload", str(toml)], "1,000,000,000,000 requests need about")
+
+
+def test_numpy_parameters_become_plain_numbers():
+    import numpy as np
+    from kvsched.workload import Uniform, synthetic
+    w = synthetic(Uniform(1, 400), Uniform(1, 200), rate=20, n=200, seed=2)
+    sc = Scenario(w, model="qwen2-7b", gpu="a30", kv_capacity=8192)
+    plain = simulate(sc, "vllm-v1", {"max_num_batched_tokens": 4096, "max_num_seqs": 200}).summary
+    numpy = simulate(sc, "vllm-v1", {"max_num_batched_tokens": np.uint64(4096), "max_num_seqs": np.int16(200)}).summary
+    assert plain["mean_ttft_ms"] == numpy["mean_ttft_ms"]
+    p = make_policy("sarathi", {"chunk_size": np.int16(256)}, get_gpu("a30"))
+    assert type(p.chunk_size) is int
+    assert make_policy("vllm-v1", {"reserve_full_prompt": np.False_}, get_gpu("a30")).reserve_full_prompt is False
+    with pytest.raises(KvschedError, match="whole numbers stop at"):
+        make_policy("orca", {"max_num_batched_tokens": np.uint64(2 ** 63)}, get_gpu("a30"))

@@ -131,3 +131,47 @@ def test_rowlog_spills_to_disk_and_reads_back_exactly(monkeypatch):
     assert all(type(v) is int for v in log[0][1:])
     merged = list(rowlog.MergedRows([(0, log), (1, log)]))
     assert len(merged) == 2100 and merged[0] == (*rows[0], 0) and merged[1] == (*rows[0], 1)
+
+
+def test_out_edge_cases_from_review(tmp_path, monkeypatch):
+    out = tmp_path / "f2"
+    (out / "sub").mkdir(parents=True)               # an empty folder of the user's
+    r = runner.invoke(app, ["simulate", *SMALL, "--out", str(out)])
+    assert r.exit_code == 2 and "holds files kvsched did not write (sub)" in r.output and (out / "sub").is_dir()
+    real = tmp_path / "real"
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    r = runner.invoke(app, ["simulate", *SMALL, "--out", str(link)])
+    assert r.exit_code == 2 and "symbolic link" in r.output and link.is_symlink()
+    r = runner.invoke(app, ["workload", "export", "--num-requests", "3", "--out", ""])
+    assert r.exit_code == 2 and "must name a file" in r.output
+    # stopped between the two renames: the previous run is put back
+    import kvsched.run as run_mod
+    prev = tmp_path / "prev"
+    assert runner.invoke(app, ["simulate", *SMALL, "--out", str(prev)]).exit_code == 0
+    before = (prev / "summary.json").read_bytes()
+    real_replace = os.replace
+
+    def flaky(src, dst):
+        if str(dst) == str(prev):
+            raise KeyboardInterrupt("stopped")
+        return real_replace(src, dst)
+    monkeypatch.setattr(run_mod.os, "replace", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        run_mod.write_atomically(prev, lambda d: (d / "summary.json").write_text("new"))
+    monkeypatch.setattr(run_mod.os, "replace", real_replace)
+    assert (prev / "summary.json").read_bytes() == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_early_out_check_before_simulating(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "mine.txt").write_text("keep")
+    t0 = time.perf_counter()
+    r = runner.invoke(app, ["simulate", "--num-requests", "5000", "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2 and time.perf_counter() - t0 < 2.0
+
+
+def test_tier_names_with_outer_spaces_refused():
+    r = runner.invoke(app, ["workload", "export", "--num-requests", "3", "--tier", " a :1", "--out", "x.csv"])
+    assert r.exit_code == 2 and "without spaces at either end" in r.output

@@ -49,6 +49,9 @@ def _convert(owner: str, key: str, value: Any, kind: str) -> Any:
     return value
 
 
+MAX_INT = 2 ** 40
+
+
 def parse_range(text: str) -> tuple[float, float, bool, bool]:
     """'[1, inf)' -> (1, inf, lower included, upper included)."""
     lo, hi = text[1:-1].split(",")
@@ -58,7 +61,7 @@ def parse_range(text: str) -> tuple[float, float, bool, bool]:
 def check_range(owner: str, key: str, value: Any, kind: str, text: str) -> None:
     """A parameter's value against its type and its range `text` (values finite, ints whole)."""
     if kind.startswith("bool"):
-        if not isinstance(value, bool):
+        if not isinstance(value, (bool, np.bool_)):
             raise KvschedError(f"{owner}: {key}={value!r} must be true or false")
         return
     integer = kind.startswith("int")
@@ -66,8 +69,18 @@ def check_range(owner: str, key: str, value: Any, kind: str, text: str) -> None:
         raise KvschedError(f"{owner}: {key}={value!r} must be {'a whole number' if integer else 'a number'} in {text}")
     lo, hi, lo_in, hi_in = parse_range(text)
     ok = (value > lo or lo_in and value == lo) and (value < hi or hi_in and value == hi)
-    if not (ok and math.isfinite(value)):
-        raise KvschedError(f"{owner}: {key}={value!r} is outside its range {text}")
+    if not (ok and math.isfinite(value)) or integer and value > MAX_INT:
+        raise KvschedError(f"{owner}: {key}={value!r} is outside its range {text}"
+                           + (f" (whole numbers stop at {MAX_INT:,})" if integer and value > MAX_INT else ""))
+
+
+def _plain(value: Any, kind: str) -> Any:
+    """A checked value as a plain Python bool, int or float (numpy scalars would overflow)."""
+    if kind.startswith("bool"):
+        return bool(value)
+    if kind.startswith("int"):
+        return int(value)
+    return float(value) if kind.startswith("float") else value
 
 
 def build(cls: type, owner: str, overrides: dict[str, Any], defaults: dict[str, Any] | None = None):
@@ -86,6 +99,8 @@ def build(cls: type, owner: str, overrides: dict[str, Any], defaults: dict[str, 
         value = values.get(key, f.default)
         if text is not None and value is not None and value is not dataclasses.MISSING:
             check_range(owner, key, value, _kind(f), text)
+            if key in values:
+                values[key] = _plain(value, _kind(f))
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:

@@ -174,13 +174,7 @@ def write_atomically(out: Path, fill: Callable[[Path], None]) -> None:
     `out` by renames, so `out` always holds exactly one complete run. A folder `out` that
     holds files kvsched did not write (not in its manifest) is refused, never deleted.
     SIGTERM and SIGINT during the write leave no temporary folder behind."""
-    if str(out).strip() in ("", ".") or Path(out).resolve() == Path.cwd():
-        raise KvschedError("--out needs a folder name (an empty name would write into the current folder)")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise KvschedError(f"--out {out} exists and is not a folder")
-    if out.is_dir():
-        _check_ours(out)
+    out = check_out(out)
     parent = out.resolve().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -203,16 +197,33 @@ def write_atomically(out: Path, fill: Callable[[Path], None]) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:
+            if not out.exists() and (old / "run").is_dir():    # stopped between the renames: keep the old run
+                os.rename(old / "run", out)
             shutil.rmtree(old, ignore_errors=True)
+
+
+def check_out(out) -> Path:
+    """--out checked before any work: a name, not a file, not a link, nothing foreign in it."""
+    if str(out).strip() in ("", ".") or Path(out).resolve() == Path.cwd():
+        raise KvschedError("--out needs a folder name (an empty name would write into the current folder)")
+    out = Path(out)
+    if out.is_symlink():
+        raise KvschedError(f"--out {out} is a symbolic link; give the folder itself")
+    if out.exists() and not out.is_dir():
+        raise KvschedError(f"--out {out} exists and is not a folder")
+    if out.is_dir():
+        _check_ours(out)
+    return out
 
 
 def _check_ours(out: Path) -> None:
     """Refuse a non-empty folder unless every file in it is listed in kvsched's manifest."""
-    files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
-    if not files:
+    entries = {str(p.relative_to(out)) for p in out.rglob("*")}
+    if not entries:
         return
-    listed = set((out / MANIFEST).read_text().split("\n")) if (out / MANIFEST).is_file() else set()
-    strangers = sorted(files - listed - {MANIFEST})
+    listed = set((out / MANIFEST).read_text().split("\n")) - {""} if (out / MANIFEST).is_file() else set()
+    folders = {str(parent) for name in listed for parent in Path(name).parents if str(parent) != "."}
+    strangers = sorted(entries - listed - folders - {MANIFEST})
     if strangers:
         raise KvschedError(f"--out {out} holds files kvsched did not write ({strangers[0]}"
                            f"{f' and {len(strangers) - 1} more' if len(strangers) > 1 else ''}); "

@@ -16,7 +16,7 @@ from kvsched.hardware import GPUS, MODELS, get_gpu, get_model, kv_capacity_token
 from kvsched.params import describe, parse_assignments
 from kvsched.policies import POLICIES, SOURCES, engine_defaults
 from kvsched.report.table import comparison_table, summary_table
-from kvsched.run import RUN_ENVIRONMENT, Result, Scenario, jsonable, simulate, write_atomically
+from kvsched.run import RUN_ENVIRONMENT, Result, Scenario, check_out, jsonable, simulate, write_atomically
 from kvsched.workload.source import WorkloadOptions, load
 
 
@@ -60,6 +60,8 @@ def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], outs: OutputOpt
     """Simulate each policy on the scenario, write --out (one folder per policy when keyed)
     only once all have run, and print the table or JSON."""
     json_, out, record_batches = outs.json_, outs.out, outs.record_batches
+    if out is not None:
+        check_out(out)                  # before the runs, not after them
     results = []
     for name, params in runs.items():
         bar = Progress(not json_, name)
@@ -154,5 +156,6 @@ def info_cmd(model: Optional[str] = typer.Option(None, "--model"), gpu: Optional
         console.print(t)
         if tokens is not None:
             console.print(f"KV capacity of {models[0].name} on {gpus[0].name} at {memory_utilization:.0%} "
-                          f"memory: {tokens:,} tokens ({models[0].weight_bytes / 2**30:.1f} GiB of weights)")
+                          f"memory: {tokens:,} tokens; usable {(tokens // 16 - 1) * 16:,} in blocks of 16 "
+                          f"(vLLM's null block left out, as simulate does) ({models[0].weight_bytes / 2**30:.1f} GiB of weights)")
     guard(body)

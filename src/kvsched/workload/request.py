@@ -18,9 +18,9 @@ class Tier:
     priority: int = 0
 
     def __post_init__(self) -> None:
-        if not self.name or any(ord(ch) < 32 or ch == "\x7f" for ch in self.name):
-            raise KvschedError(f"tier name {self.name!r} must be non-empty and hold no control characters "
-                               "(newlines, tabs)")
+        if not self.name or self.name != self.name.strip() or any(ord(ch) < 32 or ch == "\x7f" for ch in self.name):
+            raise KvschedError(f"tier name {self.name!r} must be non-empty, without spaces at either end, and "
+                               "hold no control characters (newlines, tabs)")
 
 
 @dataclass(frozen=True)

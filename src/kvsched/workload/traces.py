@@ -56,6 +56,8 @@ def export_csv(workload: Workload, path: str | Path) -> None:
     if workload.closed_loop:
         raise KvschedError("a closed-loop workload has no arrival times to export (they are decided "
                            "by the simulation); give open-loop arrivals, e.g. --arrivals poisson:RATE")
+    if str(path).strip() in ("", ".") or Path(path).is_dir():
+        raise KvschedError(f"--out {str(path)!r} must name a file to write")
     path = Path(path)
     tiered = bool(workload.tiers) and bool((workload.tier_index >= 0).any())
     names = [t.name for t in workload.tiers]
