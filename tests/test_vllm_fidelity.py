@@ -1,6 +1,5 @@
 """vllm-v1 as vLLM 0.32's scheduler: whole-prompt admission, the lone-request rule, the null
 block; Orca without a token budget (issue "Hardening", part D)."""
-import numpy as np
 import pytest
 
 from kvsched.hardware import get_gpu, get_model, kv_capacity_tokens
