@@ -16,8 +16,10 @@ from kvsched.run import Scenario, simulate
 from kvsched.sim.cluster import Cluster
 from kvsched.sim.routers import ROUTERS, ReplicaSummary, make_router
 from kvsched.sim.server import Server
-from kvsched.workload import Uniform, Workload, synthetic
+from kvsched.workload import Uniform, synthetic
 from kvsched.workload.source import WorkloadOptions, load
+
+from test_properties import params, scenarios
 
 W = synthetic(Uniform(1, 400), Uniform(1, 200), rate=40, n=1500, seed=7)
 
@@ -173,31 +175,14 @@ def test_routers_see_replicas_mid_batch():
 
 
 
-@st.composite
-def cluster_runs(draw):
-    n = draw(st.integers(1, 40))
-    gaps = draw(st.lists(st.floats(0, 0.5), min_size=n, max_size=n))
-    prompt = draw(st.lists(st.integers(1, 120), min_size=n, max_size=n))
-    output = draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
-    block = draw(st.sampled_from([1, 4, 16]))
-    need = -(-max(p + o - 1 for p, o in zip(prompt, output)) // block)
-    kv = block * draw(st.integers(need + 1, need * 4 + 1))
-    disagg = draw(st.booleans())
-    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 2))) if disagg else (0, draw(st.integers(1, 4)))
-    policy = draw(st.sampled_from(["vllm-v1", "sarathi", "orca", "vllm-v0"]))
-    router = draw(st.sampled_from(sorted(ROUTERS)))
-    return Workload.build(np.cumsum(gaps), prompt, output), block, kv, shape, policy, router
-
-
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=120)
-@given(cluster_runs(), st.sampled_from([1.0, 0.001]))
-def test_cluster_invariants(sc, bandwidth):
-    """Any cluster or disaggregated run: every request finishes with its tokens, no replica
-    exceeds its KV, every replica ends empty, prefill work = prompts + recomputation."""
-    w, block, kv, (p, r), policy, router = sc
-    limits = {"chunk_size": 32, "max_num_seqs": 8} if policy == "sarathi" else \
-        {"max_num_batched_tokens": 64, "max_num_seqs": 8}
-    pols = [make_policy(policy, limits, get_gpu("a100-80gb")) for _ in range(p + r)]
+@given(scenarios(), st.booleans(), st.integers(1, 4), st.sampled_from(sorted(ROUTERS)), st.sampled_from([1.0, 0.001]))
+def test_cluster_invariants(sc, disagg, size, router, bandwidth):
+    """Any policy on a cluster or disaggregated pools: every request finishes with its tokens,
+    no replica exceeds its KV, every replica ends empty, prefill work = prompts + recomputation."""
+    w, policy, block, kv, _, cap = sc
+    p, r = ((size + 1) // 2, size // 2 + 1) if disagg else (0, size)
+    pols = [make_policy(policy, params(policy, cap), get_gpu("a100-80gb")) for _ in range(p + r)]
     c = Cluster(w, pols, ConstantCost(0.01), PagedKV(kv, block), router=router, router_seed=1,
                 prefill_replicas=p, kv_bytes_per_token=1e5, bandwidth_gbps=bandwidth, latency_s=0.001,
                 record_batches=True)

@@ -110,3 +110,12 @@ def kv_capacity_tokens(model: Model, gpu: GPU, memory_utilization: float = 0.9) 
             f"{model.name} weights ({model.weight_bytes / GiB:.1f} GiB) do not fit in "
             f"{memory_utilization:.0%} of {gpu.name} ({gpu.memory_gib:g} GiB)")
     return int(free // model.kv_bytes_per_token)
+
+
+def usable_kv_tokens(model: Model, gpu: GPU, memory_utilization: float = 0.9, block_size: int = 16) -> int:
+    """KV tokens a vLLM replica can use: of the G blocks that fit, block 0 is vLLM's null
+    block, so (G - 1) x block_size."""
+    tokens = (kv_capacity_tokens(model, gpu, memory_utilization) // block_size - 1) * block_size
+    if tokens < block_size:
+        raise KvschedError(f"{model.name} on {gpu.name} leaves no KV block beside vLLM's null block")
+    return tokens

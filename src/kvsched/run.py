@@ -18,7 +18,7 @@ import numpy as np
 
 from kvsched.cost import make_cost_model
 from kvsched.errors import KvschedError
-from kvsched.hardware import get_gpu, get_model, kv_capacity_tokens
+from kvsched.hardware import get_gpu, get_model, usable_kv_tokens
 from kvsched.kvcache import PagedKV
 from kvsched.metrics import Goodput, RunRecords, summarize
 from kvsched.policies import Policy, make_policy
@@ -67,17 +67,12 @@ class Scenario:
 
     def resolve(self):
         model, gpu = get_model(self.model), get_gpu(self.gpu)
-        for flag, v in (("--kv-capacity", self.kv_capacity), ("--max-model-len", self.max_model_len)):
+        for flag, v in (("--kv-capacity", self.kv_capacity), ("--max-model-len", self.max_model_len),
+                        ("--block-size", self.block_size)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
                 raise KvschedError(f"{flag} must be >= 1 (a whole number of tokens), got {v!r}")
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, (int, np.integer)) or self.block_size < 1:
-            raise KvschedError(f"--block-size must be >= 1, got {self.block_size!r}")
-        if self.kv_capacity is not None:
-            tokens = self.kv_capacity
-        else:   # vLLM keeps block 0 as its null block: G blocks give G - 1 usable ones
-            tokens = (kv_capacity_tokens(model, gpu, self.memory_utilization) // self.block_size - 1) * self.block_size
-            if tokens < self.block_size:
-                raise KvschedError(f"{model.name} on {gpu.name} leaves no KV block beside vLLM's null block")
+        tokens = self.kv_capacity if self.kv_capacity is not None else usable_kv_tokens(
+            model, gpu, self.memory_utilization, self.block_size)
         cost = make_cost_model(self.cost, self.cost_params, model, gpu)
         return model, gpu, tokens, cost
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from kvsched.cli.common import (ClusterOptions, HardwareOptions, MemUtil, OutputOptions, Progress, app, cluster_flags,
                                 emit, guard, hardware_flags, output_flags, workload_flags)
 from kvsched.errors import KvschedError
-from kvsched.hardware import GPUS, MODELS, get_gpu, get_model, kv_capacity_tokens
+from kvsched.hardware import GPUS, MODELS, get_gpu, get_model, kv_capacity_tokens, usable_kv_tokens
 from kvsched.params import describe, parse_assignments
 from kvsched.policies import POLICIES, SOURCES, engine_defaults
 from kvsched.report.table import comparison_table, summary_table
@@ -138,6 +138,7 @@ def info_cmd(model: Optional[str] = typer.Option(None, "--model"), gpu: Optional
         gpus = [get_gpu(gpu)] if gpu else list(GPUS.values())
         models = [get_model(model)] if model else list(MODELS.values())
         tokens = kv_capacity_tokens(models[0], gpus[0], memory_utilization) if model and gpu else None
+        usable = usable_kv_tokens(models[0], gpus[0], memory_utilization) if model and gpu else None
         if not 0 < memory_utilization <= 1:     # checked before anything is printed
             raise KvschedError(f"--memory-utilization must be in (0, 1], got {memory_utilization}")
         t = Table(title="GPUs", title_justify="left")
@@ -156,6 +157,6 @@ def info_cmd(model: Optional[str] = typer.Option(None, "--model"), gpu: Optional
         console.print(t)
         if tokens is not None:
             console.print(f"KV capacity of {models[0].name} on {gpus[0].name} at {memory_utilization:.0%} "
-                          f"memory: {tokens:,} tokens; usable {(tokens // 16 - 1) * 16:,} in blocks of 16 "
+                          f"memory: {tokens:,} tokens; usable {usable:,} in blocks of 16 "
                           f"(vLLM's null block left out, as simulate does) ({models[0].weight_bytes / 2**30:.1f} GiB of weights)")
     guard(body)

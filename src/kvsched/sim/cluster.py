@@ -70,7 +70,6 @@ class Cluster:
                 record_batches=record_batches, stall_batches=stall_batches,
                 handoff=self._handoff if role == "prefill" else None))
         self.front = self.replicas[:prefill_replicas] if self.disaggregated else self.replicas
-        self.front_size = len(self.front)
         self.back = self.replicas[prefill_replicas:]
         self.router = make_router(router, router_seed) if isinstance(router, str) else router
         self.decode_router = make_router(self.router.name, router_seed + 1) if self.disaggregated else None
@@ -83,7 +82,6 @@ class Cluster:
         n = self.reqs.n
         self.decode_replica = np.full(n, -1, np.int32) if self.disaggregated else None
         self.transfer = np.full(n, np.nan) if self.disaggregated else None
-        self._pulls = [rep.pulls for rep in self.back] if self.disaggregated else None
         self._events: list[tuple] = []
         self._seq = 0
         self._seats = 0
@@ -127,7 +125,7 @@ class Cluster:
             i = ev[3]
             k = self._route(self.decode_router, self.back, i, t)
             self.decode_replica[i] = self.back[k].index
-            self._pulls[k].append(i)
+            self.back[k].pulls.append(i)
             self._pull(k, t)
         elif kind == PULL:
             self._pull(ev[3], t)
@@ -139,7 +137,8 @@ class Cluster:
     def _pull(self, k: int, t: float) -> None:
         """Decode replica k pulls waiting requests' KV while it has room; if it lacks room during
         a batch, it looks again when the batch ends."""
-        d, q, reqs = self.back[k], self._pulls[k], self.reqs
+        d, reqs = self.back[k], self.reqs
+        q = d.pulls
         while q:
             i = q[0]
             if not d.reserve(i, t):
@@ -178,7 +177,6 @@ class Cluster:
         else:
             self._set_next(0)
         single = reps[0] if len(reps) == 1 else None
-        pulls = self._pulls
         nxt, steps = 0, 0
         while reqs.done < reqs.remaining:
             t_arr = arrival[nxt] if closed is None and nxt < n else INF
@@ -212,8 +210,8 @@ class Cluster:
                     progress(reqs.done, reqs.remaining)
             if closed is not None and reqs.done > before:
                 self._push(rep.now, SEAT, reqs.done - before)
-            if pulls is not None and rep.role == "decode" and pulls[rep.index - self.front_size]:
-                self._push(rep.now, PULL, rep.index - self.front_size)   # its KV may have room at the batch end
+            if rep.pulls:                           # a decode replica's KV may have room at the batch end
+                self._push(rep.now, PULL, rep.index - len(self.front))
         return self._records(_time.perf_counter() - wall0)
 
     def _set_next(self, nxt: int) -> None:
@@ -223,7 +221,7 @@ class Cluster:
 
     def _deadlock(self, closed: bool) -> None:
         stuck = [r for r in self.replicas if r._queue or r._running or r._landing]
-        if not stuck and self._pulls and any(self._pulls):
+        if not stuck and any(r.pulls for r in self.back):
             raise KvschedError("disaggregation deadlock: requests wait for decode KV that never frees "
                                "(report this: it is a simulator bug)")
         r = stuck[0] if stuck else self.replicas[0]

@@ -52,14 +52,6 @@ class Cohort:
     def new_blocks(self) -> int:
         return self.residue[-self.clock % self.block_size]
 
-    def kv(self, i: int) -> int:
-        c0, k0, _, _ = self.members[i]
-        return k0 + self.clock - c0
-
-    def gen(self, i: int) -> int:
-        c0, _, g0, _ = self.members[i]
-        return g0 + self.clock - c0
-
     def last_token(self, i: int) -> float:
         c0, _, _, t0 = self.members[i]
         return self.last_time if self.clock > c0 else t0
@@ -150,12 +142,6 @@ class DecodeSet:
             c = cs[0]
             return c.residue[-c.clock % c.block_size]
         return sum(c.new_blocks for c in cs)
-
-    def kv(self, i: int) -> int:
-        return self.where[i].kv(i)
-
-    def gen(self, i: int) -> int:
-        return self.where[i].gen(i)
 
     def last_token(self, i: int) -> float:
         return self.where[i].last_token(i)

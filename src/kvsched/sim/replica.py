@@ -116,48 +116,14 @@ class Replica:
         fn = getattr(self.policy, name, None)
         return fn if callable(fn) else None
 
-    # ----- the view policies read (ReplicaView binds these) ---------------------------
-    @property
-    def num_decoding(self) -> int:
-        return self._decoders.n
-
+    # ----- the view policies read (ReplicaView binds these; its scalars read our fields) ----
     @property
     def num_waiting(self) -> int:
         return len(self._queue)
 
     @property
-    def kv_used_blocks(self) -> int:
-        return self.kv.used
-
-    @property
-    def kv_free_blocks(self) -> int:
-        return self.kv.capacity_blocks - self.kv.used
-
-    @property
-    def decode_new_blocks(self) -> int:
-        return self._decoders.new_blocks
-
-    @property
     def mean_batch_time(self) -> float | None:
         return self.busy / self.iterations if self.iterations else None
-
-    @property
-    def issued(self) -> int:
-        """Requests that have arrived so far, over the whole cluster (index order)."""
-        return self.reqs.issued
-
-    @property
-    def in_flight(self) -> int:
-        """Requests arrived and not finished, over the whole cluster."""
-        return self.reqs.in_flight
-
-    @property
-    def arrivals_pending(self) -> bool:
-        return self._arrivals.pending
-
-    @property
-    def next_arrival(self) -> float | None:
-        return self._arrivals.next_time
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -216,11 +182,10 @@ class Replica:
 
     def last_token_time(self, i: int) -> float | None:
         """When its last output token came out (None before the first)."""
-        r = self.reqs
-        st = r.status[i]
         if i in self._where:
             return self._decoders.last_token(i)
-        if st == DONE:
+        r = self.reqs
+        if r.status[i] == DONE:
             return float(r.finished[i])
         return r.last_tok[i] if r.gen[i] else None
 
@@ -246,14 +211,18 @@ class Replica:
         r.status[i] = WAITING
         self._queue.append(i)
         r.in_flight += 1
+        self._arrived(t, r.target[i])
+
+    def _arrived(self, t: float, prefill_tokens: int) -> None:
+        """One more request here at t (waiting, or landed to decode), with its prefill tokens."""
         self.outstanding += 1
-        self.prefill_backlog += r.target[i]
+        self.prefill_backlog += prefill_tokens
         if t > self.now:
             self.now = t
         self._blocked = False
         if self.now > t and self.track_start:     # mid-batch: routers see it from now on
             out, kv, pre = self._snap
-            self._snap = (out + 1, kv, pre + r.target[i])
+            self._snap = (out + 1, kv, pre + prefill_tokens)
 
     def reserve(self, i: int, t: float) -> bool:
         """Reserve KV for request i's transfer at t if it fits beside the decoders here (and one
@@ -275,13 +244,7 @@ class Replica:
         """The KV of a prefilled request (reserved here) arrives at t; it decodes from the next
         batch on."""
         self._landing.append(i)
-        self.outstanding += 1
-        if t > self.now:
-            self.now = t
-        self._blocked = False
-        if self.now > t and self.track_start:
-            out, kv, pre = self._snap
-            self._snap = (out + 1, kv, pre)
+        self._arrived(t, 0)
 
     def release(self, i: int, t: float) -> None:
         """The KV of request i (handed off) has left this replica at t."""
@@ -653,15 +616,15 @@ class Replica:
     def _preempt(self, i: int) -> None:
         r = self.reqs
         try:
-            st = r.status[i] if i >= 0 else None
-        except (TypeError, IndexError):
-            st = None
-        if st == DECODE and i in self._running:
+            decoding, prefilling = i in self._where, i in self._prefilling
+        except TypeError:                       # unhashable: named by _check_id below
+            decoding = prefilling = False
+        if decoding:
             kv_tokens = self._leave_decode(i)
             r.target[i] = r.prompt[i] + r.gen[i]
             r.recomputed[i] += kv_tokens + 1
             self.prefill_backlog += r.target[i]
-        elif st == PREFILL and i in self._prefilling:
+        elif prefilling:
             kv_tokens = r.computed[i]
             del self._prefilling[i]
             r.recomputed[i] += kv_tokens
