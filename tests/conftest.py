@@ -49,6 +49,11 @@ class Checked:
         if hook is not None:
             hook(i, v)
 
+    def on_preempt(self, i, v) -> None:
+        hook = getattr(self.inner, "on_preempt", None)
+        if hook is not None:
+            hook(i, v)
+
 
 def run(workload, policy="vllm-v1", params=None, *, cost="constant", cost_params=None,
         kv_tokens=100_000, block_size=1, gpu="a100-80gb", model="llama-3-8b", checked=True,

@@ -279,6 +279,9 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
         records.extra.update({"prefill_replicas": prefill, "decode_replicas": replicas - prefill,
                               "decode_policy": pols[-1].name})
     summary = summarize(records, scenario.goodput, scenario.trim)
+    reports = [p.report() for p in pols if callable(getattr(p, "report", None))]
+    if reports:                 # what the policy decided (e.g. WAIT's thresholds), per replica
+        summary["policy_report"] = reports[0] if len(pols) == 1 else reports
     return Result(name, summary, records, cluster.timeline, cluster.batches, pols[0], pols)
 
 

@@ -129,11 +129,20 @@ def stability_cmd(wopts: WorkloadOptions,
 
 
 @theory_app.command("fluid")
-def fluid_cmd(types: list[str] = TypeOpt, d0: float = D0, d1: float = D1, json_: bool = JsonOpt) -> None:
+def fluid_cmd(types: list[str] = TypeOpt, d0: float = D0, d1: float = D1,
+              kv_capacity: Optional[float] = typer.Option(None, "--kv-capacity", help="C, KV capacity in tokens: also say whether M* fits"),
+              json_: bool = JsonOpt) -> None:
     """The fluid equilibrium (fluid-wait-nested-wait.txt section 3): M_star (eq. 6),
     iteration_time (eq. 7), throughput_star tokens/s (eq. 8), stable (Proposition 1),
-    n_star (requests of each type per batch), load (sum lambda (l'+1)(l + l'/2))."""
-    guard(lambda: _emit(fluid.summary(_types(types), d0, d1), json_, "fluid equilibrium"))
+    n_star (requests of each type per batch), load (sum lambda (l'+1)(l + l'/2)). With
+    --kv-capacity C: fits (M_star <= C) and max_load = C / (d0 + d1 C), the largest load
+    whose M* fits in C (M* <= C <=> load <= C / (d0 + d1 C): d0 matters, not only d1)."""
+    def body() -> None:
+        out = fluid.summary(_types(types), d0, d1)
+        if kv_capacity is not None:
+            out.update(fluid.capacity_fit(_types(types), d0, d1, kv_capacity))
+        _emit(out, json_, "fluid equilibrium")
+    guard(body)
 
 
 @theory_app.command("wait-thresholds")
@@ -173,7 +182,7 @@ def nested_cmd(types: list[str] = TypeOpt, d0: float = D0, d1: float = D1,
         prompt = ts[0].prompt
         n = _ints(thresholds, "--thresholds") or wait.solve_nested(prompt, decodes, rates, d0, d1)
         out = {"thresholds": n, "segment_ends": decodes, **wait.check_nested(prompt, decodes, rates, n, d0, d1)}
-        if len(decodes) > 1 and out["satisfied"] and all(b < a for a, b in zip(n, n[1:])):
+        if len(decodes) > 1 and out["satisfied"]:
             out.update(wait.memory_bound(prompt, decodes, rates, n, batches, delta))
         _emit(out, json_, "Nested WAIT thresholds")
     guard(body)

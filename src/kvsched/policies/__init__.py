@@ -9,9 +9,10 @@ from kvsched.params import build
 from kvsched.policies.base import Plan, Policy, ServerView
 from kvsched.policies.baselines import Orca, RequestLevel, Sarathi, VllmV0, VllmV1
 from kvsched.policies.eb import EbAdaptive, EbPlus, ExclusiveBatching
+from kvsched.policies.wait import NestedWait, Wait
 
 POLICIES: dict[str, type] = {cls.name: cls for cls in (VllmV1, Sarathi, VllmV0, Orca, RequestLevel,
-                                                        ExclusiveBatching, EbAdaptive, EbPlus)}
+                                                        ExclusiveBatching, EbAdaptive, EbPlus, Wait, NestedWait)}
 ENGINE_LIMITS = (VllmV1, VllmV0, Orca, ExclusiveBatching)   # take vLLM's token budget and max_num_seqs
 
 SOURCES = {
@@ -23,6 +24,8 @@ SOURCES = {
     "eb": "EB(k); exclusive-batching-eb.txt section 3.1, appendix D.6",
     "eb-adaptive": "EB(k*); exclusive-batching-eb.txt section 3.4, Algorithm 1 (appendix D.7)",
     "eb-plus": "EB+; exclusive-batching-eb.txt section 3.5, eq. (8)",
+    "wait": "WAIT; fluid-wait-nested-wait.txt section 4, Algorithm 1",
+    "nested-wait": "Nested WAIT; fluid-wait-nested-wait.txt section 5, Algorithm 2",
 }
 
 

@@ -52,6 +52,9 @@ class ServerView(Protocol):
     arrivals_pending: bool            # whether any request is still to arrive (anywhere)
     next_arrival: float | None        # time of the next arrival when known (None in a closed loop)
     cost_model: object                # the batch-time model (`time(BatchShape)`), for calibration
+    declared_types: tuple[tuple[int, int, float], ...] | None   # (prompt, output, rate req/s) per type
+                                      # when the workload declares them, rates scaled to this
+                                      # replica's share of arrivals (even split assumed); else None
 
     def blocks_for(self, tokens: int) -> int: ...
     def arrival(self, i: int) -> float: ...

@@ -68,7 +68,8 @@ class Cluster:
                 self.reqs, pol, cost, kv if k == 0 else PagedKV(kv.capacity_tokens, kv.block_size),
                 index=k, role=role, arrivals=self.arrivals, record_timeline=record_timeline,
                 record_batches=record_batches, stall_batches=stall_batches,
-                handoff=self._handoff if role == "prefill" else None))
+                handoff=self._handoff if role == "prefill" else None,
+                share=1 / (prefill_replicas if role == "prefill" else r - prefill_replicas)))
         self.front = self.replicas[:prefill_replicas] if self.disaggregated else self.replicas
         self.back = self.replicas[prefill_replicas:]
         self.router = make_router(router, router_seed) if isinstance(router, str) else router
@@ -162,7 +163,7 @@ class Cluster:
                 self._arrive(nxt, t)
             nxt += 1
         reqs.issued = nxt
-        self.arrivals.pending = nxt < reqs.n
+        self._pending(nxt < reqs.n, t)
 
     # ----- the loop ----------------------------------------------------------------------
     def run(self, progress: Callable[[int, int], None] | None = None) -> RunRecords:
@@ -175,7 +176,7 @@ class Cluster:
             arr.pending, arr.next_time = n > 0, None
             self._issue(0.0, closed)
         else:
-            self._set_next(0)
+            self._set_next(0, 0.0)
         single = reps[0] if len(reps) == 1 else None
         nxt, steps = 0, 0
         while reqs.done < reqs.remaining:
@@ -196,7 +197,7 @@ class Cluster:
                         self._arrive(nxt, t_arr)
                     nxt += 1
                     reqs.issued = nxt
-                    self._set_next(nxt)
+                    self._set_next(nxt, t_arr)
                     continue
                 if t_ev <= t_rep and t_ev < INF:
                     self._event(heapq.heappop(events), closed)
@@ -214,10 +215,18 @@ class Cluster:
                 self._push(rep.now, PULL, rep.index - len(self.front))
         return self._records(_time.perf_counter() - wall0)
 
-    def _set_next(self, nxt: int) -> None:
+    def _set_next(self, nxt: int, t: float) -> None:
         k = self.reqs.next_servable(nxt)
-        self.arrivals.pending = k < self.reqs.n
+        self._pending(k < self.reqs.n, t)
         self.arrivals.next_time = self.reqs.arrival[k] if k < self.reqs.n else None
+
+    def _pending(self, pending: bool, t: float) -> None:
+        """Set whether arrivals are pending; when they end, every waiting replica plans again
+        at t (a policy may hold requests back until then, e.g. WAIT's drain)."""
+        if self.arrivals.pending and not pending:
+            for r in self.replicas:
+                r.wake(t)
+        self.arrivals.pending = pending
 
     def _deadlock(self, closed: bool) -> None:
         stuck = [r for r in self.replicas if r._queue or r._running or r._landing]

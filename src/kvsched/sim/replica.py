@@ -59,7 +59,7 @@ class Replica:
     def __init__(self, reqs: RequestTable, policy, cost, kv: PagedKV, *, index: int = 0,
                  role: str = "mixed", arrivals: Arrivals | None = None, record_timeline: bool = False,
                  record_batches: bool = False, stall_batches: int = DEFAULT_STALL_BATCHES,
-                 handoff: Callable[[int, float], None] | None = None) -> None:
+                 handoff: Callable[[int, float], None] | None = None, share: float = 1.0) -> None:
         if stall_batches < 1:
             raise KvschedError(f"stall_batches must be >= 1, got {stall_batches}")
         self.reqs, self.policy, self.cost, self.kv = reqs, policy, cost, kv
@@ -110,7 +110,8 @@ class Replica:
             "prefilling": self._prefilling.keys(), "decoding": self._decoders.where.keys(),
             "recent_batch_times": ReadOnlySeq(self.recent_batch_times),
             "recent_finished": ReadOnlySeq(self.recent_finished),
-            "_output": reqs.output_ro, "_admitted": reqs.admitted_ro})
+            "_output": reqs.output_ro, "_admitted": reqs.admitted_ro,
+            "declared_types": _declared(reqs.workload.declared_types, share)})
 
     def _hook(self, name: str):
         fn = getattr(self.policy, name, None)
@@ -641,3 +642,8 @@ class Replica:
         self.preemptions += 1
         if self._on_preempt is not None:
             self._call(self._on_preempt, "on_preempt", i)
+
+
+def _declared(types, share: float):
+    """The workload's declared types with rates scaled to this replica's share of arrivals."""
+    return None if types is None else tuple((p, o, r * share) for p, o, r in types)

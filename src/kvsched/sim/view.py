@@ -23,7 +23,7 @@ _SCALARS = {"now": "now", "num_decoding": "_decoders.n", "kv_used_blocks": "kv.u
             "outstanding": "outstanding", "prefill_backlog": "prefill_backlog", "num_waiting": "num_waiting",
             "issued": "reqs.issued", "in_flight": "reqs.in_flight"}
 _FIXED = ("index", "role", "block_size", "kv_capacity_blocks", "cost_model", "waiting", "running",
-          "prefilling", "decoding", "recent_batch_times", "recent_finished", "_output", "_admitted")
+          "prefilling", "decoding", "recent_batch_times", "recent_finished", "_output", "_admitted", "declared_types")
 
 
 class ReadOnlySeq(Sequence):

@@ -89,6 +89,19 @@ def single_type(t: FluidType, d0: float, d1: float) -> dict[str, float]:
     return {"n_star": n, "M_star": m, "throughput_star": n / (d0 + d1 * m) if math.isfinite(n) else math.nan}
 
 
+def capacity_fit(types: Sequence[FluidType], d0: float, d1: float, capacity: float) -> dict[str, object]:
+    """Whether the fluid memory M* (eq. 6) fits a KV capacity C. M* = d0 A / (1 - d1 A) <= C
+    holds exactly when A <= C / (d0 + d1 C), so the finite-memory condition depends on d0
+    as well as d1 (stability alone, Proposition 1, needs only d1 A < 1)."""
+    if not (capacity > 0 and math.isfinite(capacity)):
+        raise KvschedError(f"--kv-capacity must be a finite number of tokens > 0, got {capacity}")
+    if not (d0 > 0 and d1 >= 0):
+        raise KvschedError(f"the fluid model needs d0 > 0 and d1 >= 0, got d0={d0}, d1={d1}")
+    a = load(types)
+    max_load = capacity / (d0 + d1 * capacity)
+    return {"kv_capacity": capacity, "fits": a <= max_load, "max_load": max_load}
+
+
 def summary(types: Sequence[FluidType], d0: float, d1: float) -> dict[str, object]:
     """M_star, iteration_time, throughput_star and stable, as `kvsched theory fluid` prints."""
     if unstable(types, d1):

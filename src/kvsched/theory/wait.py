@@ -98,15 +98,18 @@ def continuation(rates: Sequence[float]) -> np.ndarray:
 
 
 def merge_types(decodes: Sequence[float], rates: Sequence[float], segments: int) -> tuple[list[float], list[float]]:
-    """Section 7.2: m types into L segments of Delta L = m / L consecutive types each; a
-    segment ends at its longest type and is fed at its types' summed rate lambda'_i."""
+    """Section 7.2: m types into L segments of Delta L = floor(m / L) consecutive types each,
+    the last taking types (L - 1) Delta L + 1 to m (the paper's partition; Delta L = m / L
+    when L divides m). A segment ends at its longest type and is fed at its types' summed
+    rate lambda'_i."""
     ends, lam = _segments(decodes, rates)
     m = len(ends)
-    if not 1 <= segments <= m or m % segments:
-        raise KvschedError(f"L = {segments} segments must divide the m = {m} types (section 7.2)")
-    size = m // segments
-    return ([float(ends[(i + 1) * size - 1]) for i in range(segments)],
-            [float(lam[i * size:(i + 1) * size].sum()) for i in range(segments)])
+    if isinstance(segments, bool) or int(segments) != segments or not 1 <= segments <= m:
+        raise KvschedError(f"L = {segments} segments must be a whole number in 1..m = {m} (section 7.2)")
+    size = m // int(segments)
+    bounds = [i * size for i in range(int(segments))] + [m]
+    return ([float(ends[b - 1]) for b in bounds[1:]],
+            [float(lam[a:b].sum()) for a, b in zip(bounds, bounds[1:])])
 
 
 def nested_memory(prompt: float, decodes: Sequence[float], n: Sequence[float]) -> float:
@@ -114,8 +117,11 @@ def nested_memory(prompt: float, decodes: Sequence[float], n: Sequence[float]) -
     definition in section 5.2: sum_i n_i sum_{k in segment i} (l + k).
 
     Deviation: eq. (11) prints sum_j n_j (l + L'_j / 2) Delta l'_j with L'_j = l'_1 + ... +
-    l'_j, which is not that sum for j >= 3 (nor for segment 1, which has l'_1 + 1 stages),
-    and section 7.2's (l + i Delta L / 2) Delta L likewise. This uses the exact sum."""
+    l'_j. For segments 1 and 2 that is the stage sum up to a boundary stage (segment 1 has
+    l'_1 + 1 stages, not l'_1); from segment 3 on L'_j / 2 is no longer the segment's mean
+    stage and the two part. Section 7.2's closed form (l + i Delta L / 2) Delta L parts from
+    the sum already at segment 2: with l = 62 and Delta L = 50, 5,600 per unit threshold
+    against the exact 6,875. This uses the exact sum."""
     ends = np.asarray(decodes, float)
     a = _counts(n, len(ends))
     starts = np.concatenate(([0.0], ends[:-1] + 1))
@@ -141,34 +147,47 @@ def check_nested(prompt: float, decodes: Sequence[float], rates: Sequence[float]
 def solve_nested(prompt: float, decodes: Sequence[float], rates: Sequence[float], d0: float,
                  d1: float, max_first: int = 10**7) -> list[int]:
     """Small integer thresholds satisfying (10) / (14): each n_{i+1} is the least integer
-    above n_i p_i, and n_1 is the least value for which Delta T(n) < n_1 / sum lambda and
-    the thresholds strictly decrease (n_{i+1} < n_i, which Lemma 8 needs for theta of
-    eq. 16 and so for the memory bound (12))."""
+    above n_i p_i, and n_1 the least value, searched upward from ceil(tau* Lambda_1) (tau* the
+    fluid time per iteration, eq. 7, a lower bound), for which Delta T(n) < n_1 / sum lambda.
+
+    Equal thresholds are allowed: Lemma 8 needs n_(k-1) > n_k only for a finite theta_k
+    (eq. 16). When n_k >= n_(k-1), at most n_(k-1) prompts enter segment k per batch, so its
+    entry queue never exceeds n_k and the tail term of eq. (12) is 0 (`theta` returns inf)."""
+    _costs(d0, d1)
     ends, lam = _segments(decodes, rates)
     p = continuation(lam)
+    load = sum(FluidType(float(r), prompt, float(e)).work for r, e in zip(lam, ends))
+    if d1 * load >= 1:
+        raise KvschedError(f"no Nested WAIT thresholds: d1 x load = {d1 * load:.4g} >= 1 (Proposition 1: unstable)")
+    tau = d0 / (1 - d1 * load)      # eq. (7); n_1 > tau Lambda_1 since M^pi >= (n_1 / Lambda_1) x load
 
     def chain(n1: int) -> list[int]:
         n = [n1]
         for pi in p:
             n.append(math.floor(n[-1] * pi) + 1)
         return n
-    lo = max(1, math.floor(d0 * lam.sum()))
-    n1 = lo
+    n1 = max(1, math.ceil(tau * lam.sum() * (1 - 1e-12)))
     while n1 <= max_first:
         n = chain(n1)
-        if all(b < a for a, b in zip(n, n[1:])) and check_nested(prompt, ends, lam, n, d0, d1)["satisfied"]:
+        if check_nested(prompt, ends, lam, n, d0, d1)["satisfied"]:
             return n
-        n1 = max(n1 + 1, math.floor((d0 + d1 * nested_memory(prompt, ends, n)) * lam.sum()))
+        n1 += 1
     raise KvschedError("no Nested WAIT thresholds found: the load is at or beyond capacity")
 
 
 def theta(n_prev: float, n_k: float, p_k: float) -> float:
     """The theta_k > 0 solving exp(-theta n_k) (1 - p_k + p_k e^theta)^(n_{k-1}) = 1
     (eq. 16; Lemma 8: it exists, is unique and satisfies theta_k >= 8 (n_k - n_{k-1} p_k) /
-    n_{k-1} when n_{k-1} > n_k > n_{k-1} p_k and 0 < p_k < 1)."""
-    if not (0 < p_k < 1 and n_prev > n_k > n_prev * p_k):
-        raise KvschedError(f"eq. (16) has a positive root only when n_(k-1) > n_k > n_(k-1) p_k and "
-                           f"0 < p_k < 1; got n_(k-1)={n_prev}, n_k={n_k}, p_k={p_k}")
+    n_{k-1} when n_{k-1} > n_k > n_{k-1} p_k and 0 < p_k < 1).
+
+    When n_k >= n_(k-1) the increments Binomial(n_(k-1), p_k) - n_k are never positive, so
+    the queue never exceeds n_k: the root is at infinity and this returns `math.inf`
+    (the tail term of eq. 12 is then 0)."""
+    if not (0 < p_k < 1 and n_k > n_prev * p_k):
+        raise KvschedError(f"eq. (16) has a positive root only when n_k > n_(k-1) p_k and 0 < p_k < 1; "
+                           f"got n_(k-1)={n_prev}, n_k={n_k}, p_k={p_k}")
+    if n_k >= n_prev:
+        return math.inf
 
     def g(th: float) -> float:          # log of the left-hand side
         return -th * n_k + n_prev * (math.log1p(-p_k) + math.log1p(p_k / (1 - p_k) * math.exp(th))
@@ -188,7 +207,9 @@ def memory_bound(prompt: float, decodes: Sequence[float], rates: Sequence[float]
     """Memory that Nested WAIT stays under with probability >= 1 - delta over `batches`
     batches S (eq. 12; eq. 15 for merged segments):
 
-        M^pi + sum_{j >= 2} (l + l'_{j-1}) (n_j + ln(m zeta S / delta) / theta_j)."""
+        M^pi + sum_{j >= 2} (l + l'_{j-1}) (n_j + ln(m zeta S / delta) / theta_j).
+
+    A segment with theta_j = inf (n_j >= n_(j-1)) adds no tail term."""
     ends, lam = _segments(decodes, rates)
     a = _counts(n, len(ends))
     if not (0 < delta < 1) or batches < 1 or zeta <= 0:
@@ -197,7 +218,8 @@ def memory_bound(prompt: float, decodes: Sequence[float], rates: Sequence[float]
     thetas = [theta(a[j - 1], a[j], p[j - 1]) for j in range(1, len(ends))]
     log_term = math.log(len(ends) * zeta * batches / delta)
     queue = sum((prompt + ends[j - 1]) * a[j] for j in range(1, len(ends)))
-    tail = sum((prompt + ends[j - 1]) * log_term / thetas[j - 1] for j in range(1, len(ends)))
+    tail = sum((prompt + ends[j - 1]) * log_term / thetas[j - 1] for j in range(1, len(ends))
+               if math.isfinite(thetas[j - 1]))
     m_pi = nested_memory(prompt, ends, a)
     return {"memory_bound": m_pi + queue + tail, "M_pi": m_pi, "queue_term": queue, "tail_term": tail,
             "theta": thetas}

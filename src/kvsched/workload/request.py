@@ -75,6 +75,9 @@ class Workload:
     `prefix` keeps each prompt's prefix-block hashes when the trace has them.
     `timed` is False for lengths without arrival times (a length-only trace described by
     `kvsched workload stats`); such a workload can be described but not simulated.
+    `declared_types` holds (prompt, output, rate req/s) per request type when the workload
+    declares them (one open-loop phase of fixed-length types, fluid-wait-nested-wait.txt
+    section 2.1), sorted by (output, prompt); None otherwise. WAIT reads its rates from here.
     """
     arrival: np.ndarray
     prompt: np.ndarray
@@ -89,6 +92,7 @@ class Workload:
     concurrency: np.ndarray = field(default=None)  # type: ignore[assignment]
     prefix: Ragged | None = None
     timed: bool = True
+    declared_types: tuple[tuple[int, int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.arrival)
@@ -122,7 +126,8 @@ class Workload:
     def build(cls, arrival, prompt, output, *, output_known=False, tier_index=None,
               tiers: Sequence[Tier] = (), ids=None, source: str = "synthetic", phase=None,
               phases: Sequence[str] = ("all",), concurrency=None,
-              prefix: Ragged | None = None, timed: bool = True) -> "Workload":
+              prefix: Ragged | None = None, timed: bool = True,
+              declared_types: tuple[tuple[int, int, float], ...] | None = None) -> "Workload":
         """Arrays in any order -> a workload sorted by arrival (stable, so ties keep order)."""
         arrival = np.asarray(arrival, dtype=np.float64)
         n = len(arrival)
@@ -136,7 +141,7 @@ class Workload:
                    column(tier_index, np.int16, -1), tuple(tiers),
                    np.arange(n, dtype=np.int64)[order] if ids is None else np.asarray(ids, np.int64)[order],
                    source, column(phase, np.int16, 0), tuple(phases), column(concurrency, np.int64, 0),
-                   None if prefix is None else prefix.take(order), timed)
+                   None if prefix is None else prefix.take(order), timed, declared_types)
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request]) -> "Workload":

@@ -20,7 +20,7 @@ import numpy as np
 from kvsched.errors import KvschedError
 from kvsched.workload.arrivals import Arrivals, Closed, Poisson, Replay, TraceRate
 from kvsched.workload.readers import read_trace
-from kvsched.workload.lengths import LengthDist
+from kvsched.workload.lengths import Fixed, LengthDist
 from kvsched.workload.request import Ragged, Tier, Workload
 
 
@@ -148,7 +148,31 @@ class WorkloadSpec:
             phase=np.repeat(np.arange(len(parts)), sizes),
             phases=[ph.label(k) for k, ph in enumerate(self.phases)],
             concurrency=np.repeat([p.concurrency for p in parts], sizes), prefix=prefix,
-            timed=all(p.timed for p in parts))
+            timed=all(p.timed for p in parts), declared_types=self.declared_types())
+
+    def declared_types(self) -> tuple[tuple[int, int, float], ...] | None:
+        """(prompt, output, rate req/s) per request type, sorted by (output, prompt), when the
+        workload has one open-loop phase of fixed-length types and an arrival process with a
+        mean rate (the fluid model's types, fluid-wait-nested-wait.txt section 2.1); else None.
+        A type's rate is the phase's rate times its share of the types' weights; types with the
+        same lengths are merged. A length cap that changes a type leaves the workload undeclared."""
+        if len(self.phases) != 1 or not self.phases[0].types:
+            return None
+        ph = self.phases[0]
+        if not all(isinstance(t.prompt, Fixed) and isinstance(t.output, Fixed) for t in ph.types):
+            return None
+        weights = np.array([t.rate for t in ph.types], float)
+        arrivals = ph.arrivals or Poisson(float(weights.sum()))
+        rate = getattr(arrivals, "mean_rate", None)
+        if isinstance(arrivals, Closed) or rate is None:
+            return None
+        merged: dict[tuple[int, int], float] = {}
+        for t, w in zip(ph.types, weights):
+            key = (int(t.prompt.value), int(t.output.value))
+            if self.cap_len is not None and key[0] + key[1] > self.cap_len:
+                return None
+            merged[key] = merged.get(key, 0.0) + float(rate) * w / weights.sum()
+        return tuple((p, o, r) for (p, o), r in sorted(merged.items(), key=lambda kv: (kv[0][1], kv[0][0])))
 
     def _assign_tiers(self, parts: list[_Part], rng: np.random.Generator):
         """Tiers from the phases (trace column, request types), else drawn by share."""
