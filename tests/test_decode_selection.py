@@ -124,6 +124,11 @@ class RandomPause:
     def on_finish(self, i, v) -> None:
         self.inner.on_finish(i, v)
 
+    def on_preempt(self, i, v) -> None:
+        hook = getattr(self.inner, "on_preempt", None)
+        if hook is not None:
+            hook(i, v)
+
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.integers(0, 2**31))

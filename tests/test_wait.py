@@ -32,6 +32,7 @@ class Recorder:
 
     def schedule(self, v):
         if getattr(self.inner, "pause_excluded", True) and hasattr(self.inner, "_where"):
+            self.inner._settle(v)                   # idempotent: the policy settles first thing
             for i in v.decoding:                    # the policy's inventories agree with the replica
                 assert self.inner._where[i][1] == v.generated(i)
         plan = self.inner.schedule(v)
@@ -275,7 +276,7 @@ def test_nested_segment_designs():
         res, pol, _ = run(w, "nested-wait", params)
         assert res.summary["completed"] == 800 and pol.report()["segment_ends"] == ends, params
     res, pol, _ = run(w, "nested-wait", {"bin_width": "100", "bins": "3"})
-    assert pol.report()["segment_ends"] == [100, 200, 300]   # stages past 300 stay in segment 3
+    assert pol.report()["segment_ends"] == [100, 200, 499]   # the last segment ends at the longest type
     assert res.summary["completed"] == 800
 
 
@@ -386,3 +387,60 @@ def test_fluid_capacity_fit_involves_d0():
     assert capacity_fit(types, 0.01, 2e-7, cap)["fits"] and not capacity_fit(types, 0.05, 2e-7, cap)["fits"]
     assert capacity_fit(types, 0.01, 2e-7, cap)["max_load"] == pytest.approx(cap / (0.01 + 2e-7 * cap))
     assert load < cap / (0.01 + 2e-7 * cap)
+
+
+# ----- review fixes ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy,preset,params", [("wait", "wait-low-demand", {}),
+                                                  ("nested-wait", "nested-wait-4type", {"segments": "19,39,79,159"})])
+def test_closed_loops_flush_instead_of_deadlocking(policy, preset, params):
+    from kvsched.workload.source import WorkloadOptions, resolve
+    w = resolve(WorkloadOptions(workload=preset, arrivals="closed:8", num_requests=300)).build()
+    assert w.declared_types is None             # a closed loop has no arrival rate to declare
+    res, _, _ = run(w, policy, params)
+    assert res.summary["completed"] == 300
+
+
+def test_segments_shorter_than_the_longest_type_end_at_it():
+    w = workload("nested-wait-4type", 2000)
+    res, pol, _ = run(w, "nested-wait", {"segments": "19,39"})
+    rep = pol.report()
+    assert rep["segment_ends"] == [19, 159] and rep["satisfied"]
+    assert rep["memory"] == theory.nested_memory(10, [19, 159], rep["thresholds"])
+
+
+def test_small_kv_preempts_and_every_request_finishes():
+    w = workload("nested-wait-4type", 1500)
+    tight, _, _ = run(w, "nested-wait", kv=20_000)
+    assert tight.summary["completed"] == 1500 and tight.summary["preemptions"] > 0
+    w = workload("wait-low-demand", 1500)
+    tight, _, _ = run(w, "wait", kv=1_000)
+    assert tight.summary["completed"] == 1500
+
+
+def test_contradictory_or_huge_parameters_are_refused():
+    for params, msg in (({"rule": "practical", "batch_size": "8", "thresholds": "5,5"}, "not both"),
+                        ({"batch_size": "8"}, "rule=practical"), ({"thresholds": "1e30,5"}, "whole numbers"),
+                        ({"thresholds": str(2 ** 41)}, "1..")):
+        with pytest.raises(KvschedError, match=msg):
+            make_policy("wait", params, GPU)
+
+
+def test_theory_rejects_non_finite_thresholds():
+    with pytest.raises(KvschedError):
+        theory.check_nested(10, ENDS, [20, 40, 80, 160], [float("nan"), 8, 7, 5], **LINEAR)
+    with pytest.raises(KvschedError):
+        theory.wait_memory([FluidType(1, 1, 1)], [math.inf])
+
+
+def test_solve_nested_jumps_to_the_least_n1_on_many_types():
+    decodes = list(range(1, 501))
+    rates = [0.99 ** k for k in range(500)]
+    load = sum(FluidType(r, 62, e).work for r, e in zip(rates, decodes))
+    d1 = 0.95 / load
+    n = theory.solve_nested(62, decodes, rates, 0.01, d1)
+    assert theory.check_nested(62, decodes, rates, n, 0.01, d1)["satisfied"]
+    chain = [n[0] - 1]
+    for p in theory.continuation(rates):
+        chain.append(math.floor(chain[-1] * p) + 1)
+    assert not theory.check_nested(62, decodes, rates, chain, 0.01, d1)["satisfied"]

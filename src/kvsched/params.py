@@ -84,8 +84,9 @@ def _plain(value: Any, kind: str) -> Any:
 
 
 def build(cls: type, owner: str, overrides: dict[str, Any], defaults: dict[str, Any] | None = None):
-    """Instantiate dataclass `cls` from defaults overlaid with (string) overrides; every field
-    with a `range` in its metadata is checked (type and range) before the object is built."""
+    """Instantiate dataclass `cls` from defaults overlaid with (string) overrides; every
+    numeric or boolean field with a `range` in its metadata is checked (type and range)
+    before the object is built (a text field's `range` only describes it; the class checks it)."""
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(overrides) - set(fields))
     if unknown:
@@ -97,7 +98,7 @@ def build(cls: type, owner: str, overrides: dict[str, Any], defaults: dict[str, 
     for key, f in fields.items():
         text = f.metadata.get("range", "true/false" if _kind(f).startswith("bool") else None)
         value = values.get(key, f.default)
-        if text is not None and value is not None and value is not dataclasses.MISSING:
+        if text is not None and value is not None and value is not dataclasses.MISSING and not _kind(f).startswith("str"):
             check_range(owner, key, value, _kind(f), text)
             if key in values:
                 values[key] = _plain(value, _kind(f))

@@ -14,9 +14,12 @@ Not in the paper, required here (documented in docs/theory.md):
 - **max_wait** (seconds, off by default so the theory regime stays exact) flushes a partial
   batch once the oldest waiting prompt of a type (WAIT) or of segment 1 (Nested WAIT) has
   waited that long. It is checked when the policy plans (batch ends and arrivals).
-- **KV check.** WAIT needs no preemption when KV >= M^pi (eq. 9); a batch that would not fit
-  anyway (smaller KV, online thresholds) preempts the newest running requests by recompute
-  and counts them in `preemptions`.
+- **KV check.** WAIT needs no preemption when KV >= M^pi (eq. 9; in tokens at block size 1,
+  larger blocks round each request up). A batch that would not fit anyway (smaller KV,
+  online thresholds) drops the newest work first: prompts not yet admitted, then the newest
+  running requests, preempted by recompute and counted in `preemptions`.
+- **Closed loops.** A new request arrives only when one finishes; when the thresholds would
+  leave the replica idle while it holds requests, the policy flushes as in the drain.
 """
 from __future__ import annotations
 
@@ -29,23 +32,24 @@ from typing import Hashable
 
 from kvsched.cost.fit import coefficients
 from kvsched.errors import KvschedError
+from kvsched.params import MAX_INT
 from kvsched.policies.base import Plan, ServerView
 from kvsched.theory import wait as theory
 from kvsched.theory.fluid import FluidType
 
 
 def parse_counts(text: str, what: str) -> list[int]:
-    """'22,22' -> [22, 22]: whole numbers >= 1 (thresholds) or >= 0 (stage ends)."""
+    """'22,22' -> [22, 22]: whole numbers >= 1 (thresholds) or >= 0 (stage ends), <= 2**40."""
     if not text.strip():
         return []
+    low = 0 if what == "segments" else 1
     try:
-        values = [float(x) for x in text.split(",")]
+        values = [int(x.strip()) for x in text.split(",")]
     except ValueError:
         raise ValueError(f"{what} expects comma-separated whole numbers, got {text!r}") from None
-    low = 0 if what == "segments" else 1
-    if any(not math.isfinite(x) or x != int(x) or x < low for x in values):
-        raise ValueError(f"{what} must be whole numbers >= {low}, got {text!r}")
-    return [int(x) for x in values]
+    if any(not low <= x <= MAX_INT for x in values):
+        raise ValueError(f"{what} must be whole numbers in {low}..{MAX_INT:,}, got {text!r}")
+    return values
 
 
 class _Threshold:
@@ -66,6 +70,7 @@ class _Threshold:
         self._stages: dict[Hashable, dict[int, dict[int, None]]] = {}
         self._where: dict[int, tuple[Hashable, int]] = {}      # request -> (group, stage)
         self._running_of: dict[Hashable, int] = {}
+        self._moved: list[int] = []
         self.preemptions = 0
         self.batches = 0
         self._seen, self._first, self._last = 0, 0.0, 0.0      # arrivals seen, first and last times
@@ -109,16 +114,35 @@ class _Threshold:
         return len(self._waiting.get(g, ())) if stage == 0 else len(self._stages.get(g, {}).get(stage, ()))
 
     def _advance(self, v: ServerView, admit: list[int], decode: list[int]) -> None:
-        """Record the planned batch: admitted prompts reach stage generated + 1, decoders move on."""
+        """Record the planned batch: admitted prompts leave stage 0 (stage -1: in flight);
+        `_settle` places them and the decoders at the stage the replica reports."""
         for i in admit:
             g, _ = self._where[i]
-            self._waiting[g].popleft() if self._waiting[g][0] == i else self._waiting[g].remove(i)
-            self._put(i, g, v.generated(i) + 1)
+            q = self._waiting[g]
+            q.popleft() if q[0] == i else q.remove(i)
+            self._where[i] = (g, -1)
             self._running_of[g] = self._running_of.get(g, 0) + 1
-        for i in decode:
-            g, k = self._where[i]
-            self._drop(g, k, i)
-            self._put(i, g, k + 1)
+        self._moved = decode + admit
+
+    def _settle(self, v: ServerView) -> None:
+        """Move last batch's requests to the stage the replica reports (`view.generated`),
+        so the inventories follow what ran even if the plan was changed on its way."""
+        where, gen = self._where, v.generated
+        for i in self._moved:
+            at = where.get(i)
+            if at is None or at[1] == 0:        # finished, or preempted back to stage 0
+                continue
+            g, k = at
+            new = gen(i)
+            if new != k:
+                if k > 0:
+                    self._drop(g, k, i)
+                self._put(i, g, new)
+                self._entered(new)
+        self._moved = []
+
+    def _entered(self, stage: int) -> None:
+        """Hook: a request reached `stage`."""
 
     def _put(self, i: int, g: Hashable, stage: int) -> None:
         self._where[i] = (g, stage)
@@ -132,17 +156,26 @@ class _Threshold:
 
     def on_finish(self, i: int, view: ServerView) -> None:
         g, k = self._where.pop(i)
-        self._drop(g, k, i)
+        if k > 0:
+            self._drop(g, k, i)
         self._running_of[g] -= 1
 
     def on_preempt(self, i: int, view: ServerView) -> None:
         g, k = self._where[i]
-        if k:
+        if k > 0:
             self._drop(g, k, i)
+        if k:
             self._running_of[g] -= 1
         self._where[i] = (g, 0)
         self._waiting.setdefault(g, deque()).appendleft(i)
         self.preemptions += 1
+
+    @staticmethod
+    def _stuck(v: ServerView, plan: Plan) -> bool:
+        """A closed loop (arrivals pending, no time known) where this plan leaves requests held
+        and nothing running: only a finish could bring the next arrival."""
+        return (not plan.admit and plan.decode is False and v.arrivals_pending and v.next_arrival is None
+                and bool(v.running or v.waiting))
 
     def _overdue(self, v: ServerView, g: Hashable) -> bool:
         q = self._waiting.get(g)
@@ -169,9 +202,15 @@ class _Threshold:
         return Plan(admit, chunks, sel, victims)
 
     def _fit(self, v: ServerView, admit: list[int], decode: list[int], all_decoders: bool) -> list[int]:
-        need = sum(v.blocks_for(v.prefill_target(i)) for i in admit)
-        need += v.decode_new_blocks if all_decoders else sum(1 for i in decode if v.needs_block(i))
+        """The newest work goes first: prompts not yet admitted (the last planned first),
+        then, if the decodes alone do not fit, the newest running requests by recompute."""
+        need = v.decode_new_blocks if all_decoders else sum(1 for i in decode if v.needs_block(i))
         free = v.kv_free_blocks
+        prompts = sum(v.blocks_for(v.prefill_target(i)) for i in admit)
+        keep = 0 if decode or all_decoders and v.num_decoding else 1     # an empty batch would stall
+        while need + prompts > free and len(admit) > keep:
+            prompts -= v.blocks_for(v.prefill_target(admit.pop()))
+        need += prompts
         victims: list[int] = []
         if need <= free:
             return victims
@@ -213,8 +252,8 @@ class Wait(_Threshold):
     n_j = B rho_j / (l'_j + 1), rounded to the nearest whole number >= 1. The practical rule
     ignores memory and can violate eq. (9): long types get too small a threshold, so their
     queues grow. `report()` gives the thresholds used."""
-    thresholds: str = field(default="", metadata={"help": "n_1,...,n_m in type order (output, prompt); empty: solve"})
-    rule: str = field(default="fluid", metadata={"help": "fluid (eq. 9) or practical (section 6.1, needs batch_size)"})
+    thresholds: str = field(default="", metadata={"range": "n,n,.. (whole, >= 1)", "help": "n_1,...,n_m in type order (output, prompt); empty: solve"})
+    rule: str = field(default="fluid", metadata={"range": "fluid|practical", "help": "fluid (eq. 9) or practical (section 6.1, needs batch_size)"})
     batch_size: int = field(default=0, metadata={"range": "[0, inf)", "help": "B of the practical rule"})
     pause_excluded: bool = field(default=True, metadata={"help": "types not included pause (Algorithm 1); false: they decode, only admission is gated"})
     strict: bool = field(default=False, metadata={"help": "solve with Delta T < n_j / lambda_j (Theorem 1's O(1) latency)"})
@@ -229,6 +268,10 @@ class Wait(_Threshold):
             raise ValueError(f"rule must be fluid or practical, got {self.rule!r}")
         if self.rule == "practical" and self.batch_size < 1:
             raise ValueError("rule=practical needs batch_size=B >= 1 (section 6.1)")
+        if self.rule == "fluid" and self.batch_size:
+            raise ValueError("batch_size is B of rule=practical; rule=fluid solves eq. (9) instead")
+        if self._given and self.rule == "practical":
+            raise ValueError("give either thresholds or rule=practical, not both")
         self._setup()
         self._types: list[tuple[int, int]] = []         # (prompt, output) per type index
         self._index: dict[tuple[int, int], int] = {}
@@ -254,9 +297,10 @@ class Wait(_Threshold):
                                f"{self._types} (sorted by output, prompt)")
         self._n = self._given or [1] * len(self._types)
         self._source = "given" if self._given else "pending"
-        if not self._given and self._rates is not None:
-            self._solve(v, self._rates)
-            self._source = f"{self.rule} (declared rates)"
+        if self._rates is not None:
+            self._solve(v, self._rates, self._given or None)    # given thresholds: eq. (9) checked
+            if not self._given:
+                self._source = f"{self.rule} (declared rates)"
 
     def _new_type(self, key: tuple[int, int]) -> int:
         self._index[key] = len(self._types)
@@ -293,21 +337,30 @@ class Wait(_Threshold):
             except KvschedError as exc:         # estimated overload: keep the last thresholds
                 self._theory["last_error"] = str(exc)
 
-    def _solve(self, v: ServerView, rates: list[float]) -> None:
+    def _solve(self, v: ServerView, rates: list[float], given: list[int] | None = None) -> None:
         types = [FluidType(r, p, o - 1) for (p, o), r in zip(self._types, rates)]
         d0, d1 = _solve_coefficients(v, types)
-        if self.rule == "practical":
+        if given is not None:
+            n = given
+        elif self.rule == "practical":
             n = [max(1, math.floor(x + 0.5)) for x in theory.practical_wait(types, self.batch_size)]
         else:
             n = theory.solve_wait(types, d0, d1, self.strict)
         self._n = n
         self._theory = {"rates": rates, "d0": d0, "d1": d1, **theory.check_wait(types, n, d0, d1, self.strict)}
+        self._theory["fits_kv"] = self._theory["memory"] <= v.kv_capacity_blocks * v.block_size
 
     def schedule(self, v: ServerView) -> Plan:
         if self._source == "":
             self._start(v)
+        self._settle(v)
         self._sync(v)
-        drain = not v.arrivals_pending
+        plan = self._plan(v, not v.arrivals_pending)
+        if self._stuck(v, plan):
+            plan = self._plan(v, True)
+        return plan
+
+    def _plan(self, v: ServerView, drain: bool) -> Plan:
         admit: list[int] = []
         decode: list[int] = []
         for j, n in enumerate(self._n):
@@ -382,8 +435,8 @@ class NestedWait(_Threshold):
     Deviation: Algorithm 2 line 1 indexes segment i's stages by cumulative sums of the
     l'_j, which contradicts the text (segment i spans stages l'_(i-1)+1..l'_i); this
     follows the text."""
-    thresholds: str = field(default="", metadata={"help": "n_1,...,n_L, one per segment; empty: solve"})
-    segments: str = field(default="", metadata={"help": "stages where segments end, e.g. 19,39,79,159"})
+    thresholds: str = field(default="", metadata={"range": "n,n,.. (whole, >= 1)", "help": "n_1,...,n_L, one per segment; empty: solve"})
+    segments: str = field(default="", metadata={"range": "e,e,.. (increasing, >= 0)", "help": "stages where segments end, e.g. 19,39,79,159"})
     groups: int = field(default=0, metadata={"range": "[0, inf)", "help": "L: merge the declared types into L segments (section 7.2)"})
     bin_width: int = field(default=0, metadata={"range": "[0, inf)", "help": "W: segments of W decode stages (section 6.2)"})
     bins: int = field(default=0, metadata={"range": "[0, inf)", "help": "number of W-stage segments (0: up to the longest declared output)"})
@@ -451,6 +504,8 @@ class NestedWait(_Threshold):
         else:
             raise KvschedError("nested-wait needs segments (segments=, bin_width= with bins=) or a workload "
                                "that declares its types (groups= or the default, one segment per output length)")
+        if outs and max(outs) > ends[-1]:       # longer types stay in the last segment: end it there
+            ends = ends[:-1] + [max(outs)]
         rates = [0.0] * len(ends)
         for e, r in outs.items():
             rates[min(bisect.bisect_left(ends, e), len(ends) - 1)] += r
@@ -466,21 +521,17 @@ class NestedWait(_Threshold):
         self._prompts[0] += 1
         self._prompts[1] += v.prompt_len(i)
 
-    def _advance(self, v: ServerView, admit: list[int], decode: list[int]) -> None:
-        super()._advance(v, admit, decode)
-        if self._reached:
-            entry, where = self._entry, self._where
-            for i in decode:
-                s = entry.get(where[i][1])
-                if s is not None:
-                    self._reached[s] += 1
+    def _entered(self, stage: int) -> None:
+        s = self._entry.get(stage)
+        if s is not None and self._reached:
+            self._reached[s] += 1
 
     def on_finish(self, i: int, view: ServerView) -> None:
         _, k = self._where[i]
         super().on_finish(i, view)
         if not self._reached:
             return
-        self._finished[self._segment(k - 1)] += 1       # it finished at stage k - 1
+        self._finished[self._segment(max(k, 0))] += 1     # its last stage (-1: finished at its prefill)
         self._since += 1
         rate = self._arrival_rate()
         if self._rates is None and not self._given and self._since >= self.resolve_every and rate:
@@ -520,12 +571,19 @@ class NestedWait(_Threshold):
         self._n = theory.solve_nested(self._prompt, self._ends, rates, d0, d1)
         self._theory = {"rates": rates, "d0": d0, "d1": d1,
                         **theory.check_nested(self._prompt, self._ends, rates, self._n, d0, d1)}
+        self._theory["fits_kv"] = self._theory["memory"] <= v.kv_capacity_blocks * v.block_size
 
     def schedule(self, v: ServerView) -> Plan:
         if self._source == "":
             self._start(v)
+        self._settle(v)
         self._sync(v)
-        drain = not v.arrivals_pending
+        plan = self._plan(v, not v.arrivals_pending)
+        if self._stuck(v, plan):
+            plan = self._plan(v, True)
+        return plan
+
+    def _plan(self, v: ServerView, drain: bool) -> Plan:
         n = self._n
         last = len(n) if drain else 0           # segments 1..last run
         if not drain:

@@ -24,7 +24,7 @@ def _costs(d0: float, d1: float) -> None:
 
 def _counts(n: Sequence[float], m: int) -> np.ndarray:
     a = np.asarray(n, dtype=np.float64)
-    if len(a) != m or np.any(a <= 0):
+    if len(a) != m or not np.all(np.isfinite(a) & (a > 0)):
         raise KvschedError(f"need {m} positive thresholds, got {list(n)}")
     return a
 
@@ -151,8 +151,9 @@ def solve_nested(prompt: float, decodes: Sequence[float], rates: Sequence[float]
     fluid time per iteration, eq. 7, a lower bound), for which Delta T(n) < n_1 / sum lambda.
 
     Equal thresholds are allowed: Lemma 8 needs n_(k-1) > n_k only for a finite theta_k
-    (eq. 16). When n_k >= n_(k-1), at most n_(k-1) prompts enter segment k per batch, so its
-    entry queue never exceeds n_k and the tail term of eq. (12) is 0 (`theta` returns inf)."""
+    (eq. 16). When n_k >= n_(k-1), at most n_(k-1) prompts enter segment k per batch, so the
+    number left waiting to enter it after each batch (the paper's W_(k), Lemma 7) never
+    exceeds n_k and the tail term of eq. (12) is 0 (`theta` returns inf)."""
     _costs(d0, d1)
     ends, lam = _segments(decodes, rates)
     p = continuation(lam)
@@ -171,7 +172,8 @@ def solve_nested(prompt: float, decodes: Sequence[float], rates: Sequence[float]
         n = chain(n1)
         if check_nested(prompt, ends, lam, n, d0, d1)["satisfied"]:
             return n
-        n1 += 1
+        # chain() grows with n_1, so Delta T does too: no n_1 up to Delta T(n) Lambda_1 can satisfy (10)
+        n1 = max(n1 + 1, math.floor((d0 + d1 * nested_memory(prompt, ends, n)) * lam.sum()) + 1)
     raise KvschedError("no Nested WAIT thresholds found: the load is at or beyond capacity")
 
 
@@ -181,7 +183,7 @@ def theta(n_prev: float, n_k: float, p_k: float) -> float:
     n_{k-1} when n_{k-1} > n_k > n_{k-1} p_k and 0 < p_k < 1).
 
     When n_k >= n_(k-1) the increments Binomial(n_(k-1), p_k) - n_k are never positive, so
-    the queue never exceeds n_k: the root is at infinity and this returns `math.inf`
+    the dominating queue of Lemma 7 stays at n_k: the root is at infinity and this returns `math.inf`
     (the tail term of eq. 12 is then 0)."""
     if not (0 < p_k < 1 and n_k > n_prev * p_k):
         raise KvschedError(f"eq. (16) has a positive root only when n_k > n_(k-1) p_k and 0 < p_k < 1; "
