@@ -182,6 +182,27 @@ class _Threshold:
         return bool(self.max_wait and q and v.now - v.arrival(q[0]) >= self.max_wait)
 
     # ----- the batch -----------------------------------------------------------------
+    def schedule(self, v: ServerView) -> Plan:
+        if self._source == "":
+            self._start(v)
+        self._settle(v)
+        self._sync(v)
+        plan = self._plan(v, not v.arrivals_pending)
+        if self._stuck(v, plan):
+            plan = self._plan(v, True)
+        return plan
+
+    def _start(self, v: ServerView) -> None:
+        raise NotImplementedError
+
+    def _plan(self, v: ServerView, drain: bool) -> Plan:
+        raise NotImplementedError
+
+    def _record(self, v: ServerView, rates: list[float], d0: float, d1: float, check: dict) -> None:
+        """What `report()` shows of the last solve: rates, d0/d1, the condition and fits_kv."""
+        self._theory = {"rates": rates, "d0": d0, "d1": d1, **check,
+                        "fits_kv": check["memory"] <= v.kv_capacity_blocks * v.block_size}
+
     def _launch(self, v: ServerView, admit: list[int], decode: list[int], all_decoders: bool = False) -> Plan:
         """Fit the batch in KV (preempting the newest running requests by recompute, then
         trimming admissions), record it and return the plan."""
@@ -347,18 +368,7 @@ class Wait(_Threshold):
         else:
             n = theory.solve_wait(types, d0, d1, self.strict)
         self._n = n
-        self._theory = {"rates": rates, "d0": d0, "d1": d1, **theory.check_wait(types, n, d0, d1, self.strict)}
-        self._theory["fits_kv"] = self._theory["memory"] <= v.kv_capacity_blocks * v.block_size
-
-    def schedule(self, v: ServerView) -> Plan:
-        if self._source == "":
-            self._start(v)
-        self._settle(v)
-        self._sync(v)
-        plan = self._plan(v, not v.arrivals_pending)
-        if self._stuck(v, plan):
-            plan = self._plan(v, True)
-        return plan
+        self._record(v, rates, d0, d1, theory.check_wait(types, n, d0, d1, self.strict))
 
     def _plan(self, v: ServerView, drain: bool) -> Plan:
         admit: list[int] = []
@@ -569,19 +579,7 @@ class NestedWait(_Threshold):
         types = [FluidType(r, self._prompt, e) for e, r in zip(self._ends, rates)]
         d0, d1 = _solve_coefficients(v, types)
         self._n = theory.solve_nested(self._prompt, self._ends, rates, d0, d1)
-        self._theory = {"rates": rates, "d0": d0, "d1": d1,
-                        **theory.check_nested(self._prompt, self._ends, rates, self._n, d0, d1)}
-        self._theory["fits_kv"] = self._theory["memory"] <= v.kv_capacity_blocks * v.block_size
-
-    def schedule(self, v: ServerView) -> Plan:
-        if self._source == "":
-            self._start(v)
-        self._settle(v)
-        self._sync(v)
-        plan = self._plan(v, not v.arrivals_pending)
-        if self._stuck(v, plan):
-            plan = self._plan(v, True)
-        return plan
+        self._record(v, rates, d0, d1, theory.check_nested(self._prompt, self._ends, rates, self._n, d0, d1))
 
     def _plan(self, v: ServerView, drain: bool) -> Plan:
         n = self._n
