@@ -444,3 +444,42 @@ def test_solve_nested_jumps_to_the_least_n1_on_many_types():
     for p in theory.continuation(rates):
         chain.append(math.floor(chain[-1] * p) + 1)
     assert not theory.check_nested(62, decodes, rates, chain, 0.01, d1)["satisfied"]
+
+
+@pytest.mark.parametrize("policy,params", [("wait", {"type_bins": "2"}),
+                                           ("nested-wait", {"bin_width": "64", "bins": "8"})])
+def test_closed_loop_with_tiny_kv_never_plans_only_preemptions(policy, params):
+    from kvsched.workload.source import WorkloadOptions, resolve
+    w = resolve(WorkloadOptions(arrivals="closed:4", num_requests=300, output_known=True)).build()
+    res, _, _ = run(w, policy, params, kv=3000)
+    assert res.summary["completed"] == 300
+
+
+class DropAdmission(Recorder):
+    """Changes the plan on its way: every third batch, the last admission does not happen."""
+
+    def schedule(self, v):
+        plan = self.inner.schedule(v)
+        self.calls += 1
+        if self.calls % 3 == 0 and plan.admit:
+            i = plan.admit.pop()
+            plan.chunks = [c for c in plan.chunks if c[0] != i]
+        return plan
+
+
+@pytest.mark.parametrize("policy,params", [("wait", {}), ("wait", {"pause_excluded": "false"}),
+                                           ("nested-wait", {})])
+def test_inventories_survive_a_changed_plan(policy, params):
+    name = "wait-low-demand" if policy == "wait" else "nested-wait-4type"
+    w = workload(name, 1500)
+    pol = make_policy(policy, params, GPU)
+    res = simulate(scenario(w), DropAdmission(pol, lambda *a: None))
+    assert res.summary["completed"] == 1500
+
+
+def test_given_nested_thresholds_are_checked_and_underscores_refused():
+    res, pol, _ = run(workload("nested-wait-4type", 200), "nested-wait", {"thresholds": "1,1,1,1"})
+    rep = res.summary["policy_report"]
+    assert rep["source"] == "given" and rep["satisfied"] is False and rep["fits_kv"] is True
+    with pytest.raises(KvschedError, match="whole numbers"):
+        make_policy("nested-wait", {"thresholds": "1_0"}, GPU)

@@ -44,6 +44,8 @@ def parse_counts(text: str, what: str) -> list[int]:
         return []
     low = 0 if what == "segments" else 1
     try:
+        if "_" in text:
+            raise ValueError
         values = [int(x.strip()) for x in text.split(",")]
     except ValueError:
         raise ValueError(f"{what} expects comma-separated whole numbers, got {text!r}") from None
@@ -71,6 +73,7 @@ class _Threshold:
         self._where: dict[int, tuple[Hashable, int]] = {}      # request -> (group, stage)
         self._running_of: dict[Hashable, int] = {}
         self._moved: list[int] = []
+        self._staged = True             # stages >= 1 kept in `_stages` (off when every decoder runs)
         self.preemptions = 0
         self.batches = 0
         self._seen, self._first, self._last = 0, 0.0, 0.0      # arrivals seen, first and last times
@@ -126,15 +129,23 @@ class _Threshold:
 
     def _settle(self, v: ServerView) -> None:
         """Move last batch's requests to the stage the replica reports (`view.generated`),
-        so the inventories follow what ran even if the plan was changed on its way."""
+        so the inventories follow what ran even if the plan was changed on its way (an
+        admission that did not happen returns to the front of stage 0)."""
         where, gen = self._where, v.generated
         for i in self._moved:
             at = where.get(i)
             if at is None or at[1] == 0:        # finished, or preempted back to stage 0
                 continue
             g, k = at
+            if k == -1 and not v.is_decoding(i):
+                where[i] = (g, 0)
+                self._waiting[g].appendleft(i)
+                self._running_of[g] -= 1
+                continue
             new = gen(i)
-            if new != k:
+            if not self._staged:
+                where[i] = (g, new)
+            elif new != k:
                 if k > 0:
                     self._drop(g, k, i)
                 self._put(i, g, new)
@@ -156,13 +167,13 @@ class _Threshold:
 
     def on_finish(self, i: int, view: ServerView) -> None:
         g, k = self._where.pop(i)
-        if k > 0:
+        if k > 0 and self._staged:
             self._drop(g, k, i)
         self._running_of[g] -= 1
 
     def on_preempt(self, i: int, view: ServerView) -> None:
         g, k = self._where[i]
-        if k > 0:
+        if k > 0 and self._staged:
             self._drop(g, k, i)
         if k:
             self._running_of[g] -= 1
@@ -174,7 +185,7 @@ class _Threshold:
     def _stuck(v: ServerView, plan: Plan) -> bool:
         """A closed loop (arrivals pending, no time known) where this plan leaves requests held
         and nothing running: only a finish could bring the next arrival."""
-        return (not plan.admit and plan.decode is False and v.arrivals_pending and v.next_arrival is None
+        return (not plan.admit and not plan.decode and v.arrivals_pending and v.next_arrival is None
                 and bool(v.running or v.waiting))
 
     def _overdue(self, v: ServerView, g: Hashable) -> bool:
@@ -223,28 +234,34 @@ class _Threshold:
         return Plan(admit, chunks, sel, victims)
 
     def _fit(self, v: ServerView, admit: list[int], decode: list[int], all_decoders: bool) -> list[int]:
-        """The newest work goes first: prompts not yet admitted (the last planned first),
-        then, if the decodes alone do not fit, the newest running requests by recompute."""
+        """The newest work goes first: prompts not yet admitted (the last planned first);
+        then, if the decodes alone do not fit, running requests by recompute, paused ones
+        before the batch's own, newest first; then the dropped prompts that fit again."""
         need = v.decode_new_blocks if all_decoders else sum(1 for i in decode if v.needs_block(i))
         free = v.kv_free_blocks
-        prompts = sum(v.blocks_for(v.prefill_target(i)) for i in admit)
-        keep = 0 if decode or all_decoders and v.num_decoding else 1     # an empty batch would stall
-        while need + prompts > free and len(admit) > keep:
-            prompts -= v.blocks_for(v.prefill_target(admit.pop()))
-        need += prompts
+        blocks = [v.blocks_for(v.prefill_target(i)) for i in admit]
+        prompts = sum(blocks)
+        dropped: list[tuple[int, int]] = []
+        while need + prompts > free and admit:
+            b = blocks.pop()
+            dropped.append((admit.pop(), b))
+            prompts -= b
         victims: list[int] = []
-        if need <= free:
-            return victims
-        chosen = None if all_decoders else set(decode)
-        for i in reversed(v.running):
-            if need <= free:
-                break
-            victims.append(i)
-            free += v.kv_blocks(i)
-            if v.is_decoding(i) and (chosen is None or i in chosen) and v.needs_block(i):
-                need -= 1
-        while need > free and admit:            # nothing left to preempt: fewer prompts
-            need -= v.blocks_for(v.prefill_target(admit.pop()))
+        if need > free:
+            chosen = None if all_decoders else set(decode)
+            running = list(reversed(v.running))
+            paused = [] if chosen is None else [i for i in running if i not in chosen]
+            for i in paused + [i for i in running if chosen is None or i in chosen]:
+                if need <= free:
+                    break
+                victims.append(i)
+                free += v.kv_blocks(i)
+                if v.is_decoding(i) and (chosen is None or i in chosen) and v.needs_block(i):
+                    need -= 1
+        while dropped and need + prompts + dropped[-1][1] <= free:
+            i, b = dropped.pop()
+            admit.append(i)
+            prompts += b
         return victims
 
 
@@ -294,6 +311,7 @@ class Wait(_Threshold):
         if self._given and self.rule == "practical":
             raise ValueError("give either thresholds or rule=practical, not both")
         self._setup()
+        self._staged = self.pause_excluded
         self._types: list[tuple[int, int]] = []         # (prompt, output) per type index
         self._index: dict[tuple[int, int], int] = {}
         self._rates: list[float] | None = None           # declared
@@ -383,34 +401,6 @@ class Wait(_Threshold):
                     decode += self._take(j, k, n)
         return self._launch(v, admit, decode, all_decoders=not self.pause_excluded)
 
-    def _advance(self, v: ServerView, admit: list[int], decode: list[int]) -> None:
-        if self.pause_excluded:
-            super()._advance(v, admit, decode)
-            return
-        for i in admit:                 # stages are not needed when every decoder runs
-            g, _ = self._where[i]
-            q = self._waiting[g]
-            q.popleft() if q[0] == i else q.remove(i)
-            self._where[i] = (g, 1)
-            self._running_of[g] = self._running_of.get(g, 0) + 1
-
-    def on_finish(self, i: int, view: ServerView) -> None:
-        if self.pause_excluded:
-            super().on_finish(i, view)
-            return
-        g, _ = self._where.pop(i)
-        self._running_of[g] -= 1
-
-    def on_preempt(self, i: int, view: ServerView) -> None:
-        g, k = self._where[i]
-        if not self.pause_excluded and k:
-            self._running_of[g] -= 1
-            self._where[i] = (g, 0)
-            self._waiting.setdefault(g, deque()).appendleft(i)
-            self.preemptions += 1
-            return
-        super().on_preempt(i, view)
-
     def report(self) -> dict[str, object]:
         order = sorted(range(len(self._types)), key=lambda j: (self._types[j][1], self._types[j][0]))
         per_type = ("rates", "slack")           # lists in type-index order: sorted like the types
@@ -490,8 +480,8 @@ class NestedWait(_Threshold):
             self._rates = rates
             total = sum(r for _, _, r in declared)
             self._prompt = sum(p * r for p, _, r in declared) / total
+            self._solve(v, rates, self._given or None)     # given thresholds: eq. (10) checked
             if not self._given:
-                self._solve(v, rates)
                 self._source = "solved (declared rates)"
 
     def _design(self, declared) -> tuple[list[int], list[float]]:
@@ -571,14 +561,14 @@ class NestedWait(_Threshold):
             lam *= p
         return out
 
-    def _solve(self, v: ServerView, rates: list[float]) -> None:
+    def _solve(self, v: ServerView, rates: list[float], given: list[int] | None = None) -> None:
         if any(r <= 0 for r in rates):
             empty = [i + 1 for i, r in enumerate(rates) if r <= 0]
             raise KvschedError(f"segment(s) {empty} of {self._ends} hold no declared type: choose other "
                                "segments or give thresholds")
         types = [FluidType(r, self._prompt, e) for e, r in zip(self._ends, rates)]
         d0, d1 = _solve_coefficients(v, types)
-        self._n = theory.solve_nested(self._prompt, self._ends, rates, d0, d1)
+        self._n = given or theory.solve_nested(self._prompt, self._ends, rates, d0, d1)
         self._record(v, rates, d0, d1, theory.check_nested(self._prompt, self._ends, rates, self._n, d0, d1))
 
     def _plan(self, v: ServerView, drain: bool) -> Plan:
