@@ -16,8 +16,9 @@ Not in the paper, required here (documented in docs/theory.md):
   waited that long. It is checked when the policy plans (batch ends and arrivals).
 - **KV check.** WAIT needs no preemption when KV >= M^pi (eq. 9; in tokens at block size 1,
   larger blocks round each request up). A batch that would not fit anyway (smaller KV,
-  online thresholds) drops the newest work first: prompts not yet admitted, then the newest
-  running requests, preempted by recompute and counted in `preemptions`.
+  online thresholds) drops the newest work first: prompts not yet admitted, then running
+  requests (paused ones before the batch's own), preempted by recompute and counted in
+  `preemptions`.
 - **Closed loops.** A new request arrives only when one finishes; when the thresholds would
   leave the replica idle while it holds requests, the policy flushes as in the drain.
 """
