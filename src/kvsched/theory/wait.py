@@ -139,9 +139,9 @@ def check_nested(prompt: float, decodes: Sequence[float], rates: Sequence[float]
     dt = d0 + d1 * nested_memory(prompt, ends, a)
     p = continuation(lam)
     ratios = a[1:] / a[:-1]
-    ok = dt < a[0] / lam.sum() and bool(np.all(ratios > p))
-    return {"satisfied": ok, "iteration_time": dt, "memory": nested_memory(prompt, ends, a),
-            "p": p.tolist(), "ratios": ratios.tolist(), "first_segment_budget": a[0] / lam.sum()}
+    ok = bool(dt < a[0] / lam.sum()) and bool(np.all(ratios > p))
+    return {"satisfied": ok, "iteration_time": float(dt), "memory": nested_memory(prompt, ends, a),
+            "p": p.tolist(), "ratios": ratios.tolist(), "first_segment_budget": float(a[0] / lam.sum())}
 
 
 def solve_nested(prompt: float, decodes: Sequence[float], rates: Sequence[float], d0: float,
