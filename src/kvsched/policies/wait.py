@@ -266,6 +266,14 @@ class _Threshold:
         return victims
 
 
+def _declared_solve(solve) -> None:
+    try:
+        solve()
+    except KvschedError as exc:
+        raise KvschedError(f"{exc}; the declared rates overload this replica under its cost model: "
+                           "lower --rate or give thresholds=") from None
+
+
 def _solve_coefficients(v: ServerView, types: list[FluidType]) -> tuple[float, float]:
     """d0, d1 of eq. (1) from the replica's cost model (`cost.fit`), at the types' mean lengths."""
     total = sum(t.rate for t in types)
@@ -338,7 +346,7 @@ class Wait(_Threshold):
         self._n = self._given or [1] * len(self._types)
         self._source = "given" if self._given else "pending"
         if self._rates is not None:
-            self._solve(v, self._rates, self._given or None)    # given thresholds: eq. (9) checked
+            _declared_solve(lambda: self._solve(v, self._rates, self._given or None))   # given: eq. (9) checked
             if not self._given:
                 self._source = f"{self.rule} (declared rates)"
 
@@ -481,7 +489,7 @@ class NestedWait(_Threshold):
             self._rates = rates
             total = sum(r for _, _, r in declared)
             self._prompt = sum(p * r for p, _, r in declared) / total
-            self._solve(v, rates, self._given or None)     # given thresholds: eq. (10) checked
+            _declared_solve(lambda: self._solve(v, rates, self._given or None))     # given: eq. (10) checked
             if not self._given:
                 self._source = "solved (declared rates)"
 
