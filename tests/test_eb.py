@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import run
+from kvsched.cost import BatchShape
 from kvsched.cost.phase import PHASE_PRESETS, interference_index
 from kvsched.hardware import get_gpu
 from kvsched.policies import make_policy
@@ -161,6 +162,85 @@ def test_eb_plus_in_simulation_switches_with_cooldown():
 
 def test_cost_presets():
     h, r = PHASE_PRESETS["eb-h200-qwen3-8b"], PHASE_PRESETS["eb-rtx-pro-6000-qwen3-8b"]
-    assert interference_index(r["c0"], r["c1"], r["c2"]) == pytest.approx(-11.6)
+    # the authors' measured RTX PRO 6000 calibration, as published
+    assert r == dict(alpha_p=4.69e-3, beta_p=5.01e-5, alpha_d=1.038e-2, beta_d=1.039e-4, alpha_mb=0.0,
+                     c0=6.29e-5, c1=1.969e-4, c2=9.90e-6)
+    assert interference_index(r["c0"], r["c1"], r["c2"]) == pytest.approx(0.0734, abs=1e-3)
     assert interference_index(h["c0"], h["c1"], h["c2"]) == pytest.approx(2 * 1.478e-5 / (2.494e-5 + 5.193e-5 + 1.478e-5))
-    assert r["alpha_d"] / h["alpha_d"] == pytest.approx(4.8 / 1.792) and r["beta_p"] / h["beta_p"] == pytest.approx(989 / 504)
+
+
+@pytest.mark.parametrize("preset", ["eb-h200-qwen3-8b", "eb-rtx-pro-6000-qwen3-8b"])
+def test_mixed_cost_follows_its_derivation(preset):
+    """beta_MB(r) is whole-run seconds per token (overheads included), so alpha_MB = 0: at
+    r -> 0 a mixed batch costs what prefill tokens do per token, and at r = 1 a batch of n
+    decodes costs a decode-only batch at the effective batch n = alpha_d / (beta_MB(1) - beta_d)."""
+    from kvsched.cost.phase import PhaseCost, effective_decode_batch
+    c = PHASE_PRESETS[preset]
+    cost = PhaseCost(**c)
+    assert c["alpha_mb"] == 0
+    big = 1_000_000
+    mixed = cost.time(BatchShape(prefill_tokens=big, prefill_seqs=1, decode_seqs=1))
+    assert mixed / (big + 1) == pytest.approx(c["c0"], rel=1e-4)
+    assert c["c0"] == pytest.approx(c["beta_p"], rel=0.3)      # H200 within 0.2%, RTX within 26%
+    n = effective_decode_batch(c)
+    assert 50 < n < 400
+    as_mixed = cost.alpha_mb + cost.beta_mb(1.0) * n
+    assert as_mixed == pytest.approx(c["alpha_d"] + c["beta_d"] * n)
+
+
+def test_switch_cost_is_added_only_on_a_change_of_batch_kind():
+    from kvsched.cost.phase import PhaseCost
+    cost = PhaseCost(switch_s=0.05)
+    plain = PhaseCost()
+    for shape in (BatchShape(prefill_tokens=100, prefill_seqs=1), BatchShape(decode_seqs=7),
+                  BatchShape(prefill_tokens=10, prefill_seqs=1, decode_seqs=3)):
+        assert cost.time(shape) == plain.time(shape)
+        shape.phase_switch = True
+        assert cost.time(shape) == pytest.approx(plain.time(shape) + 0.05)
+    # in a run: a prefill after decodes pays it, the next prefill does not
+    from kvsched.workload import Workload
+    w = Workload.build([0.0, 0.02], [8, 8], [6, 3])
+    server, rec, _ = run(w, "vllm-v0", {"max_num_batched_tokens": 8, "max_num_seqs": 8}, cost="phase",
+                         cost_params={"switch_s": 0.05})
+    base = run(w, "vllm-v0", {"max_num_batched_tokens": 8, "max_num_seqs": 8}, cost="phase")[0]
+    kinds = [(b[2] > 0) + 2 * (b[4] > 0) for b in base.batches]
+    switches = sum(1 for a, b in zip(kinds, kinds[1:]) if a != b)
+    assert switches >= 2
+    extra = sum(b[1] for b in server.batches) - sum(b[1] for b in base.batches)
+    assert extra == pytest.approx(0.05 * switches)
+
+
+def test_eb_plus_occupancy_ema_per_step():
+    """N_obs starts at max_num_seqs and moves after every batch: weight 0.3 when the running
+    count is above it, 0.03 when below (hand-worked)."""
+    pol = make_policy("eb-plus", {"max_num_seqs": 100, "max_num_batched_tokens": 8192}, get_gpu("a100-80gb"))
+
+    class V:
+        def __init__(self, running, waiting=0):
+            self.running, self.waiting = list(range(running)), list(range(waiting))
+    seen = []
+    for running in (10, 10, 200, 90):
+        pol.on_batch_end(V(running, waiting=500))          # the queue is not counted by default
+        seen.append(pol.n_obs)
+    # by hand: 0.03*10 + 0.97*100; 0.03*10 + 0.97*97.3; 0.3*200 + 0.7*94.681; 0.03*90 + 0.97*126.2767
+    assert seen == pytest.approx([97.3, 94.681, 126.2767, 125.188399])
+    counting = make_policy("eb-plus", {"max_num_seqs": 100, "max_num_batched_tokens": 8192, "count_waiting": "true"},
+                           get_gpu("a100-80gb"))
+    counting.on_batch_end(V(10, waiting=500))
+    assert counting.n_obs == pytest.approx(0.3 * 510 + 0.7 * 100)
+
+
+def test_eb_adaptive_never_collapses_on_a_biased_window():
+    """Geometric outputs (mean 1024) in a closed loop: the paper's defaults drove N* to 1
+    (the window holds the short outputs that finished first); the guard keeps the server."""
+    from kvsched.workload import Geometric
+    w = WorkloadSpec((Phase(4000, (RequestType(Jitter(128), Geometric(1024)),), arrivals=Closed(2048)),),
+                     seed=1).build()
+    from kvsched.run import Scenario, simulate
+    res = simulate(Scenario(w, model="qwen3-8b", gpu="h200", cost="eb-h200-qwen3-8b"), "eb-adaptive",
+                   {"max_num_seqs": 1024, "max_num_batched_tokens": 8192})
+    pol = res.policy_state
+    assert min(x["n_star"] for x in pol.history) > 100
+    assert pol.held_updates["implausible"] > 0
+    e = {"p0": 1e-4, "eta": 0.0, "mu_o": 1024.0}
+    assert type(pol).implausible(e) and not type(pol).implausible({**e, "p0": 1 / 1024})

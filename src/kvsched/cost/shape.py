@@ -19,6 +19,8 @@ class BatchShape:
     chunks:         each prefill chunk as (tokens already computed, chunk tokens), for models
                     with per-chunk terms (e.g. GEMM tile ceilings); decodes stay aggregated.
                     Empty when the shape is built from aggregates only (arrays of batches).
+    phase_switch:   the replica's previous batch was of another kind (prefill-only,
+                    decode-only or mixed); the first batch is no switch.
     """
     prefill_tokens: float = 0
     prefill_seqs: float = 0
@@ -27,6 +29,7 @@ class BatchShape:
     decode_seqs: float = 0
     decode_ctx: float = 0
     chunks: list[tuple[int, int]] | tuple = field(default_factory=tuple)
+    phase_switch: bool = False
 
     @property
     def tokens(self):

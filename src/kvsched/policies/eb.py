@@ -3,16 +3,18 @@ the EB+ hybrid. Every closed form comes from `kvsched.theory.eb`.
 
 Where the paper leaves a value open, defaults follow the authors' public vLLM patch; where
 the paper and that patch differ, the default is the paper's and the patch's choice is an
-option (the docstrings name both):
+option (the docstrings name both). One exception: EB+'s switch back to MB defaults to the
+patch's hysteresis, because the issue asks for stable switching. EB(k*) also has a guard
+of its own on implausible fits (see `EbAdaptive`):
 
 | what                        | paper (default here)          | authors' patch (option)            |
 |-----------------------------|-------------------------------|------------------------------------|
 | hazard fit range            | [1, t95]                      | fit_lower_quantile=0.05 (5%-95%)   |
 | eta < 0 from the fit        | used as fitted                | clamp_eta=true                     |
-| p0                          | as fitted (1/mean if <= 0)    | floor_p0=true (p0 >= 1/mean)       |
+| p0                          | as fitted (1/mean if implausible) | floor_p0=true (p0 >= 1/mean)   |
 | delta theta                 | uncapped                      | delta_theta_cap=5 (<= 5 theta0)    |
 | theta update                | applied directly              | theta_ema=0.3                      |
-| EB+ switch back to MB       | when eq. (8) fails            | mb_margin=3 (LHS < RHS - 3 delta)  |
+| EB+ switch back to MB       | when eq. (8) fails (-1)       | mb_margin=3: the default here      |
 | KV gate (appendix D.6)      | not in Algorithm 1: off       | kv_gate=true                       |
 """
 from __future__ import annotations
@@ -173,10 +175,25 @@ class EbAdaptive(ExclusiveBatching):
     theta_max), N* from eq. (6) at the KV capacity, k* = floor(theta* N*); the batch uses
     min(N*, max_num_seqs) slots (section 4.3). alpha/beta come from the server's cost model
     (`cost.fit.coefficients`: a phase model's own values, else lines fitted to its times on
-    batches shaped like the window's mean lengths). The KV gate of appendix D.6 is not part
-    of Algorithm 1 and is off by default (kv_gate=true turns it on, as the authors run it:
-    with long outputs its eq. (23) reserve reaches the 60% clip and starves the batch).
-    Options for the authors' practice: see the module docstring."""
+    batches shaped like the window's mean lengths).
+
+    Guard (not in the paper): an update never shrinks the server on a bad estimate. The
+    windowed fit of geometric outputs with mean 1024 sometimes gives p0 of 1e-6 to 2e-4
+    against the true 9.8e-4 (after a closed-loop start the window holds the short outputs
+    that finished first); eq. (6)'s v = 1 / (p0^2 mu_L) then exceeded the KV and N* fell to 1
+    (2,304 against 15,121 tokens/s). A fit is implausible when p0 < 1 / (2 mu_O) or its implied
+    mean output (`theory.eb.implied_mean_output`) is off the window's mean by more than a factor
+    2; the CFR value 1/mu_O then stands in for p0 in that update (as it does for p0 <= 0),
+    while eta still enters Delta theta. When eq. (6) has no positive solution, or its safety
+    term v ln(1/eps) takes more than half the KV (N* < N_static / 2, where a relative error e
+    in p0 moves N* by more than 2e), theta is updated and N* kept (the previous N*, or
+    max_num_seqs before the first). Both events are counted in `held_updates`. Keeping N*
+    and theta unchanged on an implausible fit was tried and cost 5% on decode-heavy
+    (theta stayed at its early, biased value).
+
+    The KV gate of appendix D.6 is not part of Algorithm 1 and stays off by default
+    (kv_gate=true turns it on, as the authors run it). Options for the authors' practice:
+    see the module docstring."""
     eps: float = field(default=0.01, metadata={"range": "(0, 1)", "help": "allowed probability of exceeding KV (eq. 2)"})
     window: int = field(default=500, metadata={"range": "[2, inf)", "help": "completions in the estimation window"})
     update_every: int = field(default=100, metadata={"range": "[1, inf)", "help": "completions between updates"})
@@ -203,6 +220,7 @@ class EbAdaptive(ExclusiveBatching):
         self.n_star: int | None = None
         self.estimates: dict[str, float] = {}
         self.history: list[dict[str, float]] = []
+        self.held_updates = {"implausible": 0, "infeasible": 0}
 
     def slots(self, v: ServerView) -> int:
         return self.max_num_seqs if self.n_star is None else max(1, min(self.n_star, self.max_num_seqs))
@@ -219,6 +237,13 @@ class EbAdaptive(ExclusiveBatching):
         if self._since >= self.update_every and len(self._recent) >= self.min_samples:
             self._since = 0
             self.update(view)
+
+    @staticmethod
+    def implausible(e: dict[str, float]) -> bool:
+        """p0 below half the CFR value 1/mu_O, or a fitted hazard whose implied mean output is
+        off the window's mean by more than a factor 2."""
+        implied = theory.implied_mean_output(e["p0"], e["eta"])
+        return e["p0"] * e["mu_o"] < 0.5 or not 0.5 <= implied / e["mu_o"] <= 2
 
     def estimate(self, view: ServerView) -> dict[str, float]:
         """p0, eta, mu_L, mu_O from the window, and the cost model's coefficients."""
@@ -241,6 +266,9 @@ class EbAdaptive(ExclusiveBatching):
             e = self.estimate(view)
         except KvschedError:
             return                              # e.g. every output the same length: keep theta
+        if self.implausible(e):                 # the CFR value stands in, as for p0 <= 0
+            e["p0"] = 1.0 / e["mu_o"]
+            self.held_updates["implausible"] += 1
         th0 = theory.theta0(e["p0"], e["alpha_p"], e["alpha_d"])
         n_prev = self.slots(view)
         dth = theory.delta_theta(th0, e["p0"], e["eta"], e["alpha_d"], e["beta_d"], n_prev)
@@ -250,7 +278,10 @@ class EbAdaptive(ExclusiveBatching):
         self.theta_now = self.theta_ema * target + (1 - self.theta_ema) * self.theta_now
         capacity = view.kv_capacity_blocks * view.block_size
         sizes = theory.batch_sizes(capacity, e["p0"], e["mu_l"], self.theta_now, self.eps)
-        self.n_star = max(1, sizes["n_star"])
+        if 2 * sizes["n_star"] >= sizes["n_static"] >= 1:
+            self.n_star = sizes["n_star"]
+        else:                   # eq. (6) infeasible or ill-conditioned: never shrink on it
+            self.held_updates["infeasible"] += 1
         self.estimates = {**e, "theta0": th0, "delta_theta": dth}
         self.history.append({"time": view.now, "theta0": th0, "delta_theta": dth, "theta": self.theta_now,
                              "n_star": self.n_star, "k": self.threshold(view), "p0": e["p0"], "eta": e["eta"]})
@@ -274,8 +305,9 @@ class EbPlus(EbAdaptive):
     budget), by the crossover rule eq. (8), re-evaluated every `evaluate_every` completions:
     EB when beta_MB^e(r) - beta_EB^w > [(alpha_p + alpha_d zeta mu_O) / theta0 - alpha_MB
     (1 + mu_O)] / (N_obs (mu_L + mu_O)) + delta, with r = mu_O / (mu_L + mu_O) and beta_MB^e,
-    alpha from the cost model. N_obs is an EMA of running + waiting requests (weight
-    ema_up when it rises, ema_down when it falls). Hysteresis (mb_margin), a cooldown of
+    alpha from the cost model. N_obs is an EMA of running requests updated after every batch
+    from max_num_seqs (weight ema_up when it rises, ema_down when it falls; `on_batch_end`).
+    Hysteresis (mb_margin), a cooldown of
     evaluations after a switch and no switching below min_occupancy: the paper asks for
     stable switching without giving values; these defaults are the authors'. Starts in MB."""
     delta: float = field(default=1e-5, metadata={"range": "[0, inf)", "help": "priority margin of eq. (8), s/token"})
@@ -285,6 +317,7 @@ class EbPlus(EbAdaptive):
     mb_margin: float = field(default=3.0, metadata={"range": "(-inf, inf)", "help": "back to MB when LHS < RHS - mb_margin x delta (-1: eq. 8 as printed)"})
     cooldown: int = field(default=3, metadata={"range": "[0, inf)", "help": "evaluations without a switch after one"})
     min_occupancy: float = field(default=16.0, metadata={"range": "[0, inf)", "help": "no switching while N_obs is below this"})
+    count_waiting: bool = field(default=False, metadata={"help": "N_obs also counts waiting requests"})
     name = "eb-plus"
 
     def __post_init__(self) -> None:
@@ -316,13 +349,20 @@ class EbPlus(EbAdaptive):
                - e["alpha_mb"] * (1 + e["mu_o"])) / (n_obs * (e["mu_l"] + e["mu_o"]))
         return e["beta_mb"] - beta_eb, rhs
 
+    def on_batch_end(self, v: ServerView) -> None:
+        """N_obs: an EMA of the occupancy updated after every batch, starting at
+        max_num_seqs (the authors' implementation): weight ema_up when it rises, ema_down
+        when it falls. Occupancy counts running requests ("active batch occupancy"), plus
+        waiting ones with count_waiting=true (counting the queue biases eq. 8 toward EB at
+        saturation)."""
+        occupancy = len(v.running) + (len(v.waiting) if self.count_waiting else 0)
+        n = self.n_obs if self.n_obs is not None else float(self.max_num_seqs)
+        w = self.ema_up if occupancy > n else self.ema_down
+        self.n_obs = w * occupancy + (1 - w) * n
+
     def evaluate(self, v: ServerView) -> None:
-        occupancy = len(v.running) + len(v.waiting)
         if self.n_obs is None:
-            self.n_obs = float(occupancy)
-        else:
-            w = self.ema_up if occupancy > self.n_obs else self.ema_down
-            self.n_obs = w * occupancy + (1 - w) * self.n_obs
+            self.n_obs = float(self.max_num_seqs)
         sides = self.crossover_sides(max(self.n_obs, 1e-9))
         if sides is None:
             return

@@ -84,6 +84,7 @@ class Replica:
         self.itl = GapHistogram()
         self.now = 0.0
         self.iterations = 0
+        self._last_kind = 0             # kind of the previous batch (BatchShape.phase_switch)
         self.busy = 0.0
         self.kv_integral = 0.0
         self.peak_kv = 0
@@ -367,7 +368,10 @@ class Replica:
             raise PlanError(
                 f"policy {self.name} planned a batch needing {held} KV blocks; only "
                 f"{kv.capacity_blocks} exist ({kv.capacity_blocks * bs} tokens)")
-        dt = self.cost.time(BatchShape(pt, len(chunks), pattn, pctx, nd, dctx + nd, shape_chunks))
+        kind = (pt > 0) + 2 * (nd > 0)          # 1 prefill-only, 2 decode-only, 3 mixed
+        switch = kind != self._last_kind and self._last_kind != 0
+        self._last_kind = kind
+        dt = self.cost.time(BatchShape(pt, len(chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
         if not 0 < dt < INF:
             raise KvschedError(f"cost model gave batch time {dt!r}; it must be positive and finite")
         start = self.now

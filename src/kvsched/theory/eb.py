@@ -62,6 +62,19 @@ def _memory_per_slot(theta: float, p0: float, mu_l: float) -> float:
     return mu_l + (1 - theta) / (theta * p0) * zeta(theta)
 
 
+def implied_mean_output(p0: float, eta: float) -> float:
+    """Mean output length implied by the fitted hazard h(t) = p0 + eta t (section 3.4):
+    E[O] = integral of exp(-p0 t - eta t^2 / 2) dt = sqrt(pi / (2 eta)) erfcx(p0 / sqrt(2 eta))
+    for eta > 0, 1 / p0 for eta <= 0 (a falling hazard is taken as flat: it cannot fall
+    below 0 for ever). Used to judge whether a fit is plausible, not in the paper."""
+    if not p0 > 0:
+        return math.inf
+    if eta <= 0:
+        return 1.0 / p0
+    from scipy.special import erfcx     # lazily: scipy costs start-up time
+    return float(math.sqrt(math.pi / (2 * eta)) * erfcx(p0 / math.sqrt(2 * eta)))
+
+
 def batch_sizes(kv_capacity: float, p0: float, mu_l: float, theta: float, eps: float) -> dict[str, int | float]:
     """Memory-safe batch sizes (appendix D.5): with v = 1 / (p0^2 mu_L) (appendix D.4),
         N*          = floor((C - v ln(1/eps)) / (mu_L + (1 - theta)/(theta p0) ln(1/(1 - theta))))  (eq. 6)
