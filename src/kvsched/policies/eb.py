@@ -181,15 +181,22 @@ class EbAdaptive(ExclusiveBatching):
     windowed fit of geometric outputs with mean 1024 sometimes gives p0 of 1e-6 to 2e-4
     against the true 9.8e-4 (after a closed-loop start the window holds the short outputs
     that finished first); eq. (6)'s v = 1 / (p0^2 mu_L) then exceeded the KV and N* fell to 1
-    (2,304 against 15,121 tokens/s). A fit is implausible when p0 < 1 / (2 mu_O) or its implied
-    mean output (`theory.eb.implied_mean_output`) is off the window's mean by more than a factor
-    2; the CFR value 1/mu_O then stands in for p0 in that update (as it does for p0 <= 0),
-    while eta still enters Delta theta. When eq. (6) has no positive solution, or its safety
-    term v ln(1/eps) takes more than half the KV (N* < N_static / 2, where a relative error e
-    in p0 moves N* by more than 2e), theta is updated and N* kept (the previous N*, or
-    max_num_seqs before the first). Both events are counted in `held_updates`. Keeping N*
-    and theta unchanged on an implausible fit was tried and cost 5% on decode-heavy
-    (theta stayed at its early, biased value).
+    (2,304 against 15,121 tokens/s). Three rules, each counted in `held_updates` or visible
+    in `history`:
+    - A fit is implausible when p0 < 1 / (2 mu_O) or its implied mean output
+      (`theory.eb.implied_mean_output`) is off the window's mean by more than a factor 2; the
+      CFR value 1/mu_O then stands in for p0 in that update (as for p0 <= 0), eta still
+      entering Delta theta.
+    - Eq. (6) takes p0 no lower than 1/mu_O. Its v and memory per slot model slots freeing at
+      the CFR rate p0; the window's mean gives that rate directly, while a fitted intercept
+      below it (an IFR fit, or a length-biased window) assumes slots free more slowly than the
+      observed mean shows. Under IFR a fresh slot's remaining decode is shorter than under CFR
+      with the same mean, so this stays on the safe side.
+    - When eq. (6) has no positive solution, or its safety term v ln(1/eps) takes more than
+      half the KV (N* < N_static / 2, where a relative error e in p0 moves N* by more than
+      2e), theta is updated and N* kept (the previous N*, or max_num_seqs before the first).
+    Keeping N* and theta unchanged on implausible fits, without the second rule, was tried:
+    decode-heavy lost 5.4% to the best fixed theta (theta stayed at early, biased values).
 
     The KV gate of appendix D.6 is not part of Algorithm 1 and stays off by default
     (kv_gate=true turns it on, as the authors run it). Options for the authors' practice:
@@ -277,7 +284,8 @@ class EbAdaptive(ExclusiveBatching):
         target = min(self.theta_max, max(self.theta_min, th0 + dth))
         self.theta_now = self.theta_ema * target + (1 - self.theta_ema) * self.theta_now
         capacity = view.kv_capacity_blocks * view.block_size
-        sizes = theory.batch_sizes(capacity, e["p0"], e["mu_l"], self.theta_now, self.eps)
+        p0_memory = max(e["p0"], 1.0 / e["mu_o"])     # eq. (6) at no less than the CFR rate: see above
+        sizes = theory.batch_sizes(capacity, p0_memory, e["mu_l"], self.theta_now, self.eps)
         if 2 * sizes["n_star"] >= sizes["n_static"] >= 1:
             self.n_star = sizes["n_star"]
         else:                   # eq. (6) infeasible or ill-conditioned: never shrink on it
