@@ -107,7 +107,7 @@ def test_adaptive_estimates_and_thresholds_equal_the_theory():
     assert last["theta0"] == pytest.approx(theory.theta0(e["p0"], e["alpha_p"], e["alpha_d"]), rel=1e-12)
     assert e["alpha_p"] == PHASE_PRESETS["eb-h200-qwen3-8b"]["alpha_p"]
     assert pol.theta_now == pytest.approx(min(0.8, max(0.01, last["theta0"] + last["delta_theta"])))
-    sizes = theory.batch_sizes(300_000, e["p0"], e["mu_l"], pol.theta_now, 0.01)
+    sizes = theory.batch_sizes(300_000, max(e["p0"], 1 / e["mu_o"]), e["mu_l"], pol.theta_now, 0.01)   # eq. (6) at >= CFR p0
     assert pol.n_star == sizes["n_star"] and last["k"] == math.floor(pol.theta_now * min(sizes["n_star"], 1024))
     assert len(pol.history) >= 10
 
