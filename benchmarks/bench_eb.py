@@ -39,11 +39,17 @@ MIXES = {"decode-heavy": (128, 1024), "balanced": (512, 512), "prefill-heavy": (
 
 
 def workload(n: int, prompt, output, c: int, seed: int = 0):
+    """n requests in a closed loop of c, at least 3c so that a trim of c leaves a window."""
+    n = max(n, 3 * c)
     return WorkloadSpec((Phase(n, (RequestType(prompt, output),), arrivals=Closed(c)),), seed=seed).build()
 
 
-def run(w, policy: str, params: dict, preset: str = "eb-h200-qwen3-8b"):
-    sc = Scenario(w, model="qwen3-8b", gpu=PRESET_GPU[preset], cost=preset)
+def run(w, policy: str, params: dict, preset: str = "eb-h200-qwen3-8b", switch_s: float = 0.0):
+    """Throughput is measured after a trim of the concurrency at each end: in a closed loop of
+    c the first c requests all start at t = 0 (warm-up) and the last c drain."""
+    trim = int(w.concurrency.max()) if w.closed_loop else 0
+    sc = Scenario(w, model="qwen3-8b", gpu=PRESET_GPU[preset], cost=preset, trim=trim,
+                  cost_params={"switch_s": switch_s} if switch_s else {})
     return simulate(sc, policy, params)
 
 
@@ -84,13 +90,16 @@ def section_a(n: int, plots: dict) -> None:
         s = sweep(w, 1024)
         best = max(s, key=s.get)
         paper, practice, theta = adaptive(w, max_num_seqs=1024)
+        v0 = tok_s(run(w, "vllm-v0", {"max_num_seqs": 1024}))
         plateau = [th for th, v in s.items() if v >= 0.95 * s[best]]
         rows.append([name, best, s[best], paper, f"{paper / s[best] - 1:+.1%}", round(theta, 3),
-                     practice, f"{practice / s[best] - 1:+.1%}", f"{min(plateau)}-{max(plateau)}"])
+                     practice, f"{practice / s[best] - 1:+.1%}", v0, f"{v0 / s[best] - 1:+.1%}",
+                     f"{min(plateau)}-{max(plateau)}"])
         plots[f"a_{name}"] = (s, paper)
-    table("(a) Figure 3: fixed theta (N = 1024) vs EB(k*) on geometric outputs, H200 preset, c = 2048, tokens/s",
+    table("(a) Figure 3: fixed theta (N = 1024) vs EB(k*) on geometric outputs, H200 preset, c = 2048, tokens/s "
+          "(paper: EB(k*) +8.0% / +3.6% / +0.6% over the best fixed theta)",
           ["workload", "best theta", "best", "EB(k*) paper", "vs best", "its theta", "EB(k*) practice", "vs best",
-           "theta >= 95% of best"], rows)
+           "v0", "vs best", "theta >= 95% of best"], rows)
 
 
 def section_p(n: int) -> None:
@@ -125,13 +134,43 @@ def section_b(n: int, plots: dict) -> None:
         s = sweep(w, 1024)
         best = max(s, key=s.get)
         paper, practice, theta = adaptive(w, max_num_seqs=1024)
+        v0 = tok_s(run(w, "vllm-v0", {"max_num_seqs": 1024}))
         rows.append([f"gamma a={shape:g}", best, s[best], paper, f"{paper / s[best] - 1:+.1%}", round(theta, 3),
-                     practice, f"{practice / s[best] - 1:+.1%}"])
+                     practice, f"{practice / s[best] - 1:+.1%}", v0, f"{v0 / s[best] - 1:+.1%}"])
         plots[f"b_shape{shape:g}"] = (s, paper)
     table("(b) Figure 12: CFR (a = 1) vs IFR (a = 2), mean output 256, H200 preset, N = 1024, tokens/s",
-          ["outputs", "best theta", "best", "EB(k*) paper", "vs best", "its theta", "EB(k*) practice", "vs best"], rows)
+          ["outputs", "best theta", "best", "EB(k*) paper", "vs best", "its theta", "EB(k*) practice", "vs best",
+           "v0", "vs best"], rows)
     print(f"  best fixed theta moves up under IFR: {'yes' if rows[1][1] > rows[0][1] else 'no'} "
           f"({rows[0][1]} -> {rows[1][1]}); EB(k*) theta {rows[0][5]} -> {rows[1][5]} (the paper: 0.16 -> 0.36)")
+
+
+# Table 10's row means of the best theta (geometric outputs, mu_L = 1, H200)
+TABLE10 = {64: 0.46, 128: 0.40, 192: 0.33, 256: 0.33, 320: 0.26, 384: 0.23}
+
+
+def section_s(n: int) -> None:
+    """A phase-switch cost from Table 10: eq. (3) solved for the prefill-phase overhead at the
+    paper's best thetas, minus alpha_p, over the two switches of a cycle; then the best fixed
+    theta and EB(k*) against v0 with 0, a quarter of and the whole estimate."""
+    h = {"alpha_p": 1.28e-3, "alpha_d": 8.92e-3}
+    per = {m: (theory.implied_prefill_overhead(t, 1 / m, h["alpha_d"]) - h["alpha_p"]) / 2 for m, t in TABLE10.items()}
+    est = float(np.median(list(per.values())))
+    table("(s) phase-switch cost implied by Table 10 (eq. 3 solved for alpha_p; per switch = (alpha_p' - alpha_p) / 2)",
+          ["mu_O", "paper best theta", "alpha_p' s", "alpha_p' / alpha_d", "per switch s"],
+          [[m, TABLE10[m], per[m] * 2 + h["alpha_p"], (per[m] * 2 + h["alpha_p"]) / h["alpha_d"], per[m]] for m in TABLE10])
+    rows = []
+    for name, (mu_l, mu_o) in MIXES.items():
+        w = workload(n, Jitter(mu_l), Geometric(mu_o), 2048, seed=1)
+        for sw in (0.0, est / 4, est):
+            s = {th: tok_s(run(w, "eb", {"theta": th, "max_num_seqs": 1024}, switch_s=sw)) for th in THETAS[::2]}
+            best = max(s, key=s.get)
+            eb = run(w, "eb-adaptive", {"max_num_seqs": 1024}, switch_s=sw)
+            v0 = tok_s(run(w, "vllm-v0", {"max_num_seqs": 1024}, switch_s=sw))
+            rows.append([name, f"{sw * 1e3:.1f}", best, s[best], tok_s(eb), round(eb.policy_state.theta_now, 3), v0,
+                         f"{tok_s(eb) / v0 - 1:+.1%}"])
+    table(f"(s) sensitivity to the switch cost (median estimate {est * 1e3:.1f} ms), H200, N = 1024, c = 2048, tokens/s",
+          ["workload", "switch ms", "best theta", "best", "EB(k*)", "its theta", "v0", "EB(k*) vs v0"], rows)
 
 
 V1_GRID = [(b, n) for b in (4096, 8192, 16384) for n in (256, 512, 1024, 2048)]
@@ -165,16 +204,16 @@ def section_d(n: int) -> None:
         cases = [(f"c={c}", workload(n, Jitter(512), Jitter(256), c, seed=5)) for c in (32, 512, 2048)]
         cases += [(name, PRESETS[f"eb-{name}"].make().build()) for name in ("distribution-shift", "concurrency-shift")]
         for label, w in cases:
-            r = {"v1": run(w, "vllm-v1", {}, preset), "EB": run(w, "eb-adaptive", {}, preset),
-                 "EB+": run(w, "eb-plus", {}, preset)}
+            r = {"v0": run(w, "vllm-v0", {}, preset), "v1": run(w, "vllm-v1", {}, preset),
+                 "EB": run(w, "eb-adaptive", {}, preset), "EB+": run(w, "eb-plus", {}, preset)}
             tp = {p: tok_s(x) for p, x in r.items()}
             better = max(tp["v1"], tp["EB"])
             modes = r["EB+"].policy_state.decisions
             eb_share = sum(d["mode"] == "EB" for d in modes) / len(modes) if modes else 0.0
-            rows.append([preset.split("-")[1], label, tp["v1"], tp["EB"], tp["EB+"], f"{tp['EB+'] / better - 1:+.1%}",
+            rows.append([preset.split("-")[1], label, tp["v0"], tp["v1"], tp["EB"], tp["EB+"], f"{tp['EB+'] / better - 1:+.1%}",
                          f"{eb_share:.0%}", *(round(r[p].summary["mean_ttft_ms"] / 1000, 2) for p in ("v1", "EB", "EB+"))])
     table("(d) Table 3: EB+ (tokens/s; TTFT s), mu_L 512 / mu_O 256 and the two shifts",
-          ["gpu", "scenario", "v1", "EB(k*)", "EB+", "EB+ vs better", "EB+ in EB", "TTFT v1", "TTFT EB", "TTFT EB+"], rows)
+          ["gpu", "scenario", "v0", "v1", "EB(k*)", "EB+", "EB+ vs better", "EB+ in EB", "TTFT v1", "TTFT EB", "TTFT EB+"], rows)
 
 
 def write_plots(plots: dict, out: Path) -> None:
@@ -210,7 +249,7 @@ def main() -> int:
     plots: dict = {}
     for section in (lambda: section_a(args.requests, plots), lambda: section_p(max(1000, args.requests // 2)),
                     lambda: section_b(args.requests, plots), lambda: section_c(args.requests),
-                    lambda: section_d(args.requests)):
+                    lambda: section_d(args.requests), lambda: section_s(args.requests)):
         t = time.perf_counter()
         section()
         print(f"  [{time.perf_counter() - t:.0f} s]")

@@ -43,7 +43,9 @@ def coefficients(cost, mu_l: float, mu_o: float, max_batch: int = 1024, max_toke
     """alpha/beta for prefill, decode and mixed batches, and d0/d1 of eq. (1)."""
     r = mu_o / (mu_l + mu_o)
     if isinstance(cost, PhaseCost):
-        return Coefficients(cost.alpha_p, cost.beta_p, cost.alpha_d, cost.beta_d, cost.alpha_mb,
+        # a prefill phase of exclusive batching costs two phase switches (into it and back to
+        # decoding): the paper's alpha_p is charged once per prefill phase (section 3.1)
+        return Coefficients(cost.alpha_p + 2 * cost.switch_s, cost.beta_p, cost.alpha_d, cost.beta_d, cost.alpha_mb,
                             float(cost.beta_mb(r)), *_fit_linear(cost, mu_l, mu_o, max_batch), exact=True)
     if isinstance(cost, ConstantCost):
         return Coefficients(cost.b, 0.0, cost.b, 0.0, cost.b, 0.0, cost.b, 0.0, exact=True)

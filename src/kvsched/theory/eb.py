@@ -62,6 +62,15 @@ def _memory_per_slot(theta: float, p0: float, mu_l: float) -> float:
     return mu_l + (1 - theta) / (theta * p0) * zeta(theta)
 
 
+def implied_prefill_overhead(theta: float, p0: float, alpha_d: float) -> float:
+    """The prefill-phase overhead alpha_p for which theta is eq. (3)'s theta0:
+    alpha_p = alpha_d (theta / (1 - theta) + ln(1 - theta)) / p0 (eq. 3 solved for alpha_p).
+    Applied to a measured best theta it gives the per-phase cost the hardware really pays."""
+    if not (0 < theta < 1 and p0 > 0 and alpha_d > 0):
+        raise KvschedError(f"need 0 < theta < 1, p0 > 0 and alpha_d > 0, got {theta}, {p0}, {alpha_d}")
+    return alpha_d * (theta / (1 - theta) + math.log1p(-theta)) / p0
+
+
 def implied_mean_output(p0: float, eta: float) -> float:
     """Mean output length implied by the fitted hazard h(t) = p0 + eta t (section 3.4):
     E[O] = integral of exp(-p0 t - eta t^2 / 2) dt = sqrt(pi / (2 eta)) erfcx(p0 / sqrt(2 eta))
