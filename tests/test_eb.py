@@ -182,10 +182,8 @@ def test_mixed_cost_follows_its_derivation(preset):
     mixed = cost.time(BatchShape(prefill_tokens=big, prefill_seqs=1, decode_seqs=1))
     assert mixed / (big + 1) == pytest.approx(c["c0"], rel=1e-4)
     assert c["c0"] == pytest.approx(c["beta_p"], rel=0.3)      # H200 within 0.2%, RTX within 26%
-    n = effective_decode_batch(c)
-    assert 50 < n < 400
-    as_mixed = cost.alpha_mb + cost.beta_mb(1.0) * n
-    assert as_mixed == pytest.approx(c["alpha_d"] + c["beta_d"] * n)
+    n = effective_decode_batch(c)                 # the documented reading of beta_MB(1)
+    assert 50 < n < 400 and c["c0"] + c["c1"] + c["c2"] > c["beta_d"]
 
 
 def test_switch_cost_is_added_only_on_a_change_of_batch_kind():
@@ -230,17 +228,55 @@ def test_eb_plus_occupancy_ema_per_step():
     assert counting.n_obs == pytest.approx(0.3 * 510 + 0.7 * 100)
 
 
+def _closed_geometric(mu_l, output, n=4000, c=2048, seed=1):
+    return WorkloadSpec((Phase(n, (RequestType(mu_l, output),), arrivals=Closed(c)),), seed=seed).build()
+
+
+def _adaptive(w, **params):
+    from kvsched.run import Scenario, simulate
+    return simulate(Scenario(w, model="qwen3-8b", gpu="h200", cost="eb-h200-qwen3-8b"), "eb-adaptive",
+                    {"max_num_seqs": 1024, "max_num_batched_tokens": 8192, **params}).policy_state
+
+
 def test_eb_adaptive_never_collapses_on_a_biased_window():
     """Geometric outputs (mean 1024) in a closed loop: the paper's defaults drove N* to 1
-    (the window holds the short outputs that finished first); the guard keeps the server."""
+    (the window holds the short outputs that finished first, p0 fits of 1e-4); the guard
+    keeps the server."""
     from kvsched.workload import Geometric
-    w = WorkloadSpec((Phase(4000, (RequestType(Jitter(128), Geometric(1024)),), arrivals=Closed(2048)),),
-                     seed=1).build()
-    from kvsched.run import Scenario, simulate
-    res = simulate(Scenario(w, model="qwen3-8b", gpu="h200", cost="eb-h200-qwen3-8b"), "eb-adaptive",
-                   {"max_num_seqs": 1024, "max_num_batched_tokens": 8192})
-    pol = res.policy_state
+    pol = _adaptive(_closed_geometric(Jitter(128), Geometric(1024)))
     assert min(x["n_star"] for x in pol.history) > 100
-    assert pol.held_updates["implausible"] > 0
-    e = {"p0": 1e-4, "eta": 0.0, "mu_o": 1024.0}
-    assert type(pol).implausible(e) and not type(pol).implausible({**e, "p0": 1 / 1024})
+    assert min(x["p0_fit"] for x in pol.history) < 2e-4 < min(x["p0"] for x in pol.history)
+    assert pol.held_updates["mean_mismatch"] + pol.held_updates["cfr_prior"] > 0
+    cls = type(pol)
+    assert cls.implausible({"p0": 1e-4, "eta": 0.0, "mu_o": 1024.0}) == "mean_mismatch"
+    assert cls.implausible({"p0": 4e-4, "eta": 2e-6, "mu_o": 1024.0}) == "cfr_prior"
+    assert cls.implausible({"p0": 1 / 1024, "eta": 0.0, "mu_o": 1024.0}) == ""
+
+
+def test_eb_adaptive_holds_n_star_when_eq6_is_ill_conditioned():
+    """mu_L = 1, mu_O = 1024: eq. (6)'s safety term v ln(1/eps) = ln(100) / (p0^2 mu_L) takes
+    most of the KV, so N* is held (capped at N_static), never shrunk to a handful of slots."""
+    from kvsched.workload import Geometric
+    pol = _adaptive(_closed_geometric(Uniform(1, 1), Geometric(1024)))
+    assert pol.held_updates["infeasible"] > 0
+    assert min(x["n_star"] for x in pol.history) > 100
+
+
+def test_eb_adaptive_theta_rises_under_ifr():
+    """Figure 12's direction: gamma shape 2 (IFR) raises EB(k*)'s theta over shape 1 (CFR)
+    with the same mean, although the CFR prior replaces the IFR fit's low p0."""
+    from kvsched.workload import Gamma
+    th = [_adaptive(_closed_geometric(Jitter(512), Gamma(a, 256), seed=7)).theta_now for a in (1.0, 2.0)]
+    assert th[1] > 1.3 * th[0]
+
+
+def test_switch_cost_enters_the_prefill_phase_overhead_and_inverts_eq3():
+    from kvsched.cost.fit import coefficients
+    from kvsched.cost.phase import PhaseCost
+    c = coefficients(PhaseCost(alpha_p=0.01, switch_s=0.02), 512, 256)
+    assert c.alpha_p == pytest.approx(0.01 + 2 * 0.02)         # two switches per prefill phase
+    th = theory.theta0(1 / 256, 0.05, 0.009)
+    assert theory.implied_prefill_overhead(th, 1 / 256, 0.009) == pytest.approx(0.05, rel=1e-9)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            PhaseCost(switch_s=bad)

@@ -34,8 +34,8 @@ class PhaseCost:
 
     def __post_init__(self) -> None:
         for name in ("alpha_p", "beta_p", "alpha_d", "beta_d", "alpha_mb", "switch_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.alpha_p + self.beta_p <= 0 or self.alpha_d + self.beta_d <= 0:
             raise ValueError("prefill and decode batches must take positive time")
         for r in (0.0, 0.5, 1.0):

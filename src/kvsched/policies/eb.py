@@ -5,13 +5,13 @@ Where the paper leaves a value open, defaults follow the authors' public vLLM pa
 the paper and that patch differ, the default is the paper's and the patch's choice is an
 option (the docstrings name both). One exception: EB+'s switch back to MB defaults to the
 patch's hysteresis, because the issue asks for stable switching. EB(k*) also has a guard
-of its own on implausible fits (see `EbAdaptive`):
+of its own on implausible fits and an ill-conditioned eq. (6), in neither (see `EbAdaptive`):
 
 | what                        | paper (default here)          | authors' patch (option)            |
 |-----------------------------|-------------------------------|------------------------------------|
 | hazard fit range            | [1, t95]                      | fit_lower_quantile=0.05 (5%-95%)   |
 | eta < 0 from the fit        | used as fitted                | clamp_eta=true                     |
-| p0                          | as fitted (1/mean if implausible) | floor_p0=true (p0 >= 1/mean)   |
+| p0                          | as fitted (1/mean if <= 0)    | floor_p0=true (p0 >= 1/mean)       |
 | delta theta                 | uncapped                      | delta_theta_cap=5 (<= 5 theta0)    |
 | theta update                | applied directly              | theta_ema=0.3                      |
 | EB+ switch back to MB       | when eq. (8) fails (-1)       | mb_margin=3: the default here      |
@@ -183,10 +183,10 @@ class EbAdaptive(ExclusiveBatching):
     that finished first); eq. (6)'s v = 1 / (p0^2 mu_L) then exceeded the KV and N* fell to 1
     (2,304 against 15,121 tokens/s). Three rules, each counted in `held_updates` or visible
     in `history`:
-    - A fit is implausible when p0 < 1 / (2 mu_O) or its implied mean output
-      (`theory.eb.implied_mean_output`) is off the window's mean by more than a factor 2; the
-      CFR value 1/mu_O then stands in for p0 in that update (as for p0 <= 0), eta still
-      entering Delta theta.
+    - When the fit's implied mean output (`theory.eb.implied_mean_output`) is off the
+      window's mean by more than a factor 2, or p0 < 1 / (2 mu_O) (a CFR prior: it also
+      catches genuine IFR fits, whose eta still raises Delta theta), the CFR value 1/mu_O
+      stands in for p0 in that update (as for p0 <= 0). `history` keeps the fitted p0 too.
     - Eq. (6) takes p0 no lower than 1/mu_O. Its v and memory per slot model slots freeing at
       the CFR rate p0; the window's mean gives that rate directly, while a fitted intercept
       below it (an IFR fit, or a length-biased window) assumes slots free more slowly than the
@@ -194,7 +194,8 @@ class EbAdaptive(ExclusiveBatching):
       with the same mean, so this stays on the safe side.
     - When eq. (6) has no positive solution, or its safety term v ln(1/eps) takes more than
       half the KV (N* < N_static / 2, where a relative error e in p0 moves N* by more than
-      2e), theta is updated and N* kept (the previous N*, or max_num_seqs before the first).
+      2e), theta is updated and N* kept (the previous N*, or max_num_seqs before the first),
+      capped at N_static, the slots that fit in KV on average.
     Keeping N* and theta unchanged on implausible fits, without the second rule, was tried:
     decode-heavy lost 5.4% to the best fixed theta (theta stayed at early, biased values).
 
@@ -227,7 +228,7 @@ class EbAdaptive(ExclusiveBatching):
         self.n_star: int | None = None
         self.estimates: dict[str, float] = {}
         self.history: list[dict[str, float]] = []
-        self.held_updates = {"implausible": 0, "infeasible": 0}
+        self.held_updates = {"mean_mismatch": 0, "cfr_prior": 0, "infeasible": 0}
 
     def slots(self, v: ServerView) -> int:
         return self.max_num_seqs if self.n_star is None else max(1, min(self.n_star, self.max_num_seqs))
@@ -246,11 +247,15 @@ class EbAdaptive(ExclusiveBatching):
             self.update(view)
 
     @staticmethod
-    def implausible(e: dict[str, float]) -> bool:
-        """p0 below half the CFR value 1/mu_O, or a fitted hazard whose implied mean output is
-        off the window's mean by more than a factor 2."""
+    def implausible(e: dict[str, float]) -> str:
+        """"mean_mismatch" when the fitted hazard's implied mean output is off the window's
+        mean by more than a factor 2; "cfr_prior" when p0 is below half the CFR value 1/mu_O
+        (a prior, not a test: a genuine IFR fit, e.g. gamma shape 2, has p0 near 0 and is
+        caught too; its eta still raises Delta theta); "" otherwise."""
         implied = theory.implied_mean_output(e["p0"], e["eta"])
-        return e["p0"] * e["mu_o"] < 0.5 or not 0.5 <= implied / e["mu_o"] <= 2
+        if not 0.5 <= implied / e["mu_o"] <= 2:
+            return "mean_mismatch"
+        return "cfr_prior" if e["p0"] * e["mu_o"] < 0.5 else ""
 
     def estimate(self, view: ServerView) -> dict[str, float]:
         """p0, eta, mu_L, mu_O from the window, and the cost model's coefficients."""
@@ -273,9 +278,11 @@ class EbAdaptive(ExclusiveBatching):
             e = self.estimate(view)
         except KvschedError:
             return                              # e.g. every output the same length: keep theta
-        if self.implausible(e):                 # the CFR value stands in, as for p0 <= 0
+        e["p0_fit"] = e["p0"]
+        reason = self.implausible(e)
+        if reason:                              # the CFR value stands in, as for p0 <= 0
             e["p0"] = 1.0 / e["mu_o"]
-            self.held_updates["implausible"] += 1
+            self.held_updates[reason] += 1
         th0 = theory.theta0(e["p0"], e["alpha_p"], e["alpha_d"])
         n_prev = self.slots(view)
         dth = theory.delta_theta(th0, e["p0"], e["eta"], e["alpha_d"], e["beta_d"], n_prev)
@@ -288,11 +295,14 @@ class EbAdaptive(ExclusiveBatching):
         sizes = theory.batch_sizes(capacity, p0_memory, e["mu_l"], self.theta_now, self.eps)
         if 2 * sizes["n_star"] >= sizes["n_static"] >= 1:
             self.n_star = sizes["n_star"]
-        else:                   # eq. (6) infeasible or ill-conditioned: never shrink on it
-            self.held_updates["infeasible"] += 1
+        else:                   # eq. (6) infeasible or ill-conditioned: never shrink on it,
+            self.held_updates["infeasible"] += 1    # but never hold more than fits on average
+            if sizes["n_static"] >= 1:
+                self.n_star = min(self.n_star or self.max_num_seqs, sizes["n_static"])
         self.estimates = {**e, "theta0": th0, "delta_theta": dth}
         self.history.append({"time": view.now, "theta0": th0, "delta_theta": dth, "theta": self.theta_now,
-                             "n_star": self.n_star, "k": self.threshold(view), "p0": e["p0"], "eta": e["eta"]})
+                             "n_star": self.n_star, "k": self.threshold(view), "p0": e["p0"],
+                             "p0_fit": e["p0_fit"], "eta": e["eta"]})
 
 
 def eb_plus_mode(mode: str, lhs: float, rhs: float, n_obs: float, delta: float, mb_margin: float,
