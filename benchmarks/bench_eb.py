@@ -221,15 +221,23 @@ def section_d(n: int) -> None:
           ["gpu", "scenario", "v0", "v1", "EB(k*)", "EB+", "EB+ vs better", "EB+ in EB", "TTFT v1", "TTFT EB", "TTFT EB+"], rows)
 
 
-def write_plots(plots: dict, out: Path) -> None:
+def pyplot(out: Path):
+    """matplotlib's pyplot (headless) with `out` created, or None (said) without the plots extra."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("\n(matplotlib not installed: no plots; pip install '.[plots]')")
-        return
+        return None
     out.mkdir(parents=True, exist_ok=True)
+    return plt
+
+
+def write_plots(plots: dict, out: Path) -> None:
+    plt = pyplot(out)
+    if plt is None:
+        return
     for name, (sweep_, adaptive) in plots.items():
         fig, ax = plt.subplots(figsize=(5, 3.2))
         ax.plot(list(sweep_), list(sweep_.values()), marker="o", label="EB(theta), N = 1024")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_eb import table
+from bench_eb import pyplot, table
 from kvsched.errors import KvschedError
 from kvsched.run import Scenario, simulate
 from kvsched.theory import fluid, wait as theory
@@ -269,14 +269,9 @@ def section_d(plots: dict, claims: list) -> None:
 # ----- output ---------------------------------------------------------------------------------
 
 def write_plots(plots: dict, out: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("\n(matplotlib not installed: no plots; pip install '.[plots]')")
+    plt = pyplot(out)
+    if plt is None:
         return
-    out.mkdir(parents=True, exist_ok=True)
     for key, curves in plots.items():
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         if key.startswith("b_"):

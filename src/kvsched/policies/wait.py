@@ -78,10 +78,31 @@ class _Threshold:
         self.preemptions = 0
         self.batches = 0
         self._seen, self._first, self._last = 0, 0.0, 0.0      # arrivals seen, first and last times
+        self._given = parse_counts(self.thresholds, "thresholds")
+        self._n: list[int] = []
+        self._rates: list[float] | None = None                  # declared
+        self._since = 0                                         # events since the last online solve
+        self._source = ""
+        self._theory: dict[str, object] = {}
 
     def _arrival_rate(self) -> float | None:
         """Arrivals per second between the first and the latest arrival seen."""
         return (self._seen - 1) / (self._last - self._first) if self._last > self._first else None
+
+    def _resolve_online(self, v: ServerView, estimate, source: str) -> None:
+        """Count one event; every `resolve_every` of them re-solve the thresholds from online
+        rates (`estimate(arrival rate)`), unless they are given or the rates declared. An
+        estimate that looks overloaded keeps the last thresholds (its error is reported)."""
+        self._since += 1
+        rate = self._arrival_rate()
+        if self._rates is not None or self._given or self._since < self.resolve_every or not rate:
+            return
+        self._since = 0
+        try:
+            self._solve(v, estimate(rate))
+            self._source = source
+        except KvschedError as exc:
+            self._theory["last_error"] = str(exc)
 
     # ----- inventories ---------------------------------------------------------------
     def _sync(self, v: ServerView) -> None:
@@ -210,14 +231,19 @@ class _Threshold:
     def _plan(self, v: ServerView, drain: bool) -> Plan:
         raise NotImplementedError
 
+    def _report(self, **head) -> dict[str, object]:
+        """`report()`: what identifies the thresholds, then source, counts and the last solve."""
+        return {**head, "source": self._source, "preemptions": self.preemptions, "batches": self.batches,
+                **self._theory}
+
     def _record(self, v: ServerView, rates: list[float], d0: float, d1: float, check: dict) -> None:
         """What `report()` shows of the last solve: rates, d0/d1, the condition and fits_kv."""
         self._theory = {"rates": rates, "d0": d0, "d1": d1, **check,
                         "fits_kv": check["memory"] <= v.kv_capacity_blocks * v.block_size}
 
     def _launch(self, v: ServerView, admit: list[int], decode: list[int], all_decoders: bool = False) -> Plan:
-        """Fit the batch in KV (preempting the newest running requests by recompute, then
-        trimming admissions), record it and return the plan."""
+        """Fit the batch in KV (`_fit`), record it and return the plan (decode=True when it
+        selects every remaining decoder, the engine's fast path)."""
         if not admit and not decode and not (all_decoders and v.num_decoding):
             return Plan()
         victims = self._fit(v, admit, decode, all_decoders)
@@ -310,7 +336,7 @@ class Wait(_Threshold):
     name = "wait"
 
     def __post_init__(self) -> None:
-        self._given = parse_counts(self.thresholds, "thresholds")
+        self._setup()
         if self.rule not in ("fluid", "practical"):
             raise ValueError(f"rule must be fluid or practical, got {self.rule!r}")
         if self.rule == "practical" and self.batch_size < 1:
@@ -319,16 +345,10 @@ class Wait(_Threshold):
             raise ValueError("batch_size is B of rule=practical; rule=fluid solves eq. (9) instead")
         if self._given and self.rule == "practical":
             raise ValueError("give either thresholds or rule=practical, not both")
-        self._setup()
         self._staged = self.pause_excluded
         self._types: list[tuple[int, int]] = []         # (prompt, output) per type index
         self._index: dict[tuple[int, int], int] = {}
-        self._rates: list[float] | None = None           # declared
         self._counts: list[int] = []
-        self._n: list[int] = []
-        self._since = 0
-        self._source = ""
-        self._theory: dict[str, object] = {}
 
     def _start(self, v: ServerView) -> None:
         self._check_role(v)
@@ -375,15 +395,8 @@ class Wait(_Threshold):
 
     def _arrived(self, v: ServerView, i: int, g: int) -> None:
         self._counts[g] += 1
-        self._since += 1
-        rate = self._arrival_rate()
-        if self._rates is None and not self._given and self._since >= self.resolve_every and rate:
-            self._since = 0
-            try:
-                self._solve(v, [rate * max(c, 0.5) / sum(self._counts) for c in self._counts])
-                self._source = f"{self.rule} (online rates)"
-            except KvschedError as exc:         # estimated overload: keep the last thresholds
-                self._theory["last_error"] = str(exc)
+        self._resolve_online(v, lambda rate: [rate * max(c, 0.5) / sum(self._counts) for c in self._counts],
+                             f"{self.rule} (online rates)")
 
     def _solve(self, v: ServerView, rates: list[float], given: list[int] | None = None) -> None:
         types = [FluidType(r, p, o - 1) for (p, o), r in zip(self._types, rates)]
@@ -413,9 +426,8 @@ class Wait(_Threshold):
     def report(self) -> dict[str, object]:
         order = sorted(range(len(self._types)), key=lambda j: (self._types[j][1], self._types[j][0]))
         per_type = ("rates", "slack")           # lists in type-index order: sorted like the types
-        return {"thresholds": [self._n[j] for j in order], "types": [list(self._types[j]) for j in order],
-                "source": self._source, "preemptions": self.preemptions, "batches": self.batches,
-                **{k: [x[j] for j in order] if k in per_type else x for k, x in self._theory.items()}}
+        out = self._report(thresholds=[self._n[j] for j in order], types=[list(self._types[j]) for j in order])
+        return {k: [x[j] for j in order] if k in per_type else x for k, x in out.items()}
 
 
 def _bin(x: int, per_doubling: int) -> int:
@@ -454,7 +466,7 @@ class NestedWait(_Threshold):
     name = "nested-wait"
 
     def __post_init__(self) -> None:
-        self._given = parse_counts(self.thresholds, "thresholds")
+        self._setup()
         self._ends = parse_counts(self.segments, "segments")
         if self._ends and any(b <= a for a, b in zip(self._ends, self._ends[1:])):
             raise ValueError(f"segments must be increasing stage ends, got {self.segments!r}")
@@ -462,16 +474,10 @@ class NestedWait(_Threshold):
             raise ValueError("give one of segments, groups or bin_width")
         if self.bins and not self.bin_width:
             raise ValueError("bins needs bin_width")
-        self._setup()
-        self._n: list[int] = []
-        self._rates: list[float] | None = None
         self._finished: list[int] = []
         self._reached: list[int] = []
         self._entry: dict[int, int] = {}
         self._prompts = [0, 0]          # arrivals seen, prompt tokens summed
-        self._since = 0
-        self._source = ""
-        self._theory: dict[str, object] = {}
 
     def _start(self, v: ServerView) -> None:
         self._check_role(v)
@@ -541,22 +547,15 @@ class NestedWait(_Threshold):
         if not self._reached:
             return
         self._finished[self._segment(max(k, 0))] += 1     # its last stage (-1: finished at its prefill)
-        self._since += 1
-        rate = self._arrival_rate()
-        if self._rates is None and not self._given and self._since >= self.resolve_every and rate:
-            self._since = 0
-            self._prompt = self._prompts[1] / self._prompts[0]
-            try:
-                self._solve(view, self._estimate(rate))
-                self._source = "solved (online rates)"
-            except KvschedError as exc:
-                self._theory["last_error"] = str(exc)
+        self._resolve_online(view, self._estimate, "solved (online rates)")
 
     def _estimate(self, total: float) -> list[float]:
-        """Segment rates lambda'_i from the arrival rate Lambda_1 and continuation
+        """The mean prompt seen so far (for eq. 10), and segment rates lambda'_i from the
+        arrival rate Lambda_1 and continuation
         probabilities p_i = (entered segment i+1) / (entered i+1 + finished in i), counted
         over requests whose fate in segment i is known; short requests finish first, so
         shares of finishes alone would be biased towards early segments."""
+        self._prompt = self._prompts[1] / self._prompts[0]
         lam, out = total, []
         for i in range(len(self._ends)):
             nxt = self._reached[i + 1] if i + 1 < len(self._ends) else 0
@@ -600,5 +599,4 @@ class NestedWait(_Threshold):
         return self._launch(v, admit, decode)
 
     def report(self) -> dict[str, object]:
-        return {"thresholds": list(self._n), "segment_ends": list(self._ends), "source": self._source,
-                "preemptions": self.preemptions, "batches": self.batches, **self._theory}
+        return self._report(thresholds=list(self._n), segment_ends=list(self._ends))
