@@ -19,7 +19,7 @@ from kvsched.sim.server import Server
 from kvsched.workload import Uniform, synthetic
 from kvsched.workload.source import WorkloadOptions, load
 
-from test_properties import params, scenarios
+from test_properties import DISAGG_ONLY, params, scenarios
 
 W = synthetic(Uniform(1, 400), Uniform(1, 200), rate=40, n=1500, seed=7)
 
@@ -179,12 +179,13 @@ MIXED_ONLY = {"wait", "nested-wait"}       # single-GPU schedulers: refuse disag
 
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=120)
-@given(scenarios(), st.booleans(), st.integers(1, 4), st.sampled_from(sorted(ROUTERS)), st.sampled_from([1.0, 0.001]))
+@given(scenarios(disagg_ok=True), st.booleans(), st.integers(1, 4), st.sampled_from(sorted(ROUTERS)),
+       st.sampled_from([1.0, 0.001]))
 def test_cluster_invariants(sc, disagg, size, router, bandwidth):
     """Any policy on a cluster or disaggregated pools: every request finishes with its tokens,
     no replica exceeds its KV, every replica ends empty, prefill work = prompts + recomputation."""
     w, policy, block, kv, _, cap = sc
-    disagg = disagg and policy not in MIXED_ONLY
+    disagg = (disagg or policy in DISAGG_ONLY) and policy not in MIXED_ONLY
     p, r = ((size + 1) // 2, size // 2 + 1) if disagg else (0, size)
     pols = [make_policy(policy, params(policy, cap), get_gpu("a100-80gb")) for _ in range(p + r)]
     c = Cluster(w, pols, ConstantCost(0.01), PagedKV(kv, block), router=router, router_seed=1,

@@ -20,12 +20,16 @@ POLICY_PARAMS = {
                 "min_samples": 3, "evaluate_every": 2, "min_occupancy": 0, "cooldown": 0},
     "wait": {"resolve_every": 5},
     "nested-wait": {"segments": "3,10,30", "resolve_every": 3},
+    "rad": {"t_col": 4, "t_lcm": 16, "n": 6},
+    "slai": {"token_budget": 32, "max_num_seqs": 8, "max_decodes": 6},
+    "distserve": {},
 }
-NOT_FCFS = {"wait"}         # WAIT admits by type, not in arrival order
+NOT_FCFS = {"wait", "slai"}         # WAIT admits by type, SLAI shortest prompt first
+DISAGG_ONLY = {"distserve"}         # runs on prefill/decode pools only
 
 
 @st.composite
-def scenarios(draw):
+def scenarios(draw, disagg_ok: bool = False):
     n = draw(st.integers(1, 30))
     gaps = draw(st.lists(st.floats(0, 2.0), min_size=n, max_size=n))
     prompt = draw(st.lists(st.integers(1, 120), min_size=n, max_size=n))
@@ -34,7 +38,7 @@ def scenarios(draw):
     need = max(p + o - 1 for p, o in zip(prompt, output))
     min_blocks = -(-need // block)
     kv = block * draw(st.integers(min_blocks, min_blocks * 6))
-    policy = draw(st.sampled_from(sorted(POLICIES)))
+    policy = draw(st.sampled_from(sorted(set(POLICIES) - (set() if disagg_ok else DISAGG_ONLY))))
     cost = draw(st.sampled_from(["constant", "linear"]))
     w = Workload.build(np.cumsum(gaps), prompt, output, output_known=policy == "wait")
     return w, policy, block, kv, cost, draw(st.sampled_from([0, 16]))

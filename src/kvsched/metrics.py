@@ -3,7 +3,8 @@
 TTFT, TPOT and E2EL are per request (percentiles by numpy's linear interpolation, as vLLM);
 ITL is over every inter-token gap of every request, kept in a log-spaced histogram so the
 count, mean and std are exact and the percentiles exact to the bin (relative width 1e-3)
-for any number of tokens.
+for any number of tokens. A workload with tiers adds the same figures per tier (`tier_summary`),
+from per-tier gap histograms the replicas keep only then.
 """
 from __future__ import annotations
 
@@ -48,6 +49,40 @@ class GapHistogram:
         if gap > self.max:
             self.max = gap
 
+    def add_many(self, gaps: np.ndarray) -> None:
+        """Add every gap of `gaps` (a 1-d float array), vectorised. Each lands in exactly the bin
+        `add` gives it: bins come from numpy's log, and the few gaps whose bin position lies
+        within 1e-6 of a bin edge (where numpy's and the math module's log could round apart)
+        are binned again by `add`'s own formula. `total` and `total_sq` are summed by numpy, so
+        they may differ from one-by-one `add`s in the last bits."""
+        g = np.asarray(gaps, dtype=np.float64).ravel()
+        if not len(g):
+            return
+        above = g > self.low
+        k = np.zeros(len(g), np.int64)
+        if above.any():
+            x = (np.log(g[above]) - self._log_low) * self._scale
+            kk = x.astype(np.int64) + 1
+            edge = np.flatnonzero(np.abs(x - np.rint(x)) < 1e-6)
+            if len(edge):
+                lg, log_low, scale = g[above][edge].tolist(), self._log_low, self._scale
+                kk[edge] = [int((_log(v) - log_low) * scale) + 1 for v in lg]
+            np.minimum(kk, self._top, out=kk)
+            k[above] = kk
+        bins, counts = np.unique(k, return_counts=True)
+        c = self.counts
+        for b, m in zip(bins.tolist(), counts.tolist()):
+            c[b] += m
+        self.n += len(g)
+        self.total += float(g.sum())
+        self.total_sq += float(np.dot(g, g))
+        m = float(g.max())
+        if m > self.max:
+            self.max = m
+
+    def copy(self) -> "GapHistogram":
+        return GapHistogram.merged([self])
+
     @classmethod
     def merged(cls, parts: list["GapHistogram"]) -> "GapHistogram":
         """One histogram holding every gap of `parts` (same bins)."""
@@ -60,12 +95,16 @@ class GapHistogram:
             out.max = max(out.max, h.max)
         return out
 
-    def quantile(self, q: float) -> float:
-        """Gap at quantile q (0..1): the geometric centre of the bin holding that rank."""
-        if self.n == 0:
+    def quantile(self, q: float, zeros: int = 0) -> float:
+        """Gap at quantile q (0..1): the geometric centre of the bin holding that rank.
+        `zeros` counts that many extra gaps of exactly 0 s in (below every other gap)."""
+        n = self.n + zeros
+        if n == 0:
             return math.nan
-        rank = max(1, math.ceil(q * self.n))
-        k = int(np.searchsorted(np.cumsum(self.counts), rank))
+        rank = max(1, math.ceil(q * n))
+        if rank <= zeros:
+            return 0.0
+        k = int(np.searchsorted(np.cumsum(self.counts), rank - zeros))
         if k == 0:
             return self.low
         lo = math.exp(self._log_low + (k - 1) / self._scale)
@@ -135,6 +174,10 @@ class RunRecords:
     decode_replica: np.ndarray | None = None
     transfer: np.ndarray | None = None
     replica_stats: list[dict[str, Any]] | None = None
+    # workloads with tiers: each request's tier (-1: none), the tiers, and per-tier ITL gaps
+    tier_index: np.ndarray | None = None
+    tiers: tuple = ()
+    tier_itl: list[GapHistogram] | None = None
 
 
 def _stats(name: str, values_s: np.ndarray) -> dict[str, float]:
@@ -147,10 +190,24 @@ def _stats(name: str, values_s: np.ndarray) -> dict[str, float]:
             f"p99_{name}_ms": float(p[2])}
 
 
-def summarize(rec: RunRecords, goodput: Goodput | None = None, trim: int = 0) -> dict[str, Any]:
+def _itl_stats(h: GapHistogram) -> dict[str, float]:
+    return {"mean_itl_ms": h.mean() * 1000, "median_itl_ms": h.quantile(0.5) * 1000,
+            "std_itl_ms": h.std() * 1000, "p90_itl_ms": h.quantile(0.9) * 1000,
+            "p99_itl_ms": h.quantile(0.99) * 1000}
+
+
+def summarize(rec: RunRecords, goodput: Goodput | None = None, trim: int = 0,
+              tbt_first_zero: bool = False) -> dict[str, Any]:
     """The run summary. `trim` drops the first and last `trim` requests (arrival order) and
     measures throughput over the window from the arrival of request trim+1 to that of the
-    trim-th last, counting requests finished inside it (stability-capacity.txt, section 5.2)."""
+    trim-th last, counting requests finished inside it (stability-capacity.txt, section 5.2).
+
+    A workload with tiers adds `tiers`, one dict per tier (`tier_summary`).
+    `tbt_first_zero` adds `p99_tbt_first_zero_ms` (and the same per tier): the p99 of the
+    inter-token gaps plus one gap of 0 s per request that produced a first token, which is the
+    TBT sample list of the SLAI authors' telemetry (rad-slai.txt section 7 reports its p99). It
+    biases the tail low; ITL (vLLM's definition, the gaps between consecutive output tokens)
+    has no such zeros and stays as it is."""
     n = len(rec.arrival)
     done = np.isfinite(rec.finished)
     keep = done.copy()
@@ -197,10 +254,10 @@ def summarize(rec: RunRecords, goodput: Goodput | None = None, trim: int = 0) ->
         summary["request_goodput"] = rate(int(good.sum()))
     for name, values in (("ttft", ttft), ("tpot", tpot)):
         summary.update(_stats(name, values))
-    h = rec.itl
-    summary.update({"mean_itl_ms": h.mean() * 1000, "median_itl_ms": h.quantile(0.5) * 1000,
-                    "std_itl_ms": h.std() * 1000, "p90_itl_ms": h.quantile(0.9) * 1000,
-                    "p99_itl_ms": h.quantile(0.99) * 1000})
+    summary.update(_itl_stats(rec.itl))
+    if tbt_first_zero:
+        firsts = int(np.isfinite(rec.first_token).sum())
+        summary["p99_tbt_first_zero_ms"] = rec.itl.quantile(0.99, zeros=firsts) * 1000
     summary.update(_stats("e2el", e2el))
     cap = rec.kv_capacity_tokens
     summary.update({
@@ -213,10 +270,54 @@ def summarize(rec: RunRecords, goodput: Goodput | None = None, trim: int = 0) ->
         "simulated_seconds": float(rec.finished[done].max() - rec.arrival.min()) if done.any() else 0.0,
         "wall_seconds": rec.wall_seconds,
     })
+    if rec.tiers:
+        summary["tiers"] = tier_summary(rec, keep, tbt_first_zero)
     summary.update(rec.extra)
     if rec.replica_stats is not None:
         summary.update(cluster_summary(rec, in_window, duration))
     return summary
+
+
+def tier_summary(rec: RunRecords, keep: np.ndarray, tbt_first_zero: bool = False) -> list[dict[str, Any]]:
+    """One dict per tier of the workload: name, priority, SLOs (ttft_slo_s, tbt_slo_s, None
+    when unset), requests, completed, rejected; TTFT and TPOT (mean, median, std, p90, p99,
+    named as the summary's) over the tier's requests that the summary measures (`keep`:
+    completed, outside `--trim`); ITL over every gap of the tier's requests, from the per-tier
+    histograms the replicas keep. SLO attainment (None when the tier has no such SLO, NaN when
+    nothing was measured):
+      ttft_slo_attainment  share of the tier's measured requests with TTFT <= its TTFT SLO;
+      tbt_slo_attainment   share of the tier's measured requests with no gap above its TBT
+                           SLO (tbt_violations == 0);
+      itl_slo_attainment   share of the tier's inter-token gaps <= its TBT SLO, exact: 1 - (the
+                           tier's TBT violations) / (its gaps).
+    With `tbt_first_zero`, p99_tbt_first_zero_ms as in `summarize`."""
+    done = np.isfinite(rec.finished)
+    first = np.isfinite(rec.first_token)
+    rows = []
+    for t, tier in enumerate(rec.tiers):
+        mine = rec.tier_index == t
+        k = keep & mine
+        ttft = rec.first_token[k] - rec.arrival[k]
+        multi = k & (rec.output > 1)
+        tpot = (rec.finished[multi] - rec.first_token[multi]) / (rec.output[multi] - 1)
+        h = rec.tier_itl[t] if rec.tier_itl is not None else GapHistogram()
+        row: dict[str, Any] = {"name": tier.name, "priority": tier.priority, "ttft_slo_s": tier.ttft_slo,
+                               "tbt_slo_s": tier.tbt_slo, "requests": int(mine.sum()),
+                               "completed": int((mine & done).sum()), "rejected": int(rec.rejected[mine].sum())}
+        row.update(_stats("ttft", ttft))
+        row.update(_stats("tpot", tpot))
+        row.update(_itl_stats(h))
+        if tbt_first_zero:
+            row["p99_tbt_first_zero_ms"] = h.quantile(0.99, zeros=int((mine & first).sum())) * 1000
+        measured = int(k.sum())
+        row["ttft_slo_attainment"] = None if tier.ttft_slo is None else (
+            float((ttft <= tier.ttft_slo).mean()) if measured else math.nan)
+        row["tbt_slo_attainment"] = None if tier.tbt_slo is None else (
+            float((rec.tbt_violations[k] == 0).mean()) if measured else math.nan)
+        row["itl_slo_attainment"] = None if tier.tbt_slo is None else (
+            1.0 - int(rec.tbt_violations[mine].sum()) / h.n if h.n else math.nan)
+        rows.append(row)
+    return rows
 
 
 def cluster_summary(rec: RunRecords, in_window: np.ndarray, duration: float) -> dict[str, Any]:

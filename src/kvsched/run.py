@@ -50,6 +50,7 @@ class Scenario:
     kv_transfer_bandwidth: float = 25.0     # GB/s (1e9 bytes) per prefill replica's link
     kv_transfer_latency: float = 0.0        # seconds
     stall_batches: int = DEFAULT_STALL_BATCHES   # batches without an output token before a policy is stopped
+    tbt_first_zero: bool = False            # also report p99 TBT with a 0 s gap per first token (SLAI's telemetry)
 
     def pools(self) -> tuple[int, int]:
         """(replicas, prefill replicas), checked."""
@@ -278,7 +279,7 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     if prefill:
         records.extra.update({"prefill_replicas": prefill, "decode_replicas": replicas - prefill,
                               "decode_policy": pols[-1].name})
-    summary = summarize(records, scenario.goodput, scenario.trim)
+    summary = summarize(records, scenario.goodput, scenario.trim, tbt_first_zero=scenario.tbt_first_zero)
     reports = [p.report() for p in pols if callable(getattr(p, "report", None))]
     if reports:                 # what the policy decided (e.g. WAIT's thresholds), per replica
         summary["policy_report"] = reports[0] if len(pols) == 1 else reports

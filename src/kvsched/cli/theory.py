@@ -11,7 +11,7 @@ from rich.table import Table
 from kvsched.cli.common import HardwareOptions, JsonOpt, app, emit, guard, hardware_flags, workload_flags
 from kvsched.errors import KvschedError
 from kvsched.report.table import plan_report
-from kvsched.theory import eb, fluid, stability, wait
+from kvsched.theory import eb, fluid, rad, stability, wait
 from kvsched.theory.plan import PlanInputs, plan
 from kvsched.workload.source import WorkloadOptions, load, resolve
 
@@ -251,4 +251,32 @@ def hazard_cmd(wopts: WorkloadOptions, json_: bool = JsonOpt) -> None:
     guard(body)
 
 
+@theory_app.command("rad-capacity")
+@workload_flags
+def rad_capacity_cmd(wopts: WorkloadOptions,
+                     model: str = typer.Option("mistral-7b", "--model", help="model from the catalogue (N layers, d)"),
+                     gpu: str = typer.Option("rtx-6000-ada", "--gpu", help="GPU from the catalogue"),
+                     cost: str = typer.Option("tiled-mistral-7b-rtx-6000-ada", "--cost", help="a tiled batch-time model: tiled or a tiled preset"),
+                     cost_set: list[str] = typer.Option([], "--cost-set", help="cost model parameter key=value (repeatable)"),
+                     replicas: int = typer.Option(1, "--replicas", help="r, identical nodes"),
+                     eps: float = typer.Option(0.1, "--eps", help="Theorem 2's load margin: lambda T_R <= r (1 - eps)"),
+                     json_: bool = JsonOpt) -> None:
+    """rad-slai.txt Theorems 1 and 2 over the workload's lengths (L^D = o - 1 for o output
+    tokens). JSON keys: T_R (seconds of optimally tiled work per request), capacity (r / T_R,
+    req/s: no scheduler is stable above it, RAD below it), T_P and T_D (its prefill and decode
+    parts, derived), T_max (eq. 14), cycle_n (Theorem 2: the smallest n with n > (t_col - 1)
+    T_max / (eps T_R)), t_lcm, t_col; with --replicas >= 2 also split_capacity per static split
+    (min(r_p / T_P, r_d / T_D), derived) and best_split."""
+    from kvsched.cost import make_cost_model
+    from kvsched.cost.tiled import TiledCost
+    from kvsched.hardware import get_gpu, get_model
+    from kvsched.params import parse_assignments
 
+    def body() -> None:
+        cm = make_cost_model(cost, parse_assignments(cost_set, "--cost-set"), get_model(model), get_gpu(gpu))
+        if not isinstance(cm, TiledCost):
+            raise KvschedError(f"--cost {cost}: rad-capacity needs a tiled batch-time model (tiled or a tiled preset)")
+        wopts.untimed_ok = True
+        w = load(wopts)
+        _emit(rad.analyse(cm, w.prompt, w.output, replicas, eps), json_, f"RAD capacity of {w.source}")
+    guard(body)

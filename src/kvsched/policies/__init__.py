@@ -8,11 +8,15 @@ from kvsched.hardware import GPU
 from kvsched.params import build
 from kvsched.policies.base import Plan, Policy, ServerView
 from kvsched.policies.baselines import Orca, RequestLevel, Sarathi, VllmV0, VllmV1
+from kvsched.policies.distserve import DistServe
 from kvsched.policies.eb import EbAdaptive, EbPlus, ExclusiveBatching
+from kvsched.policies.rad import Rad
+from kvsched.policies.slai import Slai
 from kvsched.policies.wait import NestedWait, Wait
 
 POLICIES: dict[str, type] = {cls.name: cls for cls in (VllmV1, Sarathi, VllmV0, Orca, RequestLevel,
-                                                        ExclusiveBatching, EbAdaptive, EbPlus, Wait, NestedWait)}
+                                                        ExclusiveBatching, EbAdaptive, EbPlus, Wait, NestedWait,
+                                                        Rad, Slai, DistServe)}
 ENGINE_LIMITS = (VllmV1, VllmV0, Orca, ExclusiveBatching)   # take vLLM's token budget and max_num_seqs
 
 SOURCES = {
@@ -26,6 +30,9 @@ SOURCES = {
     "eb-plus": "EB+; exclusive-batching-eb.txt section 3.5, eq. (8)",
     "wait": "WAIT; fluid-wait-nested-wait.txt section 4, Algorithm 1",
     "nested-wait": "Nested WAIT; fluid-wait-nested-wait.txt section 5, Algorithm 2",
+    "rad": "RAD; rad-slai.txt section 4.2, Algorithm 1 (Appendix D, Algorithm 2: variant=prefill-first)",
+    "slai": "SLAI; rad-slai.txt section 6, as the authors' implementation (docs/rad-slai.md)",
+    "distserve": "DistServe on disaggregated pools; rad-slai.txt Appendix E.3, Algorithm 5",
 }
 
 

@@ -45,6 +45,27 @@ def _check_limits(name: str, tokens: int, seqs: int) -> None:
                          "decode takes one token of the budget (vLLM rejects this too)")
 
 
+ORDERS = ("spf", "fcfs")
+
+
+def prefill_order(v: ServerView, order: str, user_priority: bool = False, aging: float = 0.0) -> list[int]:
+    """Waiting requests in the order new prefills are considered: SPF (by the tokens left to
+    prefill, stable) or queue order, optionally by tier priority first and aged requests
+    first (shared by `slai` and `sarathi`; rad-slai.txt section 6 step 3)."""
+    queue = list(v.waiting)
+    if order == "spf":
+        queue.sort(key=(lambda i: (v.tier_priority(i), v.prefill_target(i))) if user_priority
+                   else v.prefill_target)
+    elif user_priority:
+        queue.sort(key=v.tier_priority)
+    if aging > 0:
+        old = [i for i in v.waiting if v.now - v.arrival(i) > aging]
+        if old:
+            seen = set(old)
+            queue = old + [i for i in queue if i not in seen]
+    return queue
+
+
 class _Base:
     name = "base"
 
@@ -135,15 +156,21 @@ class VllmV1(_Base):
 @dataclass
 class Sarathi(_Base):
     """Sarathi-Serve (rad-slai.txt, Appendix E.2, Algorithm 4): every decode, then ongoing
-    chunked prefills, then new prefills in arrival order, under a token budget (the chunk
-    size) and max_num_seqs. As in its vLLM-v0 block manager, a request is admitted only if
-    KV for its whole prompt is free (reserved for its remaining chunks)."""
+    chunked prefills, then new prefills in arrival order (`order=fcfs`) or shortest prompt
+    first (`order=spf`, re-sorted every batch, stable: the SLAI authors' variant), under a
+    token budget (the chunk size) and max_num_seqs. As in its vLLM-v0 block manager, a
+    request is admitted only if KV for its whole prompt is free (reserved for its remaining
+    chunks), beyond `watermark` x blocks (vLLM v0 keeps 1%; 0 by default here)."""
     chunk_size: int = field(default=512, metadata={"range": "[1, inf)", "help": "token budget per batch"})
     max_num_seqs: int = field(default=128, metadata={"range": "[1, inf)", "help": "max running requests"})
+    order: str = field(default="fcfs", metadata={"range": "fcfs|spf", "help": "new-prefill order: FCFS or shortest prompt first"})
+    watermark: float = field(default=0.0, metadata={"range": "[0, 1)", "help": "share of KV blocks kept free at admission"})
     name = "sarathi"
 
     def __post_init__(self) -> None:
         _check_limits(self.name, self.chunk_size, self.max_num_seqs)
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be fcfs or spf, got {self.order!r}")
 
     def schedule(self, v: ServerView) -> Plan:
         blocks, target = v.blocks_for, v.prefill_target
@@ -165,19 +192,20 @@ class Sarathi(_Base):
                 budget -= c
         admit: list[int] = []
         if not victims:
-            seqs = len(v.running)
-            for i in v.waiting:
-                if budget <= 0 or seqs >= self.max_num_seqs:
+            seats = len(v.running)
+            keep = int(self.watermark * v.kv_capacity_blocks)
+            for i in v.waiting if self.order == "fcfs" else prefill_order(v, self.order):
+                if budget <= 0 or seats >= self.max_num_seqs:
                     break
                 need = blocks(target(i))
-                if need > free:
+                if free - need < keep:
                     break
                 c = min(budget, target(i))
                 admit.append(i)
                 chunks.append((i, c))
                 free -= need
                 budget -= c
-                seqs += 1
+                seats += 1
         return Plan(admit, chunks, nd > 0, victims)
 
 

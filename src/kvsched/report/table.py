@@ -27,12 +27,24 @@ ROWS = [
 OPTIONAL = {"replicas", "router", "prefill_replicas", "decode_replicas", "decode_policy", "mean_transfer_ms",
             "p99_transfer_ms", "prefill_busy_fraction", "decode_busy_fraction"}   # shown when present
 PERCENT = {"mean_kv_usage", "peak_kv_usage", "prefill_busy_fraction", "decode_busy_fraction",
-           "busy_fraction"}
+           "busy_fraction", "ttft_slo_attainment", "tbt_slo_attainment", "itl_slo_attainment"}
 REPLICA_COLUMNS = [("replica", "replica"), ("role", "role"), ("completed", "completed"),
                    ("request_throughput", "requests/s"), ("mean_ttft_ms", "mean TTFT ms"),
                    ("iterations", "iterations"), ("preemptions", "preemptions"), ("busy_fraction", "busy"),
                    ("mean_kv_usage", "mean KV use"), ("peak_queue_length", "peak queue")]
 
+# per-tier figures (summary["tiers"]): key, short column label, label in comparison rows;
+# p99_tbt_first_zero_ms only when the run asked for it, SLO shares only for tiers that set SLOs
+TIER_COLUMNS = [("name", "tier", "tier"), ("requests", "requests", "requests"), ("completed", "done", "completed"),
+                ("median_ttft_ms", "p50 TTFT ms", "median TTFT ms"), ("p99_ttft_ms", "p99 TTFT ms", "p99 TTFT ms"),
+                ("p99_itl_ms", "p99 ITL ms", "p99 ITL ms"),
+                ("p99_tbt_first_zero_ms", "p99 TBT0 ms", "p99 TBT with first-token 0s ms"),
+                ("ttft_slo_attainment", "TTFT ok", "requests meeting TTFT SLO"),
+                ("tbt_slo_attainment", "TBT ok", "requests meeting TBT SLO"),
+                ("itl_slo_attainment", "gaps ok", "gaps within TBT SLO")]
+TIER_CAPTION = ("TTFT ok / TBT ok: share of requests meeting the tier's TTFT SLO / never exceeding its TBT "
+                "SLO; gaps ok: share of inter-token gaps within the TBT SLO; p99 TBT0: p99 with a 0 s gap "
+                "per first token (SLAI's telemetry)")
 
 def _fmt(key: str, v: Any) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -55,14 +67,23 @@ def summary_table(s: dict[str, Any]) -> Table | Group:
     t.add_column("value", justify="right")
     for key, label in _rows([s]):
         t.add_row(label, _fmt(key, s.get(key)))
-    if not s.get("replica_breakdown"):
-        return t
-    per = Table(title="per replica", title_justify="left")
-    for _, label in REPLICA_COLUMNS:
-        per.add_column(label, justify="right")
-    for row in s["replica_breakdown"]:
-        per.add_row(*(_fmt(k, row.get(k)) for k, _ in REPLICA_COLUMNS))
-    return Group(t, per)
+    parts: list[Table] = [t]
+    if s.get("tiers"):
+        cols = [(k, label) for k, label, _ in TIER_COLUMNS if any(row.get(k) is not None for row in s["tiers"])]
+        tiers = Table(title="per tier", title_justify="left", caption=TIER_CAPTION, caption_justify="left")
+        for _, label in cols:
+            tiers.add_column(label, justify="right")
+        for row in s["tiers"]:
+            tiers.add_row(*(escape(_fmt(k, row.get(k))) for k, _ in cols))
+        parts.append(tiers)
+    if s.get("replica_breakdown"):
+        per = Table(title="per replica", title_justify="left")
+        for _, label in REPLICA_COLUMNS:
+            per.add_column(label, justify="right")
+        for row in s["replica_breakdown"]:
+            per.add_row(*(_fmt(k, row.get(k)) for k, _ in REPLICA_COLUMNS))
+        parts.append(per)
+    return t if len(parts) == 1 else Group(*parts)
 
 
 def comparison_table(summaries: Sequence[dict[str, Any]]) -> Table:
@@ -74,6 +95,12 @@ def comparison_table(summaries: Sequence[dict[str, Any]]) -> Table:
         t.add_column(str(s.get("policy")), justify="right")
     for key, label in _rows(summaries):
         t.add_row(label, *(_fmt(key, s.get(key)) for s in summaries))
+    names = list(dict.fromkeys(row["name"] for s in summaries for row in s.get("tiers") or ()))
+    for name in names:
+        rows = [next((row for row in s.get("tiers") or () if row["name"] == name), {}) for s in summaries]
+        for key, _, label in TIER_COLUMNS[3:]:
+            if any(row.get(key) is not None for row in rows):
+                t.add_row(escape(f"tier {name}: {label}"), *(_fmt(key, row.get(key)) for row in rows))
     return t
 
 

@@ -256,6 +256,11 @@ class Cluster:
             kv_time_integral=sum(r.kv_integral for r in reps) * bs,
             kv_peak_tokens=max(r.peak_kv for r in reps) * bs, peak_queue=max(r.peak_queue for r in reps),
             busy_time=sum(r.busy for r in reps), wall_seconds=wall)
+        if w.tiers:
+            parts = [r.tier_histograms() for r in reps]
+            rec.tier_index, rec.tiers = w.tier_index, tuple(w.tiers)
+            rec.tier_itl = parts[0] if len(reps) == 1 else [
+                GapHistogram.merged([p[t] for p in parts]) for t in range(len(w.tiers))]
         if len(reps) > 1:
             rec.replica = reqs.replica
             rec.decode_replica = self.decode_replica

@@ -108,6 +108,12 @@ class Cohort:
         window = self._gaps[c0 + 2 - self._base:self.clock + 1 - self._base]
         return kv, g0 + steps, last, window
 
+    def window(self, i: int) -> np.ndarray:
+        """The gaps member i has had so far after its first decode step here (what `leave`
+        would return for it), without removing it."""
+        c0 = self.members[i][0]
+        return self._gaps[c0 + 2 - self._base:self.clock + 1 - self._base]
+
     def _trim(self) -> None:
         """Drop gaps older than every member's window; grow if still more than half full."""
         keep_from = min((m[0] for m in self.members.values()), default=self.clock) + 1

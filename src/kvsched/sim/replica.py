@@ -82,6 +82,13 @@ class Replica:
         self._arrival, self._prompt, self._output, self._known = reqs.arrival, reqs.prompt, reqs.output, reqs.known
         self._target, self._computed, self._status = reqs.target, reqs.computed, reqs.status
         self.itl = GapHistogram()
+        # per-tier inter-token gaps, kept only when the workload has tiers: the tiered variants of
+        # _decode_step and _fold shadow the plain ones, so a run without tiers pays nothing
+        self.tier_itl: list[GapHistogram] | None = None
+        if reqs.workload.tiers:
+            self.tier_itl = [GapHistogram() for _ in reqs.workload.tiers]
+            self._decode_step = self._decode_step_tiered
+            self._fold = self._fold_tiered
         self.now = 0.0
         self.iterations = 0
         self._last_kind = 0             # kind of the previous batch (BatchShape.phase_switch)
@@ -543,6 +550,44 @@ class Replica:
                 kv_tokens = self._leave_decode(i)
                 self._finish(i, end, kv_tokens)
 
+    def _decode_step_tiered(self, end: float, cohorts) -> None:
+        """`_decode_step`, after putting each fresh decoder's first gap (end - its last token,
+        the gap `_decode_step` records for it) in its tier's histogram; the other gaps reach
+        the tier histograms through `_fold_tiered`."""
+        hists, tier, last = self.tier_itl, self.reqs.tier, self.reqs.last_tok
+        for ch in cohorts:
+            for i in ch.fresh:
+                t = tier[i]
+                if t >= 0:
+                    hists[t].add(end - last[i])
+        Replica._decode_step(self, end, cohorts)
+
+    def _fold_tiered(self, i: int, gen: int, last: float, window: np.ndarray) -> None:
+        """`_fold`, and the window's gaps (one per decode step after the first in the cohort,
+        the gaps `_decode_step` counted for this request as the cohort's) into its tier's histogram."""
+        Replica._fold(self, i, gen, last, window)
+        t = self.reqs.tier[i]
+        if t >= 0 and len(window):
+            self.tier_itl[t].add_many(window)
+
+    def tier_histograms(self) -> list[GapHistogram] | None:
+        """Per-tier gap histograms (None without tiers), with the gaps of requests still decoding
+        here (not yet folded) added to copies: a run ends only when every request finished, so
+        there are none then, but a replica stopped early loses nothing."""
+        if self.tier_itl is None:
+            return None
+        out = self.tier_itl
+        tier = self.reqs.tier
+        for i, c in self._decoders.where.items():
+            t = tier[i]
+            window = c.window(i)
+            if t < 0 or not len(window):
+                continue
+            if out is self.tier_itl:
+                out = [h.copy() for h in out]
+            out[t].add_many(window)
+        return out
+
     def _fold(self, i: int, gen: int, last: float, window: np.ndarray) -> None:
         """Record what a request did in a cohort it leaves: its gaps' maximum and SLO misses."""
         r = self.reqs
@@ -576,6 +621,8 @@ class Replica:
         else:                                   # resumed after preemption: one long gap
             gap = t - r.last_tok[i]
             self.itl.add(gap)
+            if self.tier_itl is not None and r.tier[i] >= 0:
+                self.tier_itl[r.tier[i]].add(gap)
             if gap > r.itl_max[i]:
                 r.itl_max[i] = gap
             if gap > r.tbt[i]:

@@ -32,6 +32,7 @@ class RequestTable:
         self.known = w.output_known.tolist()
         slo = [INF if t.tbt_slo is None else t.tbt_slo for t in w.tiers]
         tiers = w.tier_index.tolist()
+        self.tier = tiers                               # tier index per request (-1: none)
         self.tbt = [INF if t < 0 else slo[t] for t in tiers]
         self.priority = [0 if t < 0 else w.tiers[t].priority for t in tiers]
         self.target = list(self.prompt)

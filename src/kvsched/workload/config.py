@@ -105,8 +105,9 @@ def parse_phase(where: str, table: dict, base: Path | None = None) -> Phase:
     sample = table.get("sample", False)
     if isinstance(sample, str) and sample in ("true", "false"):
         sample = sample == "true"
-    if not isinstance(sample, bool):
-        raise KvschedError(f"{where}: sample must be true or false, got {sample!r}")
+    if not (isinstance(sample, bool) or sample == "permutation"):
+        raise KvschedError(f"{where}: sample must be true (rows with replacement), false (the first rows) or "
+                           f"\"permutation\" (rows without replacement, shuffled by the seed), got {sample!r}")
     return Phase(requests, types, trace, fmt, window, arrivals, str(table.get("name", "")), sample)
 
 

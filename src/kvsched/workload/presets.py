@@ -6,6 +6,7 @@ override any of them.
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvsched.errors import KvschedError
-from kvsched.workload.arrivals import Closed, Poisson
+from kvsched.workload.arrivals import Arrivals, Closed, Poisson, PoissonTruncated, _check_rate
 from kvsched.workload.lengths import Fixed, Jitter, Quantiles, Uniform
 from kvsched.workload.request import Tier
 from kvsched.workload.spec import Phase, RequestType, TierShare, WorkloadSpec
@@ -52,17 +53,21 @@ def traces_dir() -> Path | None:
     return None
 
 
-def sharegpt_phase(folder: Path | None, requests: int, rate: float) -> Phase:
-    """ShareGPT lengths, rows drawn with replacement from the shared trace as rad-slai.txt
-    section 5 does, or (trace absent) the percentile stand-in."""
+def sharegpt_phase(folder: Path | None, requests: int, rate: float | Arrivals,
+                   sample: bool | str = True) -> Phase:
+    """ShareGPT lengths from the shared trace, its rows picked by `sample` (True: with
+    replacement; "permutation": without, the file shuffled once by the seed, as the SLAI
+    authors read it, rad-slai.txt section 7), or (trace absent) the percentile stand-in, with a
+    warning. `rate` is a Poisson rate or an arrival process."""
+    arrivals = Poisson(rate) if isinstance(rate, (int, float)) else rate
     if folder is not None and (folder / SHAREGPT_FILE).is_file():
-        return Phase(requests, trace=folder / SHAREGPT_FILE, arrivals=Poisson(rate), name="sharegpt",
-                     sample=True)
+        return Phase(requests, trace=folder / SHAREGPT_FILE, arrivals=arrivals, name="sharegpt",
+                     sample=sample)
     warnings.warn(f"{SHAREGPT_FILE} not found (set KVSCHED_TRACES to the traces folder); using a "
                   "synthetic stand-in whose median and p90 match ShareGPT's "
                   "(prompt 1730 / 5696, output 415 / 834 tokens)", stacklevel=2)
-    return Phase(requests, (RequestType(Quantiles(SHAREGPT_PROMPT), Quantiles(SHAREGPT_OUTPUT), rate),),
-                 name="sharegpt (stand-in)")
+    return Phase(requests, (RequestType(Quantiles(SHAREGPT_PROMPT), Quantiles(SHAREGPT_OUTPUT)),),
+                 arrivals=arrivals, name="sharegpt (stand-in)")
 
 
 def _one(requests: int, prompt, output, arrivals, name: str = "") -> Phase:
@@ -98,14 +103,53 @@ def _types(prompts, outputs, rates, requests: int, known: bool, name: str) -> Wo
     return WorkloadSpec((Phase(requests, types),), output_known=known, name=name)
 
 
-def _sharegpt(paying: float | None) -> Callable[[], WorkloadSpec]:
-    def make() -> WorkloadSpec:
-        tiers = () if paying is None else (
-            TierShare(Tier("paying", tbt_slo=0.1, priority=0), paying),
-            TierShare(Tier("free", tbt_slo=0.5, priority=1), round(1 - paying, 12)))
-        return WorkloadSpec((sharegpt_phase(traces_dir(), 2000, 1.0),), tiers=tiers, cap_len=8192,
-                            name="sharegpt" if paying is None else f"slai-paying-{round(paying * 100)}")
-    return make
+SLAI_DURATION = 2100.0      # seconds: "Each experiment runs for 35 minutes" (rad-slai.txt section 7)
+SLAI_GAP_CAP = 3.0          # gaps capped at 3x the mean (the authors' trace generator)
+SLAI_PRESET_RATE = 1.0      # req/s (nominal) for the presets; the paper sweeps 0.2, 0.4, ..., 1.6
+
+
+def slai_workload(paying: float, rate: float, seed: int = 0, duration: float = SLAI_DURATION,
+                  truncated: bool = True) -> WorkloadSpec:
+    """The SLAI experiment's workload (rad-slai.txt section 7): ShareGPT (openchat_sharegpt4)
+    rows read without replacement from the length file shuffled once by `seed`, prompt + output
+    capped at 8,192 tokens; arrivals `poisson-trunc:RATE:3` (exponential gaps capped at 3x
+    their mean, as the authors' generator; effective rate RATE / (1 - e^-3) = 1.0524 RATE) or,
+    with `truncated=False`, Poisson at `rate`; ceil(effective rate x `duration`) requests
+    (the product rounded to 1e-9 first, so 0.2 x 2100 gives 420), 35 minutes by default.
+
+    Each request is paying with probability `paying` (TBT SLO 0.1 s, priority 0), else free
+    (TBT SLO 0.5 s, priority 1), drawn independently per request (`TierShare` shares are
+    per-request probabilities: numpy `choice` with p, seeded by `seed`). Without the shared
+    trace the percentile stand-in is used, with a warning. The paper's warm-up before
+    measurement is not given in seconds; use `Scenario.trim` for one."""
+    if isinstance(paying, bool) or not (isinstance(paying, (int, float)) and 0 <= paying <= 1):
+        raise KvschedError(f"slai_workload: paying must be a share in [0, 1], got {paying!r}")
+    _check_rate(rate)
+    if not (isinstance(duration, (int, float)) and duration > 0 and math.isfinite(duration)):
+        raise KvschedError(f"slai_workload: duration must be > 0 seconds, got {duration!r}")
+    arrivals = PoissonTruncated(float(rate), SLAI_GAP_CAP) if truncated else Poisson(float(rate))
+    n = max(1, math.ceil(round(arrivals.mean_rate * duration, 9)))
+    tiers = (TierShare(Tier("paying", tbt_slo=0.1, priority=0), float(paying)),
+             TierShare(Tier("free", tbt_slo=0.5, priority=1), round(1 - paying, 12)))
+    return WorkloadSpec((sharegpt_phase(traces_dir(), n, arrivals, sample="permutation"),), tiers=tiers,
+                        seed=seed, cap_len=8192, name=f"slai-paying-{paying * 100:g}")
+
+
+def _sharegpt() -> WorkloadSpec:
+    return WorkloadSpec((sharegpt_phase(traces_dir(), 2000, 1.0),), cap_len=8192, name="sharegpt")
+
+
+def _slai(paying: float) -> Callable[[], WorkloadSpec]:
+    return lambda: slai_workload(paying, SLAI_PRESET_RATE)
+
+
+_SLAI_TEXT = (f"ShareGPT rows without replacement (the file shuffled by --seed), prompt + output capped "
+              f"at 8,192; poisson-trunc:{SLAI_PRESET_RATE:g}:3 (gaps capped at 3x the mean: "
+              f"{PoissonTruncated(SLAI_PRESET_RATE, SLAI_GAP_CAP).mean_rate:.4f} req/s effective; rate "
+              f"{SLAI_PRESET_RATE:g} assumed, the paper sweeps 0.2..1.6), 35 minutes = "
+              f"{math.ceil(PoissonTruncated(SLAI_PRESET_RATE, SLAI_GAP_CAP).mean_rate * SLAI_DURATION):,} "
+              "requests; {paying}% paying users (TBT SLO 0.1 s, priority 0), the rest free (TBT 0.5 s, "
+              "priority 1), drawn per request")
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [
@@ -147,13 +191,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            lambda: _types((60,) * 10, tuple(range(50, 501, 50)),
                           tuple(55 * w / 66 for w in (23, 11, 8, 7, 6, 4, 3, 2, 1, 1)), 5500, False,
                           "nested-wait-10type")),
-    Preset("sharegpt", f"{SLAI} section 5 ({SHAREGPT_FILE})", "ShareGPT lengths, total capped at 8,192, "
-           "Poisson 1 req/s, 2,000 requests (a percentile-matched stand-in when the trace is absent)",
-           _sharegpt(None)),
-    Preset("slai-paying-5", f"{SLAI} section 5", "sharegpt with 5% paying users (TBT SLO 0.1 s, "
-           "priority 0) and 95% free (TBT 0.5 s, priority 1)", _sharegpt(0.05)),
-    Preset("slai-paying-50", f"{SLAI} appendix F.3", "sharegpt with 50% paying users", _sharegpt(0.5)),
-    Preset("slai-paying-95", f"{SLAI} appendix F.3", "sharegpt with 95% paying users", _sharegpt(0.95)),
+    Preset("sharegpt", f"{SLAI} section 7 ({SHAREGPT_FILE})", "ShareGPT lengths (rows with replacement), "
+           "total capped at 8,192, Poisson 1 req/s, 2,000 requests (a percentile-matched stand-in when the "
+           "trace is absent)", _sharegpt),
+    Preset("slai-paying-5", f"{SLAI} section 7, Fig. 7", _SLAI_TEXT.format(paying=5), _slai(0.05)),
+    Preset("slai-paying-50", f"{SLAI} appendix F.3", _SLAI_TEXT.format(paying=50), _slai(0.5)),
+    Preset("slai-paying-95", f"{SLAI} appendix F.3", _SLAI_TEXT.format(paying=95), _slai(0.95)),
 ]}
 
 

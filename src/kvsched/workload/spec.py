@@ -58,7 +58,18 @@ class TierShare:
 @dataclass(frozen=True)
 class Phase:
     """`requests` requests with lengths from `types` or from `trace`, arriving by `arrivals`
-    (default: the types' summed rates as Poisson; a timed trace's own stamps)."""
+    (default: the types' summed rates as Poisson; a timed trace's own stamps).
+
+    `sample` picks a trace's rows:
+      False          the first `requests` rows, in file order (rows drawn with replacement,
+                     seeded, when `requests` exceeds the rows);
+      True           `requests` rows drawn with replacement (seeded);
+      "permutation"  the first `requests` rows of the trace shuffled once by the seed: rows
+                     without replacement, as the SLAI authors read their shuffled ShareGPT
+                     file (rad-slai.txt section 7). More requests than rows is an error; no
+                     `requests` takes every row, shuffled. A replayed timed trace keeps each
+                     chosen row's own time (a seeded random subset of the trace).
+    """
     requests: int | None = None
     types: tuple[RequestType, ...] = ()
     trace: Path | None = None
@@ -66,7 +77,7 @@ class Phase:
     window: tuple[float, float] | None = None
     arrivals: Arrivals | None = None
     name: str = ""
-    sample: bool = False                # draw trace rows with replacement instead of taking the first N
+    sample: bool | str = False          # how trace rows are picked: False, True or "permutation"
 
     def label(self, k: int) -> str:
         return self.name or f"phase {k + 1}"
@@ -81,7 +92,12 @@ class Phase:
             raise KvschedError(f"{where}: a synthetic phase needs a number of requests")
         if self.types and isinstance(self.arrivals, Replay):
             raise KvschedError(f"{where}: replay needs a timed trace; synthetic phases take poisson, "
-                               "gamma, piecewise, sine or closed arrivals")
+                               "poisson-trunc, gamma, piecewise, sine or closed arrivals")
+        if not (isinstance(self.sample, bool) or self.sample == "permutation"):
+            raise KvschedError(f"{where}: sample must be False (first rows), True (with replacement) or "
+                               f"'permutation' (without replacement), got {self.sample!r}")
+        if self.sample == "permutation" and self.trace is None:
+            raise KvschedError(f"{where}: sample='permutation' draws a trace's rows; this phase has no trace")
         if self.window is not None and not 0 <= self.window[0] < self.window[1]:
             raise KvschedError(f"{where}: window needs 0 <= start < end, got {self.window}")
 
@@ -225,10 +241,14 @@ def _generate(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool, un
 
 
 def _from_trace(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool, untimed_ok: bool) -> _Part:
+    perm = ph.sample == "permutation"
     rows = read_trace(ph.trace, format=ph.format, window=ph.window,
                       first=None if ph.sample else ph.requests, keep_hashes=keep_hashes)
     have = len(rows.prompt)
     n = have if ph.requests is None else int(ph.requests)
+    if perm and n > have:
+        raise KvschedError(f"{ph.label(k)}: {n:,} requests drawn without replacement (sample = "
+                           f"'permutation') need as many rows; {rows.path} has {have:,}")
     arrivals = ph.arrivals
     if isinstance(arrivals, TraceRate):
         arrivals = arrivals.resolve(rows.arrival is not None)
@@ -238,7 +258,10 @@ def _from_trace(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool, 
             raise KvschedError(f"{rows.path} has no arrival times: give --rate REQ_PER_S or --arrivals "
                                "(poisson:RATE, gamma:RATE:CV, closed:C, ...)")
         arrivals = Replay()
-    idx = np.arange(n) if n <= have and not ph.sample else rng.integers(0, have, size=n)
+    if perm:
+        idx = rng.permutation(have)[:n]
+    else:
+        idx = np.arange(n) if n <= have and not ph.sample else rng.integers(0, have, size=n)
     conc = arrivals.concurrency if isinstance(arrivals, Closed) else 0
     if conc or untimed:
         arrival = np.zeros(n)
@@ -246,7 +269,10 @@ def _from_trace(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool, 
         if rows.arrival is None:
             raise KvschedError(f"{rows.path} is a length-only trace: it has no times to replay")
         stamps = arrivals.apply(rows.arrival, rng)
-        arrival = stamps[:n] if n <= have and not ph.sample else _resampled_gaps(rng, stamps, n)
+        if perm:
+            arrival = stamps[idx]
+        else:
+            arrival = stamps[:n] if n <= have and not ph.sample else _resampled_gaps(rng, stamps, n)
     else:
         arrival = arrivals.times(rng, n)
     names = sorted(set(rows.tier) - {""}) if rows.tier is not None else []

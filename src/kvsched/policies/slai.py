@@ -1,0 +1,165 @@
+"""SLAI, the SLO-aware scheduler of rad-slai.txt section 6, as the authors' public
+implementation (a Sarathi-Serve fork) runs it; docs/rad-slai.md tables where the code and
+the paper differ.
+
+Last schedulable time (eq. 8): C = e + TBT - delta * t_bar, where e is the end of the batch
+that gave the request its last token, TBT its tier's SLO (`default_tbt` without one), t_bar
+the mean of every batch time since the start (warm-up included) and delta the offset. delta
+is `offset`, or with `dynamic` `offset_low` while used KV / total is below `memory_limit`
+and `offset_high` above (section 7.1). delta and t_bar are frozen into C when it is
+computed, after the batch that produced the token.
+
+Each batch, under `token_budget` tokens (section 6, "Batch construction"):
+1. critical decodes (C <= now), earliest C first, up to `max_decodes` (beta);
+2. ongoing partial prefills, in admission order;
+3. new prefills: the waiting requests re-sorted every batch by prompt length (`order=spf`,
+   stable: ties keep queue order) or in queue order (`fcfs`); with `user_priority` the
+   higher-priority tier's requests first, SPF within a tier. Admission stops at the first
+   request without KV for its whole prompt beyond a `watermark` share of blocks kept free,
+   or without a seat (`max_num_seqs`, alpha, requests holding KV);
+4. non-critical decodes in C order while budget, beta and free KV allow.
+A critical decode that needs a KV block that is not free preempts the newest partial
+prefill (recompute; its reserved prompt blocks are freed), then, with none left, the decode
+itself. No request is admitted in a batch that preempted (vLLM's rule, as `sarathi`).
+Non-critical decodes take a block only if one is free. When that leaves nothing to run while
+requests decode (KV full, none critical yet), every decode counts as critical: the authors'
+engine would spin until the first became critical, and a simulated replica has no event to
+wait for (its clock only moves with batches and arrivals).
+
+There is no starvation guard, as in the authors' code (a TTFT-slack ordering existed before
+release and was removed). `aging` > 0 (off by default, not in the paper) serves requests
+that have waited longer than `aging` seconds first, in queue order.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvsched.policies.base import Plan, ServerView
+from kvsched.policies.baselines import ORDERS, _Base, _check_limits, prefill_order
+
+
+@dataclass
+class Slai(_Base):
+    token_budget: int = field(default=512, metadata={"range": "[1, inf)", "help": "tokens per batch (tau_budget)"})
+    max_num_seqs: int = field(default=128, metadata={"range": "[1, inf)", "help": "alpha: max requests holding KV"})
+    max_decodes: int = field(default=128, metadata={"range": "[1, inf)", "help": "beta: max decodes per batch"})
+    order: str = field(default="spf", metadata={"range": "spf|fcfs", "help": "new-prefill order: shortest prompt first or FCFS"})
+    dynamic: bool = field(default=True, metadata={"help": "offset by KV use (offset_low / offset_high) instead of `offset`"})
+    offset: float = field(default=10.0, metadata={"range": "[0, inf)", "help": "fixed delta (x mean batch time), when not dynamic"})
+    offset_low: float = field(default=5.0, metadata={"range": "[0, inf)", "help": "dynamic delta below memory_limit"})
+    offset_high: float = field(default=10.0, metadata={"range": "[0, inf)", "help": "dynamic delta at or above memory_limit"})
+    memory_limit: float = field(default=0.96, metadata={"range": "[0, 1]", "help": "used KV share where the dynamic delta switches"})
+    user_priority: bool = field(default=False, metadata={"help": "higher-priority tiers' prefills first (SPF within a tier)"})
+    default_tbt: float = field(default=0.2, metadata={"range": "(0, inf)", "help": "TBT SLO, s, of requests without a tier SLO"})
+    watermark: float = field(default=0.01, metadata={"range": "[0, 1)", "help": "share of KV blocks kept free at admission"})
+    aging: float = field(default=0.0, metadata={"range": "[0, inf)", "help": "serve requests waiting longer than this (s) first; 0 = off"})
+    name = "slai"
+
+    def __post_init__(self) -> None:
+        _check_limits(self.name, self.token_budget, self.max_num_seqs)
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be spf or fcfs, got {self.order!r}")
+        self._lst: dict[int, tuple[float, float]] = {}      # request -> (its last token time, C)
+
+    def offset_now(self, v: ServerView, reserved: int) -> float:
+        """delta: fixed, or by the share of KV blocks in use, reserved prompt blocks included
+        (the authors' block manager allocates a whole prompt at admission)."""
+        if not self.dynamic:
+            return self.offset
+        used = (v.kv_used_blocks + reserved) / v.kv_capacity_blocks
+        return self.offset_low if used < self.memory_limit else self.offset_high
+
+    def _deadlines(self, v: ServerView, delta: float) -> dict[int, float]:
+        """C for every decode-phase request (eq. 8), computed once per produced token."""
+        t_bar = v.mean_batch_time or 0.0
+        lst = self._lst
+        out = {}
+        for i in v.decoding:
+            e = v.last_token_time(i)
+            known = lst.get(i)
+            if known is None or known[0] != e:
+                slo = v.tbt_slo(i)
+                known = (e, e + (self.default_tbt if math.isinf(slo) else slo) - delta * t_bar)
+                lst[i] = known
+            out[i] = known[1]
+        return out
+
+    def schedule(self, v: ServerView) -> Plan:
+        plan = self._batch(v, v.now)
+        if not (plan.decode or plan.chunks or plan.preempt) and v.num_decoding:
+            plan = self._batch(v, math.inf)     # see the module docstring: no idling with decoders
+        return plan
+
+    def _batch(self, v: ServerView, now: float) -> Plan:
+        """Steps 1-4 with decodes critical when C <= now."""
+        blocks, target = v.blocks_for, v.prefill_target
+        partial = list(v.prefilling)
+        reserve = sum(blocks(target(i)) - v.kv_blocks(i) for i in partial)
+        deadline = self._deadlines(v, self.offset_now(v, reserve))
+        by_deadline = sorted(deadline, key=deadline.__getitem__)
+        beta = self.max_decodes
+        free = v.kv_free_blocks - reserve
+        budget = self.token_budget
+        decode: list[int] = []
+        victims: list[int] = []
+        k = 0
+        for k, i in enumerate(by_deadline):                 # 1. critical decodes
+            if deadline[i] > now or len(decode) >= beta or budget <= 0:
+                break
+            need = v.needs_block(i)
+            while need > free and partial:                  # the newest partial prefill goes first
+                j = partial.pop()
+                victims.append(j)
+                free += blocks(target(j))
+            if need > free:
+                victims.append(i)                           # then the decode itself
+                free += v.kv_blocks(i)
+                continue
+            free -= need
+            decode.append(i)
+            budget -= 1
+        else:
+            k = len(by_deadline)
+        chunks: list[tuple[int, int]] = []
+        for i in partial:                                   # 2. ongoing partial prefills
+            if budget <= 0:
+                break
+            c = min(budget, target(i) - v.prefill_done(i))
+            chunks.append((i, c))
+            budget -= c
+        admit: list[int] = []
+        if not victims:                                     # 3. new prefills
+            seats = len(v.running)
+            keep = int(self.watermark * v.kv_capacity_blocks)
+            for i in prefill_order(v, self.order, self.user_priority, self.aging):
+                if budget <= 0 or seats >= self.max_num_seqs:
+                    break
+                need = blocks(target(i))
+                if free - need < keep:
+                    break
+                c = min(budget, target(i))
+                admit.append(i)
+                chunks.append((i, c))
+                free -= need
+                budget -= c
+                seats += 1
+        for i in by_deadline[k:]:                           # 4. non-critical decodes
+            if budget <= 0 or len(decode) >= beta:
+                break
+            if deadline[i] <= now or i in victims:
+                continue
+            need = v.needs_block(i)
+            if need > free:
+                break
+            free -= need
+            decode.append(i)
+            budget -= 1
+        which = True if len(decode) == v.num_decoding and decode else (decode or False)
+        return Plan(admit, chunks, which, victims)
+
+    def on_finish(self, i: int, view: ServerView) -> None:
+        self._lst.pop(i, None)
+
+    def on_preempt(self, i: int, view: ServerView) -> None:
+        self._lst.pop(i, None)
