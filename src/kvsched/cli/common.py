@@ -115,7 +115,7 @@ WORKLOAD_FLAGS = {
     "trace": (Optional[Path], typer.Option(None, "--trace", help="trace file: Azure 2023 CSV, Mooncake JSONL, length-only CSV, or arrival_time,prompt_tokens,output_tokens[,tier] CSV/JSONL")),
     "format": (str, typer.Option("auto", "--format", help=f"trace format: {', '.join(FORMATS)}")),
     "rate": (Optional[float], typer.Option(None, "--rate", help=f"mean arrival rate, requests/s: Poisson for synthetic and length-only workloads (built in: {DEFAULT_RATE:g}); a timed trace's times rescaled to it")),
-    "arrivals": (Optional[str], typer.Option(None, "--arrivals", help="poisson:RATE, gamma:RATE:CV, piecewise:R1:S1,R2:S2,..., sine:MEAN:AMP:PERIOD, closed:C, replay, replay:RATE, replay:xF")),
+    "arrivals": (Optional[str], typer.Option(None, "--arrivals", help="poisson:RATE, poisson-trunc:RATE:K (gaps capped at K x the mean), gamma:RATE:CV, piecewise:R1:S1,R2:S2,..., sine:MEAN:AMP:PERIOD, closed:C, replay, replay:RATE, replay:xF")),
     "num_requests": (Optional[int], typer.Option(None, "--num-requests", help="requests (per phase); a trace's first N rows, resampled with replacement beyond them")),
     "seed": (int, typer.Option(0, "--seed")),
     "prompt_len": (Optional[str], typer.Option(None, "--prompt-len", help=f"synthetic prompt lengths (built in: {DEFAULT_LENGTH}): fixed:N, uniform:LOW:HIGH, jitter:MEAN, geometric:MEAN, gamma:SHAPE:MEAN, hazard:P0:ETA")),
@@ -176,13 +176,15 @@ class HardwareOptions:
     cost: str
     cost_set: list[str]
 
-    def scenario(self, workload, goodput: list[str] = (), trim: int = 0, strict: bool = False) -> Scenario:
+    def scenario(self, workload, goodput: list[str] = (), trim: int = 0, strict: bool = False,
+                 tbt_first_zero: bool = False) -> Scenario:
         get_model(self.model), get_gpu(self.gpu)
         return Scenario(workload, model=self.model, gpu=self.gpu, cost=self.cost,
                         cost_params=parse_assignments(self.cost_set, "--cost-set"),
                         kv_capacity=self.kv_capacity, memory_utilization=self.memory_utilization,
                         block_size=self.block_size, max_model_len=self.max_model_len,
-                        goodput=Goodput.parse(list(goodput)), trim=trim, strict=strict)
+                        goodput=Goodput.parse(list(goodput)), trim=trim, strict=strict,
+                        tbt_first_zero=tbt_first_zero)
 
 
 hardware_flags = _flags(HARDWARE_FLAGS, HardwareOptions, "hw")
@@ -192,6 +194,7 @@ OUTPUT_FLAGS = {
     "goodput": (list[str], typer.Option([], "--goodput", help="SLOs for request_goodput: ttft:MS tpot:MS e2el:MS")),
     "trim": (int, typer.Option(0, "--trim", help="drop the first and last N requests from the figures (steady state)")),
     "strict": (bool, typer.Option(False, "--strict", help="a request that can never be served is an error")),
+    "tbt_first_zero": (bool, typer.Option(False, "--tbt-first-zero", help="also report p99_tbt_first_zero_ms: TBT with a 0 s sample per first token, as the SLAI authors' telemetry")),
     "json_": (bool, JsonOpt),
     "out": (Optional[Path], typer.Option(None, "--out", help="write summary.json, requests.csv, timeline.csv here")),
     "record_batches": (bool, typer.Option(False, "--record-batches", help="with --out: also batches.csv, one row per iteration")),
@@ -203,6 +206,7 @@ class OutputOptions:
     goodput: list[str]
     trim: int
     strict: bool
+    tbt_first_zero: bool
     json_: bool
     out: Optional[Path]
     record_batches: bool

@@ -30,7 +30,7 @@ def simulate_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOpti
                  set_: list[str] = typer.Option([], "--set", help="policy parameter key=value (repeatable)")) -> None:
     """Simulate one policy on a workload (one replica, a cluster, or prefill/decode pools)."""
     def body() -> None:
-        sc = copts.apply(hw.scenario(load(wopts), outs.goodput, outs.trim, outs.strict), wopts.seed)
+        sc = copts.apply(hw.scenario(load(wopts), outs.goodput, outs.trim, outs.strict, outs.tbt_first_zero), wopts.seed)
         _run_policies(sc, {policy: parse_assignments(set_, "--set")}, outs, keyed=False, decode=copts.decode_args())
     guard(body)
 
@@ -49,7 +49,7 @@ def compare_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOptio
         unknown = [p for p in names if p not in POLICIES]
         if unknown or not names:
             raise KvschedError(f"unknown policy {unknown[0] if unknown else policies!r}; known: {', '.join(POLICIES)}")
-        sc = copts.apply(hw.scenario(load(wopts), outs.goodput, outs.trim, outs.strict), wopts.seed)
+        sc = copts.apply(hw.scenario(load(wopts), outs.goodput, outs.trim, outs.strict, outs.tbt_first_zero), wopts.seed)
         _run_policies(sc, _scoped_params(parse_assignments(set_, "--set"), names), outs, keyed=True,
                       decode=copts.decode_args())
     guard(body)

@@ -1,6 +1,6 @@
 """Workloads: requests, length distributions, arrival processes, trace readers, phases and
 tiers, presets and statistics."""
-from kvsched.workload.arrivals import (Closed, GammaArrivals, Piecewise, Poisson, Replay, Sinusoid,
+from kvsched.workload.arrivals import (Closed, GammaArrivals, Piecewise, Poisson, PoissonTruncated, Replay, Sinusoid,
                                        parse_arrivals, poisson_arrivals)
 from kvsched.workload.config import load_workload_file
 from kvsched.workload.lengths import (Empirical, Fixed, Gamma, Geometric, Jitter, Quantiles, Uniform,
@@ -13,7 +13,7 @@ from kvsched.workload.stats import describe
 from kvsched.workload.synthetic import mixture, synthetic
 from kvsched.workload.traces import export_csv, load_trace
 
-__all__ = ["Closed", "GammaArrivals", "Piecewise", "Poisson", "Replay", "Sinusoid", "parse_arrivals",
+__all__ = ["Closed", "GammaArrivals", "Piecewise", "Poisson", "PoissonTruncated", "Replay", "Sinusoid", "parse_arrivals",
            "poisson_arrivals", "load_workload_file", "Empirical", "Fixed", "Gamma", "Geometric",
            "Jitter", "Quantiles", "Uniform", "empirical", "parse_length", "PRESETS", "read_trace",
            "Ragged", "Request", "Tier", "Workload", "Phase", "RequestType", "TierShare",
