@@ -21,7 +21,9 @@ paying (TBT SLO 0.1 s) with probability 5%, 50% or 95%, free (0.5 s) otherwise.
 
 Measures as the authors': TTFT only of requests finished inside the run, and p99 TBT with a
 0 s sample per request's first token (`tbt_first_zero`). kvsched's own (every request; gaps
-only) are printed beside them.
+only) are printed beside them. The TBT figures hold every gap of the run, the drain after 35
+minutes included (the authors' telemetry stops at the end of the run): this differs only
+above capacity, where fewer requests finish inside the run (column "inside" of (c)).
 
     python benchmarks/bench_slai.py [--seeds 3] [--jobs N] [--quick]
 """
@@ -48,6 +50,7 @@ DURATION = 2100.0                 # 35 minutes
 TTFT_SLO = 0.5
 TIER_SLO = {"paying": 0.1, "free": 0.5}
 SHARES = (0.05, 0.5, 0.95)
+CALIBRATION_SEED = 100            # the calibration's workloads are not the sweep's (seeds 0, 1, ...)
 SARATHI = {"chunk_size": 512, "max_num_seqs": 128, "watermark": 0.01}
 POLICIES = {
     "Sarathi(FCFS)": ("sarathi", SARATHI),
@@ -143,7 +146,8 @@ def _cell(x) -> str:
 
 
 def section_a(seeds: int, workers: int, grid: list[float]) -> float:
-    jobs = [("Sarathi(FCFS)", 0.05, rate, s, m) for m in grid for rate in (1.15, 1.6) for s in range(seeds)]
+    jobs = [("Sarathi(FCFS)", 0.05, rate, CALIBRATION_SEED + s, m) for m in grid for rate in (1.15, 1.6)
+            for s in range(seeds)]
     res = run_all(jobs, workers)
     by = {}
     for r, j in zip(res, jobs):
@@ -172,11 +176,14 @@ def section_bcd(seeds: int, workers: int, m: float, rates: list[float]) -> None:
     rows = []
     for share in SHARES:
         paper = dict(zip(("Sarathi(FCFS)", "SLAI(SPF, dynamic)"), PAPER_CAPACITY[share]))
+        base = capacity({r: figs[(share, "Sarathi(FCFS)", r)] for r in rates})
         for label in POLICIES:
-            curve = {r: figs[(share, label, r)] for r in rates}
-            rows.append([f"{share:.0%}", label, capacity(curve), paper.get(label, "")])
-    table("(b) capacity, req/s (median TTFT <= 0.5 s, paying p99 TBT <= 0.1 s, free <= 0.5 s), against the paper",
-          ["paying", "policy", "kvsched", "paper"], rows)
+            cap = capacity({r: figs[(share, label, r)] for r in rates})
+            p = paper.get(label)
+            rows.append([f"{share:.0%}", label, cap, f"{cap / base:.2f}" if base else "", p or "",
+                         f"{p / paper['Sarathi(FCFS)']:.2f}" if p else ""])
+    table("(b) capacity, req/s (median TTFT <= 0.5 s, paying p99 TBT <= 0.1 s, free <= 0.5 s), and relative to "
+          "Sarathi(FCFS), against the paper", ["paying", "policy", "kvsched", "x Sarathi", "paper", "x Sarathi"], rows)
     at = min(rates, key=lambda r: abs(r - 1.6))
     rows = []
     for share in SHARES:
@@ -205,12 +212,19 @@ def sharegpt_closed(n: int, c: int):
                         cap_len=8192, seed=0).build()
 
 
+def steady_throughput(finished: np.ndarray, c: int) -> float:
+    """Completions per second between the c-th and the (n - c)-th completion: past the closed
+    loop's synchronized start and before its ramp-down."""
+    f = np.sort(finished)
+    return (len(f) - 2 * c) / float(f[len(f) - c - 1] - f[c - 1])
+
+
 def section_e(m: float) -> None:
     """RAD at saturation against Theorem 1's capacity 1 / T_R (r = 1)."""
     from kvsched.cost import make_cost_model
     from kvsched.hardware import get_gpu, get_model
     from kvsched.theory import rad as theory
-    w = sharegpt_closed(3000, 512)
+    w = sharegpt_closed(4000, 512)
     need = 128 * int((w.prompt + w.output).max())           # Assumption 4: t_col requests at their longest
     rows = []
     for cost_label, extra in (("eq. (7) alone", {"weight_floor": 0.0, "overhead": 0.0}), ("preset", {})):
@@ -223,8 +237,7 @@ def section_e(m: float) -> None:
                                      ("SLAI(SPF, dynamic)", POLICIES["SLAI(SPF, dynamic)"], KV_TOKENS)):
             sc = Scenario(w, model="mistral-7b", gpu="rtx-6000-ada", cost=COST, kv_capacity=kv, block_size=16,
                           max_model_len=8192, cost_params=params)
-            res = simulate(sc, pol, pp)
-            tp = len(w) / float(res.records.finished.max())
+            tp = steady_throughput(simulate(sc, pol, pp).records.finished, 512)
             rows.append([cost_label, label, f"{kv:,}", tp, bound, f"{tp / bound - 1:+.1%}"])
     table("(e) saturated throughput, req/s: a closed loop of 512 on ShareGPT lengths against Theorem 1's 1 / T_R. "
           f"Prompts are not whole t_lcm chunks; 205,000 KV tokens hold fewer than t_col = 128 such requests "

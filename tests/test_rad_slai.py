@@ -166,17 +166,52 @@ def test_slai_with_every_decode_critical_is_sarathi_exactly():
 
 
 def test_slai_defers_relaxed_decodes():
-    """Free-tier decodes (TBT 0.5 s) wait, paying ones (0.1 s) much less: free-tier requests'
-    largest gap grows well beyond sarathi's. (Whether paying gaps stay within 0.1 s depends on
-    delta x t_bar against the batch time: bench_slai checks it with the calibrated cost.)"""
-    w = tiered(rate=3.0)
-    paying = w.tier_index == 0
-    res = {}
-    for name, params in (("sarathi", {}), ("slai", {})):
-        _, rec, _ = run(w, name, params, cost="roofline", kv_tokens=200_000, block_size=16)
-        res[name] = rec
-    assert np.median(res["slai"].itl_max[~paying]) > 1.5 * np.median(res["sarathi"].itl_max[~paying])
-    assert np.median(res["slai"].itl_max[paying]) < 0.75 * np.median(res["slai"].itl_max[~paying])
+    """With the calibrated cost (the tiled preset, decode attention x 1.35 as bench_slai
+    calibrates it): free-tier decodes (TBT 0.5 s) are deferred while paying ones (0.1 s) keep
+    their p99 within the SLO. The deferral shows in the free tier's tail (p99 several times
+    sarathi's); its median gap stays the batch time, as non-critical decodes fill the budget
+    left after prefills in most batches."""
+    w = load(WorkloadOptions(num_requests=1500, arrivals="poisson-trunc:1.2:3", prompt_len="uniform:100:4000",
+                             output_len="uniform:50:800", tiers=["paying:0.05:tbt=0.1:priority=0",
+                                                                 "free:0.95:tbt=0.5:priority=1"], seed=1))
+    tiers = {}
+    for name, params in (("sarathi", {"watermark": 0.01}), ("slai", {})):
+        sc = Scenario(w, model="mistral-7b", gpu="rtx-6000-ada", cost="tiled-mistral-7b-rtx-6000-ada",
+                      cost_params={"decode_attn_token_s": 1.35 * 4.267e-9}, kv_capacity=205_000, max_model_len=8192)
+        tiers[name] = {t["name"]: t for t in simulate(sc, name, params).summary["tiers"]}
+    sarathi, slai = tiers["sarathi"], tiers["slai"]
+    assert slai["free"]["p99_itl_ms"] > 3 * sarathi["free"]["p99_itl_ms"]
+    assert slai["free"]["median_itl_ms"] >= 0.95 * sarathi["free"]["median_itl_ms"]
+    assert slai["paying"]["p99_itl_ms"] <= 100 and slai["paying"]["tbt_slo_attainment"] > 0.9
+
+
+def test_slai_offset_parameters():
+    gpu = get_gpu("a100-80gb")
+    assert make_policy("slai", {"offset": "3"}, gpu).dynamic is False          # a fixed delta
+    assert make_policy("slai", {}, gpu).offset_now(View(kv={1: 959}), 0) == 5.0
+    assert make_policy("slai", {}, gpu).offset_now(View(kv={1: 960}), 0) == 10.0
+    for bad, match in (({"dynamic": "true", "offset": "3"}, "fixed delta"),
+                       ({"dynamic": "false", "offset_low": "2"}, "dynamic delta"),
+                       ({"offset_low": "12"}, "exceeds offset_high")):
+        with pytest.raises(KvschedError, match=match):
+            make_policy("slai", bad, gpu)
+
+
+def test_slai_unfrozen_deadline_follows_t_bar():
+    v = View(decoding=[1], kv={1: 100}, last={1: 9.9}, slo={1: 0.5})
+    pol = Slai(freeze=False)
+    pol.schedule(v)
+    v.mean_batch_time = 0.05
+    pol.schedule(v)
+    assert pol._lst[1][1] == pytest.approx(9.9 + 0.5 - 5 * 0.05)
+
+
+def test_lone_request_is_not_starved_by_the_watermark():
+    """KV for the prompt but not beyond the 1% watermark: admitted while nothing runs."""
+    w = Workload.from_requests([Request(0.0, 3060, 5)])
+    for name in ("slai", "sarathi"):
+        _, rec, _ = run(w, name, {"watermark": 0.01}, kv_tokens=3072, block_size=16)
+        assert np.isfinite(rec.finished).all()
 
 
 @pytest.mark.parametrize("params", [{}, {"variant": "prefill-first", "n": 40}, {"n": 8}])
@@ -226,3 +261,5 @@ def test_distserve_split_run_counts_the_transfer():
     assert np.isfinite(chunked.finished).all()
     with pytest.raises(KvschedError, match="disaggregated"):
         simulate(Scenario(w, model="mistral-7b", gpu="rtx-6000-ada"), "distserve")
+    with pytest.raises(KvschedError, match="rad runs whole requests"):
+        simulate(sc, "rad")

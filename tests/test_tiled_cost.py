@@ -106,7 +106,9 @@ def test_make_cost_model_and_registry():
     assert cm.decode_attn_token_s == pytest.approx(2 * 8 * 128 * 2 / 0.96e12, rel=1e-12)
     preset = make_cost_model("tiled-mistral-7b-rtx-6000-ada", {"overhead": "0"}, MISTRAL, ADA)
     assert preset.overhead == 0 and preset.lin_tile_s == TILED_PRESETS["tiled-mistral-7b-rtx-6000-ada"]["lin_tile_s"]
-    assert TiledCost(MISTRAL, ADA, t_row=6, t_col=4, t_red=10).t_lcm == 60
+    assert TiledCost(MISTRAL, ADA, t_row=8, t_col=12, t_red=32).t_lcm == 96
+    with pytest.raises(ValueError, match="t_red=10 does not divide d"):
+        TiledCost(MISTRAL, ADA, t_red=10)
 
 
 def test_cli_runs_with_the_tiled_models():

@@ -120,7 +120,7 @@ def policies_cmd() -> None:
         table.add_column("range")
         table.add_column("meaning")
         for pname, default, range_, help_ in describe(cls):
-            if default == "auto":
+            if default == "auto" and pname in engine_defaults(GPUS['a30']):
                 default = "{} / {} (>=70 GiB GPU / smaller)".format(
                     engine_defaults(GPUS['h100-sxm'])[pname], engine_defaults(GPUS['a30'])[pname])
             table.add_row(pname, default, range_, help_)

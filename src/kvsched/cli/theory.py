@@ -2,6 +2,7 @@
 JSON keys are the papers' quantities; their meaning is in each command's --help."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -266,7 +267,9 @@ def rad_capacity_cmd(wopts: WorkloadOptions,
     req/s: no scheduler is stable above it, RAD below it), T_P and T_D (its prefill and decode
     parts, derived), T_max (eq. 14), cycle_n (Theorem 2: the smallest n with n > (t_col - 1)
     T_max / (eps T_R)), t_lcm, t_col; with --replicas >= 2 also split_capacity per static split
-    (min(r_p / T_P, r_d / T_D), derived) and best_split."""
+    (min(r_p / T_P, r_d / T_D), derived) and best_split. The theorems use eq. (7) alone: a
+    preset's weight_floor and overhead are left out (reported as *_left_out_s), so a simulated
+    replica with them runs below this capacity."""
     from kvsched.cost import make_cost_model
     from kvsched.cost.tiled import TiledCost
     from kvsched.hardware import get_gpu, get_model
@@ -278,5 +281,7 @@ def rad_capacity_cmd(wopts: WorkloadOptions,
             raise KvschedError(f"--cost {cost}: rad-capacity needs a tiled batch-time model (tiled or a tiled preset)")
         wopts.untimed_ok = True
         w = load(wopts)
-        _emit(rad.analyse(cm, w.prompt, w.output, replicas, eps), json_, f"RAD capacity of {w.source}")
+        left_out = {"weight_floor_left_out_s": cm.weight_floor, "overhead_left_out_s": cm.overhead}
+        cm = dataclasses.replace(cm, weight_floor=0.0, overhead=0.0)      # Theorem 1 is eq. (7) alone
+        _emit({**rad.analyse(cm, w.prompt, w.output, replicas, eps), **left_out}, json_, f"RAD capacity of {w.source}")
     guard(body)

@@ -108,8 +108,13 @@ class TiledCost:
                                2 * m.kv_heads * m.head_dim * m.dtype_bytes / self.gpu.bandwidth)
         for name in ("t_row", "t_col", "t_red"):
             object.__setattr__(self, name, int(getattr(self, name)))
+        d = m.heads * m.head_dim
+        for name in ("t_row", "t_red"):
+            if d % getattr(self, name):
+                raise ValueError(f"{name}={getattr(self, name)} does not divide d = heads x head_dim = {d} of "
+                                 f"{m.name}: eq. (6) assumes model dimensions divisible by the tiles (section 3.2.1)")
         object.__setattr__(self, "_layers", m.layers)
-        object.__setattr__(self, "_d", m.heads * m.head_dim)
+        object.__setattr__(self, "_d", d)
 
     @property
     def t_lcm(self) -> int:

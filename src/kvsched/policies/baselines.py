@@ -160,7 +160,8 @@ class Sarathi(_Base):
     first (`order=spf`, re-sorted every batch, stable: the SLAI authors' variant), under a
     token budget (the chunk size) and max_num_seqs. As in its vLLM-v0 block manager, a
     request is admitted only if KV for its whole prompt is free (reserved for its remaining
-    chunks), beyond `watermark` x blocks (vLLM v0 keeps 1%; 0 by default here)."""
+    chunks), beyond `watermark` x blocks while requests run (vLLM v0 keeps 1%; 0 by default
+    here; a lone request that fits is never starved, as `vllm-v0`)."""
     chunk_size: int = field(default=512, metadata={"range": "[1, inf)", "help": "token budget per batch"})
     max_num_seqs: int = field(default=128, metadata={"range": "[1, inf)", "help": "max running requests"})
     order: str = field(default="fcfs", metadata={"range": "fcfs|spf", "help": "new-prefill order: FCFS or shortest prompt first"})
@@ -193,7 +194,7 @@ class Sarathi(_Base):
         admit: list[int] = []
         if not victims:
             seats = len(v.running)
-            keep = int(self.watermark * v.kv_capacity_blocks)
+            keep = int(self.watermark * v.kv_capacity_blocks) if v.running else 0
             for i in v.waiting if self.order == "fcfs" else prefill_order(v, self.order):
                 if budget <= 0 or seats >= self.max_num_seqs:
                     break

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvsched.errors import KvschedError
 from kvsched.policies.base import Plan, ServerView
 from kvsched.policies.baselines import _Base, make_room
 
@@ -43,10 +44,14 @@ class Rad(_Base):
         if self.variant not in ("rad", "prefill-first"):
             raise ValueError(f"variant must be rad or prefill-first, got {self.variant!r}")
         self._in_cycle = 0              # requests_in_cycle
+        self._decoded = False           # the last batch was a decode batch (line 9's test)
         self._decoding_cycle = False    # Algorithm 2: in decode mode
         self._active: dict[int, None] = {}   # Algorithm 2: D_active, in activation order
 
     def schedule(self, v: ServerView) -> Plan:
+        if v.role != "mixed":
+            raise KvschedError(f"rad runs whole requests on one node (its cycles mix prefill and decode); it "
+                               f"cannot run on a {v.role} replica of disaggregated pools")
         for i in v.prefilling:          # a started prefill runs to completion (lines 12-16)
             return Plan([], [(i, min(self.t_lcm, v.prefill_target(i) - v.prefill_done(i)))])
         if self.variant == "rad":
@@ -55,13 +60,16 @@ class Rad(_Base):
 
     def _rad(self, v: ServerView) -> Plan:
         nd = v.num_decoding
-        if nd == 0:
-            self._in_cycle = 0          # D empty: the cycle is over (line 9)
+        if nd == 0 and (self._decoded or self._in_cycle == self.n > 0):
+            self._in_cycle = 0          # line 9: a decode batch emptied D (or an empty one would)
+        self._decoded = False
         if nd and (nd >= self.t_col or not v.waiting or self._in_cycle == self.n > 0):
+            self._decoded = True
             return self._decode(v, True)
         start = self._start(v)
         if start is not None:
             return start
+        self._decoded = nd > 0
         return self._decode(v, True) if nd else Plan()
 
     def _prefill_first(self, v: ServerView) -> Plan:

@@ -5,26 +5,29 @@ the paper differ.
 Last schedulable time (eq. 8): C = e + TBT - delta * t_bar, where e is the end of the batch
 that gave the request its last token, TBT its tier's SLO (`default_tbt` without one), t_bar
 the mean of every batch time since the start (warm-up included) and delta the offset. delta
-is `offset`, or with `dynamic` `offset_low` while used KV / total is below `memory_limit`
-and `offset_high` above (section 7.1). delta and t_bar are frozen into C when it is
-computed, after the batch that produced the token.
+is fixed (`offset`; giving it turns the dynamic rule off) or, by default, dynamic:
+`offset_low` (5) while used KV / total is below `memory_limit` (0.96), else `offset_high`
+(10) (section 7.1). As in the authors' code, delta and t_bar are frozen into C when it is
+computed, after the batch that produced the token; `freeze=false` recomputes C every batch
+with the current delta and t_bar (eq. 8 read literally).
 
 Each batch, under `token_budget` tokens (section 6, "Batch construction"):
 1. critical decodes (C <= now), earliest C first, up to `max_decodes` (beta);
 2. ongoing partial prefills, in admission order;
 3. new prefills: the waiting requests re-sorted every batch by prompt length (`order=spf`,
    stable: ties keep queue order) or in queue order (`fcfs`); with `user_priority` the
-   higher-priority tier's requests first, SPF within a tier. Admission stops at the first
-   request without KV for its whole prompt beyond a `watermark` share of blocks kept free,
-   or without a seat (`max_num_seqs`, alpha, requests holding KV);
+   higher-priority tier's requests first, SPF within a tier (requests without a tier have
+   priority 0). Admission stops at the first request without KV for its whole prompt beyond
+   a `watermark` share of blocks kept free (while requests run: a lone request that fits is
+   never starved, as `vllm-v0`), or without a seat (`max_num_seqs`, alpha, requests holding KV);
 4. non-critical decodes in C order while budget, beta and free KV allow.
 A critical decode that needs a KV block that is not free preempts the newest partial
 prefill (recompute; its reserved prompt blocks are freed), then, with none left, the decode
 itself. No request is admitted in a batch that preempted (vLLM's rule, as `sarathi`).
 Non-critical decodes take a block only if one is free. When that leaves nothing to run while
-requests decode (KV full, none critical yet), every decode counts as critical: the authors'
-engine would spin until the first became critical, and a simulated replica has no event to
-wait for (its clock only moves with batches and arrivals).
+requests decode (KV full, none critical yet), the batch is built as at the earliest C: the
+authors' engine would spin until then, and a simulated replica has no event to wait for
+(its clock only moves with batches and arrivals).
 
 There is no starvation guard, as in the authors' code (a TTFT-slack ordering existed before
 release and was removed). `aging` > 0 (off by default, not in the paper) serves requests
@@ -45,11 +48,12 @@ class Slai(_Base):
     max_num_seqs: int = field(default=128, metadata={"range": "[1, inf)", "help": "alpha: max requests holding KV"})
     max_decodes: int = field(default=128, metadata={"range": "[1, inf)", "help": "beta: max decodes per batch"})
     order: str = field(default="spf", metadata={"range": "spf|fcfs", "help": "new-prefill order: shortest prompt first or FCFS"})
-    dynamic: bool = field(default=True, metadata={"help": "offset by KV use (offset_low / offset_high) instead of `offset`"})
-    offset: float = field(default=10.0, metadata={"range": "[0, inf)", "help": "fixed delta (x mean batch time), when not dynamic"})
-    offset_low: float = field(default=5.0, metadata={"range": "[0, inf)", "help": "dynamic delta below memory_limit"})
-    offset_high: float = field(default=10.0, metadata={"range": "[0, inf)", "help": "dynamic delta at or above memory_limit"})
-    memory_limit: float = field(default=0.96, metadata={"range": "[0, 1]", "help": "used KV share where the dynamic delta switches"})
+    dynamic: bool | None = field(default=None, metadata={"help": "delta by KV use (offset_low / offset_high); default: yes unless `offset` is given"})
+    offset: float | None = field(default=None, metadata={"range": "[0, inf)", "help": "fixed delta (x mean batch time); 10 when dynamic=false"})
+    offset_low: float | None = field(default=None, metadata={"range": "[0, inf)", "help": "dynamic delta below memory_limit (5)"})
+    offset_high: float | None = field(default=None, metadata={"range": "[0, inf)", "help": "dynamic delta at or above memory_limit (10)"})
+    memory_limit: float | None = field(default=None, metadata={"range": "[0, 1]", "help": "used KV share where the dynamic delta switches (0.96)"})
+    freeze: bool = field(default=True, metadata={"help": "freeze delta and t_bar into C when computed (authors' code); false: recompute every batch"})
     user_priority: bool = field(default=False, metadata={"help": "higher-priority tiers' prefills first (SPF within a tier)"})
     default_tbt: float = field(default=0.2, metadata={"range": "(0, inf)", "help": "TBT SLO, s, of requests without a tier SLO"})
     watermark: float = field(default=0.01, metadata={"range": "[0, 1)", "help": "share of KV blocks kept free at admission"})
@@ -60,6 +64,21 @@ class Slai(_Base):
         _check_limits(self.name, self.token_budget, self.max_num_seqs)
         if self.order not in ORDERS:
             raise ValueError(f"order must be spf or fcfs, got {self.order!r}")
+        dynamic_set = [k for k in ("offset_low", "offset_high", "memory_limit") if getattr(self, k) is not None]
+        if self.dynamic is None:
+            self.dynamic = self.offset is None
+        if self.dynamic and self.offset is not None:
+            raise ValueError("offset is the fixed delta: it has no effect with dynamic=true (set dynamic=false, "
+                             "or offset_low / offset_high)")
+        if not self.dynamic and dynamic_set:
+            raise ValueError(f"{dynamic_set[0]} belongs to the dynamic delta: it has no effect with dynamic=false")
+        self.offset = 10.0 if self.offset is None else self.offset
+        self.offset_low = 5.0 if self.offset_low is None else self.offset_low
+        self.offset_high = 10.0 if self.offset_high is None else self.offset_high
+        self.memory_limit = 0.96 if self.memory_limit is None else self.memory_limit
+        if self.offset_low > self.offset_high:
+            raise ValueError(f"offset_low ({self.offset_low}) exceeds offset_high ({self.offset_high}): the "
+                             "dynamic delta grows with KV use")
         self._lst: dict[int, tuple[float, float]] = {}      # request -> (its last token time, C)
 
     def offset_now(self, v: ServerView, reserved: int) -> float:
@@ -78,7 +97,7 @@ class Slai(_Base):
         for i in v.decoding:
             e = v.last_token_time(i)
             known = lst.get(i)
-            if known is None or known[0] != e:
+            if known is None or known[0] != e or not self.freeze:
                 slo = v.tbt_slo(i)
                 known = (e, e + (self.default_tbt if math.isinf(slo) else slo) - delta * t_bar)
                 lst[i] = known
@@ -88,7 +107,7 @@ class Slai(_Base):
     def schedule(self, v: ServerView) -> Plan:
         plan = self._batch(v, v.now)
         if not (plan.decode or plan.chunks or plan.preempt) and v.num_decoding:
-            plan = self._batch(v, math.inf)     # see the module docstring: no idling with decoders
+            plan = self._batch(v, min(c for _, c in (self._lst[i] for i in v.decoding)))   # as at the earliest C
         return plan
 
     def _batch(self, v: ServerView, now: float) -> Plan:
@@ -103,6 +122,10 @@ class Slai(_Base):
         budget = self.token_budget
         decode: list[int] = []
         victims: list[int] = []
+        while free < 0 and partial:     # reservations overrun (KV pulled in on a decode replica)
+            j = partial.pop()
+            victims.append(j)
+            free += blocks(target(j))
         k = 0
         for k, i in enumerate(by_deadline):                 # 1. critical decodes
             if deadline[i] > now or len(decode) >= beta or budget <= 0:
@@ -131,7 +154,7 @@ class Slai(_Base):
         admit: list[int] = []
         if not victims:                                     # 3. new prefills
             seats = len(v.running)
-            keep = int(self.watermark * v.kv_capacity_blocks)
+            keep = int(self.watermark * v.kv_capacity_blocks) if v.running else 0
             for i in prefill_order(v, self.order, self.user_priority, self.aging):
                 if budget <= 0 or seats >= self.max_num_seqs:
                     break

@@ -89,6 +89,8 @@ def split_capacity(cost, prompts, outputs, prefill_replicas: int, decode_replica
 
 def analyse(cost, prompts, outputs, replicas: int = 1, eps: float = 0.1, t_col: int | None = None) -> dict[str, Any]:
     """Everything `kvsched theory rad-capacity` prints; JSON keys are the paper's quantities."""
+    if replicas < 1:
+        raise KvschedError(f"replicas must be >= 1, got {replicas}")
     lp, _ = _lengths(prompts, outputs)
     t = phase_times(cost, prompts, outputs)
     t_col = t_col or cost.t_col
