@@ -22,12 +22,30 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 
 
-class Checked:
+class Forwarding:
+    """Wraps a policy: its optional hooks are passed on."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name = inner, inner.name
+
+    def _pass(self, hook: str, *args) -> None:
+        f = getattr(self.inner, hook, None)      # hooks are optional
+        if f is not None:
+            f(*args)
+
+    def on_finish(self, i, v) -> None:
+        self._pass("on_finish", i, v)
+
+    def on_preempt(self, i, v) -> None:
+        self._pass("on_preempt", i, v)
+
+
+class Checked(Forwarding):
     """Wraps a policy and checks server invariants from per-request state at every step
     (independently of the server's running counters)."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.name = inner, inner.name
+        super().__init__(inner)
         self.finished: list[int] = []
         self.admission_order: list[int] = []
 
@@ -45,14 +63,7 @@ class Checked:
     def on_finish(self, i, v) -> None:
         assert v.generated(i) == v._output[i]
         self.finished.append(i)
-        hook = getattr(self.inner, "on_finish", None)     # hooks are optional
-        if hook is not None:
-            hook(i, v)
-
-    def on_preempt(self, i, v) -> None:
-        hook = getattr(self.inner, "on_preempt", None)
-        if hook is not None:
-            hook(i, v)
+        super().on_finish(i, v)
 
 
 def run(workload, policy="vllm-v1", params=None, *, cost="constant", cost_params=None,

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from conftest import Forwarding
 from kvsched.hardware import get_gpu
 from kvsched.metrics import GapHistogram, summarize
 from kvsched.policies import make_policy
@@ -38,11 +39,11 @@ def two_tiers(n: int = 400, seed: int = 0, tiered: bool = True, untiered: float 
     return Workload.build(arrival, prompt, output, tier_index=tier, tiers=[GOLD, FREE])
 
 
-class TokenTimes:
+class TokenTimes(Forwarding):
     """Wraps a policy and writes down when each request's every output token came out."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.name = inner, inner.name
+        super().__init__(inner)
         self.times: dict[int, list[float]] = {}
         self.replica = None
         self.batches = self.checks = 0
@@ -60,9 +61,7 @@ class TokenTimes:
     def on_batch_end(self, v) -> None:
         for i in list(v.running):
             self._seen(i, v)
-        hook = getattr(self.inner, "on_batch_end", None)
-        if hook is not None:
-            hook(v)
+        self._pass("on_batch_end", v)
         self.replica = v._r                     # the replica behind the view (test-only access)
         self.batches += 1
         if self.replica.tier_itl is not None and self.batches % 40 == 0:
@@ -74,14 +73,7 @@ class TokenTimes:
 
     def on_finish(self, i, v) -> None:
         self._seen(i, v)
-        hook = getattr(self.inner, "on_finish", None)
-        if hook is not None:
-            hook(i, v)
-
-    def on_preempt(self, i, v) -> None:
-        hook = getattr(self.inner, "on_preempt", None)
-        if hook is not None:
-            hook(i, v)
+        super().on_finish(i, v)
 
 
 def rank_quantile(gaps: np.ndarray, q: float, zeros: int = 0) -> float:

@@ -7,7 +7,7 @@ Both rules are vLLM's own (vllm/v1/core/sched/scheduler.py), not simplifications
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from kvsched.policies.base import Plan, ServerView
 
@@ -64,6 +64,32 @@ def prefill_order(v: ServerView, order: str, user_priority: bool = False, aging:
             seen = set(old)
             queue = old + [i for i in queue if i not in seen]
     return queue
+
+
+def admit_reserving(v: ServerView, queue: Iterable[int], free: int, budget: int, seats: int,
+                    watermark: float) -> tuple[list[int], list[tuple[int, int]], int, int]:
+    """Admission as the vLLM-v0 block manager under Sarathi-Serve (and SLAI): in `queue` order,
+    while budget and seats last, a request is admitted when KV for its whole prompt fits beyond
+    `watermark` x blocks kept free (while requests run); its first chunk runs and the rest is
+    reserved. The first request that does not fit ends admission. Returns (admitted, their
+    chunks, free blocks left, budget left)."""
+    admit: list[int] = []
+    chunks: list[tuple[int, int]] = []
+    keep = int(watermark * v.kv_capacity_blocks) if v.running else 0
+    for i in queue:
+        if budget <= 0 or seats <= 0:
+            break
+        target = v.prefill_target(i)
+        need = v.blocks_for(target)
+        if free - need < keep:
+            break
+        c = min(budget, target)
+        admit.append(i)
+        chunks.append((i, c))
+        free -= need
+        budget -= c
+        seats -= 1
+    return admit, chunks, free, budget
 
 
 class _Base:
@@ -193,20 +219,10 @@ class Sarathi(_Base):
                 budget -= c
         admit: list[int] = []
         if not victims:
-            seats = len(v.running)
-            keep = int(self.watermark * v.kv_capacity_blocks) if v.running else 0
-            for i in v.waiting if self.order == "fcfs" else prefill_order(v, self.order):
-                if budget <= 0 or seats >= self.max_num_seqs:
-                    break
-                need = blocks(target(i))
-                if free - need < keep:
-                    break
-                c = min(budget, target(i))
-                admit.append(i)
-                chunks.append((i, c))
-                free -= need
-                budget -= c
-                seats += 1
+            queue = v.waiting if self.order == "fcfs" else prefill_order(v, self.order)
+            admit, new, _, _ = admit_reserving(v, queue, free, budget, self.max_num_seqs - len(v.running),
+                                               self.watermark)
+            chunks += new
         return Plan(admit, chunks, nd > 0, victims)
 
 

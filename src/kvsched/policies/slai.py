@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvsched.policies.base import Plan, ServerView
-from kvsched.policies.baselines import ORDERS, _Base, _check_limits, prefill_order
+from kvsched.policies.baselines import ORDERS, _Base, _check_limits, admit_reserving, prefill_order
 
 
 @dataclass
@@ -153,20 +153,10 @@ class Slai(_Base):
             budget -= c
         admit: list[int] = []
         if not victims:                                     # 3. new prefills
-            seats = len(v.running)
-            keep = int(self.watermark * v.kv_capacity_blocks) if v.running else 0
-            for i in prefill_order(v, self.order, self.user_priority, self.aging):
-                if budget <= 0 or seats >= self.max_num_seqs:
-                    break
-                need = blocks(target(i))
-                if free - need < keep:
-                    break
-                c = min(budget, target(i))
-                admit.append(i)
-                chunks.append((i, c))
-                free -= need
-                budget -= c
-                seats += 1
+            admit, new, free, budget = admit_reserving(
+                v, prefill_order(v, self.order, self.user_priority, self.aging), free, budget,
+                self.max_num_seqs - len(v.running), self.watermark)
+            chunks += new
         for i in by_deadline[k:]:                           # 4. non-critical decodes
             if budget <= 0 or len(decode) >= beta:
                 break
