@@ -275,6 +275,7 @@ def one_cluster(job: tuple) -> tuple:
 
 
 GPUS = 4
+CLUSTER_RATES = (0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6)    # per GPU
 
 
 def section_f(m: float, workers: int, rates: list[float]) -> None:
@@ -310,7 +311,7 @@ def main() -> int:
     m = section_a(seeds, args.jobs, grid)
     print(f"  [{time.perf_counter() - t0:.0f} s]")
     for section in (lambda: section_bcd(seeds, args.jobs, m, rates), lambda: section_e(m),
-                    lambda: section_f(m, args.jobs, [round(GPUS * r, 2) for r in rates[::2] + [1.5]])):
+                    lambda: section_f(m, args.jobs, [round(GPUS * r, 2) for r in CLUSTER_RATES])):
         t = time.perf_counter()
         section()
         print(f"  [{time.perf_counter() - t:.0f} s]")
