@@ -218,7 +218,7 @@ class Sarathi(_Base):
                 chunks.append((i, c))
                 budget -= c
         admit: list[int] = []
-        if not victims:
+        if not victims and v.waiting and budget > 0:
             queue = v.waiting if self.order == "fcfs" else prefill_order(v, self.order)
             admit, new, _, _ = admit_reserving(v, queue, free, budget, self.max_num_seqs - len(v.running),
                                                self.watermark)
