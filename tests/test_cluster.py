@@ -175,7 +175,7 @@ def test_routers_see_replicas_mid_batch():
 
 
 
-MIXED_ONLY = {"wait", "nested-wait"}       # single-GPU schedulers: refuse disaggregated roles
+MIXED_ONLY = {"wait", "nested-wait", "rad"}    # single-GPU schedulers: refuse disaggregated roles
 
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=120)

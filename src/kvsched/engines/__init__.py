@@ -1,0 +1,1 @@
+"""Real engines: replay against vLLM's own scheduler (vLLM imported lazily)."""

@@ -1,0 +1,276 @@
+"""Replay a workload through the installed vLLM's own v1 scheduler, beside a kvsched policy.
+
+vLLM's `Scheduler` is built without a model, as vLLM's own tests build it (tests/v1/core/utils.py,
+`create_scheduler`): a local tiny-Llama config (no download, no tokenizer), prefix caching off,
+`num_gpu_blocks` G. It is stepped with a constant step time:
+1. requests that have arrived by the step's start are added (`max_tokens` = output length,
+   `ignore_eos`);
+2. `schedule()`;
+3. a fabricated `ModelRunnerOutput` gives one sampled token to every request whose computed
+   tokens reached its token count (decodes and last prefill chunks; none for a partial chunk);
+4. `update_from_output()`.
+A step that schedules nothing waits for the next arrival. kvsched runs the same workload on one
+replica with `constant` batch time `step_time` and KV of (G - 1) x block_size tokens (vLLM holds
+one block back as its null block). Steps are compared by the tokens each request computes, the
+preempted requests and the start time.
+
+vLLM is imported here only, lazily; install it with the `vllm` extra (README).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvsched.errors import KvschedError
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 1 << 17,
+              "rms_norm_eps": 1e-5, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+
+
+@dataclass
+class Step:
+    """One batch: when it started, tokens computed per request (a decode computes 1), and the
+    requests preempted to make it."""
+    time: float
+    tokens: dict[int, int]
+    preempted: frozenset[int] = frozenset()
+
+
+@dataclass
+class Limits:
+    """The scheduler limits both sides run under (vLLM's names)."""
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    long_prefill_token_threshold: int = 0
+    block_size: int = 16
+    num_gpu_blocks: int = 0            # G; kvsched gets (G - 1) x block_size tokens of KV
+    max_model_len: int = 8192
+
+    def check(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise KvschedError(f"replay: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_gpu_blocks < 2:
+            raise KvschedError(f"replay: the KV must hold at least 2 blocks (G = {self.num_gpu_blocks}; "
+                               "vLLM keeps one as its null block)")
+        if self.long_prefill_token_threshold < 0:
+            raise KvschedError("replay: long_prefill_token_threshold must be >= 0")
+
+
+def import_vllm():
+    """vLLM's scheduler pieces, or a one-line error saying how to install them."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")      # its INFO lines would bury the report
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                     # torch/vLLM deprecation notices at import
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise KvschedError("replay --engine vllm needs vLLM: pip install 'kvsched[vllm]' (GPU) or, for CPU, "
+                               "see the README's vLLM section") from None
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import Request
+        from vllm.v1.structured_output import StructuredOutputManager
+    return dict(CacheConfig=CacheConfig, ModelConfig=ModelConfig, SchedulerConfig=SchedulerConfig,
+                VllmConfig=VllmConfig, SamplingParams=SamplingParams, Scheduler=Scheduler,
+                FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
+                ModelRunnerOutput=ModelRunnerOutput, Request=Request,
+                StructuredOutputManager=StructuredOutputManager)
+
+
+def vllm_version() -> str:
+    import vllm
+    return getattr(vllm, "__version__", "unknown")
+
+
+def build_scheduler(limits: Limits, model_dir: Path):
+    v = import_vllm()
+    import torch
+    warnings.filterwarnings("ignore", module="torch")
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
+    mc = v["ModelConfig"](model=str(model_dir), skip_tokenizer_init=True, max_model_len=limits.max_model_len,
+                          dtype="float32")
+    sc = v["SchedulerConfig"](max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens,
+                              max_model_len=limits.max_model_len, enable_chunked_prefill=True,
+                              long_prefill_token_threshold=limits.long_prefill_token_threshold,
+                              is_encoder_decoder=False)
+    cc = v["CacheConfig"](block_size=limits.block_size, enable_prefix_caching=False)
+    cc.num_gpu_blocks = limits.num_gpu_blocks
+    vc = v["VllmConfig"](model_config=mc, scheduler_config=sc, cache_config=cc)
+    spec = v["FullAttentionSpec"](block_size=limits.block_size, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    kv = v["KVCacheConfig"](num_blocks=limits.num_gpu_blocks, kv_cache_tensors=[],
+                            kv_cache_groups=[v["KVCacheGroupSpec"](["layer"], spec)])
+    return v, v["Scheduler"](vllm_config=vc, kv_cache_config=kv,
+                             structured_output_manager=v["StructuredOutputManager"](vc),
+                             block_size=limits.block_size, log_stats=False)
+
+
+def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_000_000) -> list[Step]:
+    """vLLM's own scheduler on the workload, one Step per non-empty batch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        v, sched = build_scheduler(limits, Path(tmp) / "tiny-llama")
+        n = len(workload)
+        order = sorted(range(n), key=lambda i: (workload.arrival[i], i))
+        nxt, t, steps, done = 0, 0.0, [], 0
+        while done < n:
+            while nxt < n and workload.arrival[order[nxt]] <= t:
+                i = order[nxt]
+                sched.add_request(v["Request"](str(i), [3] * int(workload.prompt[i]),
+                                               v["SamplingParams"](max_tokens=int(workload.output[i]), ignore_eos=True),
+                                               None, arrival_time=float(workload.arrival[i])))
+                nxt += 1
+            out = sched.schedule()
+            if not out.num_scheduled_tokens:
+                if nxt >= n:
+                    raise KvschedError(f"vLLM's scheduler made no progress at t={t:g} with {n - done} requests left "
+                                       "(a request larger than the KV?)")
+                t = max(t, float(workload.arrival[order[nxt]]))
+                sched.update_from_output(out, v["ModelRunnerOutput"](req_ids=[], req_id_to_index={}))
+                continue
+            ids = list(out.num_scheduled_tokens)
+            sampled = [[5] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens else [] for r in ids]
+            steps.append(Step(t, {int(r): k for r, k in out.num_scheduled_tokens.items()},
+                              frozenset(int(r) for r in (out.preempted_req_ids or ()))))
+            sched.update_from_output(out, v["ModelRunnerOutput"](req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)},
+                                                                  sampled_token_ids=sampled))
+            done = n - len(sched.requests)
+            t += step_time
+            if len(steps) > max_steps:
+                raise KvschedError(f"replay stopped after {max_steps} vLLM steps")
+        return steps
+
+
+class _Recorder:
+    """Wraps a kvsched policy and writes down each batch it plans, as a Step."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name = inner, inner.name
+        self.steps: list[Step] = []
+
+    def schedule(self, v):
+        plan = self.inner.schedule(v)
+        gone = set(plan.preempt)
+        tokens = {i: c for i, c in plan.chunks}
+        decoding = [i for i in v.decoding if i not in gone] if plan.decode is True else list(plan.decode or ())
+        for i in decoding:
+            tokens[i] = 1
+        if tokens:
+            self.steps.append(Step(v.now, tokens, frozenset(plan.preempt)))
+        return plan
+
+    def __getattr__(self, name: str):           # the optional hooks, when the policy has them
+        return getattr(self.inner, name)
+
+
+def kvsched_steps(workload, policy: str, params: dict[str, Any], limits: Limits, step_time: float,
+                  gpu: str = "a100-80gb") -> list[Step]:
+    from kvsched.cost import ConstantCost
+    from kvsched.hardware import get_gpu
+    from kvsched.kvcache import PagedKV
+    from kvsched.policies import make_policy
+    from kvsched.sim.server import Server
+    rec = _Recorder(make_policy(policy, params, get_gpu(gpu)))
+    Server(workload, rec, ConstantCost(step_time), PagedKV((limits.num_gpu_blocks - 1) * limits.block_size,
+                                                           limits.block_size),
+           max_model_len=limits.max_model_len).run()
+    return rec.steps
+
+
+@dataclass
+class Agreement:
+    steps: int
+    steps_differing: int
+    vllm_steps: int
+    kvsched_steps: int
+    first_difference: dict[str, Any] | None
+    preemptions: dict[str, int]
+    first_token_step_diff: dict[str, float]
+    finish_step_diff: dict[str, float]
+    rows: list[dict[str, Any]] = field(repr=False, default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "rows"}
+
+
+def compare(a: list[Step], b: list[Step], prompts, rel_time: float = 1e-9) -> Agreement:
+    """Step by step: the tokens each request computes, the preempted set and the start time."""
+    rows, differing, first = [], 0, None
+    for k in range(max(len(a), len(b))):
+        x = a[k] if k < len(a) else None
+        y = b[k] if k < len(b) else None
+        what = []
+        if x is None or y is None:
+            what.append("missing on " + ("vllm" if x is None else "kvsched"))
+        else:
+            if x.tokens != y.tokens:
+                what.append("tokens")
+            if x.preempted != y.preempted:
+                what.append("preempted")
+            if not math.isclose(x.time, y.time, rel_tol=rel_time, abs_tol=1e-9):
+                what.append("time")
+        if what:
+            differing += 1
+            if first is None:
+                first = {"step": k, "differs_in": what,
+                         "vllm": _describe(x), "kvsched": _describe(y)}
+        rows.append({"step": k, "time_vllm": x.time if x else None, "time_kvsched": y.time if y else None,
+                     "tokens_vllm": sum(x.tokens.values()) if x else None,
+                     "tokens_kvsched": sum(y.tokens.values()) if y else None,
+                     "requests_vllm": len(x.tokens) if x else None, "requests_kvsched": len(y.tokens) if y else None,
+                     "preempted_vllm": len(x.preempted) if x else None,
+                     "preempted_kvsched": len(y.preempted) if y else None, "differs": ";".join(what)})
+    fa, fb = _first_token_and_finish(a, prompts), _first_token_and_finish(b, prompts)
+    return Agreement(max(len(a), len(b)), differing, len(a), len(b), first,
+                     {"vllm": sum(len(s.preempted) for s in a), "kvsched": sum(len(s.preempted) for s in b)},
+                     _diffs(fa[0], fb[0]), _diffs(fa[1], fb[1]), rows)
+
+
+def _describe(s: Step | None) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    return {"time": s.time, "tokens": {str(i): c for i, c in sorted(s.tokens.items())},
+            "preempted": sorted(s.preempted)}
+
+
+def _first_token_and_finish(steps: list[Step], prompts) -> tuple[dict[int, int], dict[int, int]]:
+    """Per request, the step of its first output token (its computed tokens first reach its
+    prompt) and the last step it computes in (its finish)."""
+    computed: dict[int, int] = {}
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for k, s in enumerate(steps):
+        for i in s.preempted:
+            computed[i] = 0
+        for i, c in s.tokens.items():
+            computed[i] = computed.get(i, 0) + c
+            if i not in first and computed[i] >= prompts[i]:
+                first[i] = k
+            last[i] = k
+    return first, last
+
+
+def _diffs(x: dict[int, int], y: dict[int, int]) -> dict[str, float]:
+    keys = set(x) | set(y)
+    d = [abs(x.get(i, -1) - y.get(i, -1)) for i in keys]
+    return {"max": float(max(d)) if d else 0.0, "mean": float(sum(d) / len(d)) if d else 0.0,
+            "requests_differing": sum(1 for v in d if v)}
+
+
+def replay(workload, policy: str, params: dict[str, Any], limits: Limits, step_time: float = 0.01) -> Agreement:
+    limits.check()
+    if not step_time > 0 or not math.isfinite(step_time):
+        raise KvschedError(f"--step-time must be a finite number > 0, got {step_time}")
+    return compare(vllm_steps(workload, limits, step_time), kvsched_steps(workload, policy, params, limits, step_time),
+                   workload.prompt)
