@@ -58,3 +58,21 @@ def test_replay_cli_json_and_out(tmp_path):
     assert (tmp_path / "r" / "steps.csv").read_text().count("\n") == out["steps"] + 1
     r = CliRunner().invoke(app, [*args, "--engine", "sglang"])
     assert r.exit_code == 2 and "only vllm" in r.output
+
+
+@pytest.mark.parametrize("policy", ["vllm-v1", "eb"])
+def test_kvsched_policy_inside_vllms_scheduler(policy, monkeypatch):
+    """The adapter (engines/vllm_scheduler.py) inside vLLM's own scheduler: vllm-v1 passes
+    through to vLLM's batches, and EB's batches are those of kvsched's EB, which never mixes
+    prefill and decode (test_eb)."""
+    from kvsched.engines.vllm_replay import compare, kvsched_steps, vllm_steps
+    from kvsched.engines.vllm_scheduler import KvschedScheduler
+    limits = Limits(256, 16, num_gpu_blocks=2000, block_size=16)
+    params = {"max_num_batched_tokens": 256, "max_num_seqs": 16}
+    monkeypatch.setenv("KVSCHED_POLICY", policy)
+    monkeypatch.setenv("KVSCHED_POLICY_PARAMS", json.dumps(params))
+    w = workload()
+    inside = vllm_steps(w, limits, 0.01, scheduler_cls=KvschedScheduler)
+    reference = vllm_steps(w, limits, 0.01) if policy == "vllm-v1" else kvsched_steps(w, policy, params, limits, 0.01)
+    a = compare(inside, reference, w.prompt)
+    assert a.steps > 100 and a.steps_differing == 0, a.first_difference

@@ -94,7 +94,7 @@ def vllm_version() -> str:
     return getattr(vllm, "__version__", "unknown")
 
 
-def build_scheduler(limits: Limits, model_dir: Path):
+def build_scheduler(limits: Limits, model_dir: Path, scheduler_cls=None):
     v = import_vllm()
     import torch
     warnings.filterwarnings("ignore", module="torch")
@@ -112,15 +112,17 @@ def build_scheduler(limits: Limits, model_dir: Path):
     spec = v["FullAttentionSpec"](block_size=limits.block_size, num_kv_heads=2, head_size=16, dtype=torch.float32)
     kv = v["KVCacheConfig"](num_blocks=limits.num_gpu_blocks, kv_cache_tensors=[],
                             kv_cache_groups=[v["KVCacheGroupSpec"](["layer"], spec)])
-    return v, v["Scheduler"](vllm_config=vc, kv_cache_config=kv,
+    return v, (scheduler_cls or v["Scheduler"])(vllm_config=vc, kv_cache_config=kv,
                              structured_output_manager=v["StructuredOutputManager"](vc),
                              block_size=limits.block_size, log_stats=False)
 
 
-def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_000_000) -> list[Step]:
-    """vLLM's own scheduler on the workload, one Step per non-empty batch."""
+def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_000_000,
+               scheduler_cls=None) -> list[Step]:
+    """vLLM's own scheduler (or `scheduler_cls`, e.g. the kvsched adapter) on the workload, one
+    Step per non-empty batch."""
     with tempfile.TemporaryDirectory() as tmp:
-        v, sched = build_scheduler(limits, Path(tmp) / "tiny-llama")
+        v, sched = build_scheduler(limits, Path(tmp) / "tiny-llama", scheduler_cls)
         n = len(workload)
         order = sorted(range(n), key=lambda i: (workload.arrival[i], i))
         nxt, t, steps, done = 0, 0.0, [], 0
