@@ -37,10 +37,6 @@ from kvsched.hardware import get_gpu
 from kvsched.policies import make_policy
 from kvsched.policies.base import Plan
 
-def fresh_ids(reqs) -> set[str]:
-    return {r.request_id for r in reqs}
-
-
 STEP_LOG_FIELDS = ["step", "prefill_tokens", "prefill_chunks", "decodes", "decode_context", "kv_used_blocks",
                    "planned_tokens", "tokens", "seconds_since_last"]
 
@@ -197,7 +193,7 @@ class KvschedScheduler(Scheduler):
             fresh = [r for r in still if r.request_id not in before]      # vLLM's own preemptions
             known = {id(r) for r in still} | hidden
             self.waiting.remove_requests(still)
-            for r in fresh + [r for r in original if id(r) in known and r.request_id not in fresh_ids(fresh)]:
+            for r in fresh + [r for r in original if id(r) in known]:
                 self.waiting.add_request(r)
         self._log(view, out, planned, now)
         return out
