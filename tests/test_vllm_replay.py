@@ -60,19 +60,38 @@ def test_replay_cli_json_and_out(tmp_path):
     assert r.exit_code == 2 and "only vllm" in r.output
 
 
-@pytest.mark.parametrize("policy", ["vllm-v1", "eb"])
-def test_kvsched_policy_inside_vllms_scheduler(policy, monkeypatch):
-    """The adapter (engines/vllm_scheduler.py) inside vLLM's own scheduler: vllm-v1 passes
-    through to vLLM's batches, and EB's batches are those of kvsched's EB, which never mixes
-    prefill and decode (test_eb)."""
+@pytest.mark.parametrize("policy,params", [
+    ("vllm-v1", {}), ("eb", {}), ("eb-adaptive", {}), ("eb-plus", {}), ("sarathi", {"chunk_size": 128}),
+    ("vllm-v0", {}), ("orca", {}), ("rad", {}), ("slai", {}), ("wait", {}), ("nested-wait", {"bin_width": 20, "bins": 3}),
+])
+def test_kvsched_policy_inside_vllms_scheduler(policy, params, monkeypatch):
+    """The adapter (engines/vllm_scheduler.py) inside vLLM's own scheduler, on the replay's
+    clock: vllm-v1 passes through to vLLM's batches, and every other policy makes the batches
+    it makes in simulation (KV-tight: EB and RAD preempt). The cost-driven ones (EB(k*), EB+,
+    WAIT) read the batch-time model from KVSCHED_COST."""
     from kvsched.engines.vllm_replay import compare, kvsched_steps, vllm_steps
     from kvsched.engines.vllm_scheduler import KvschedScheduler
-    limits = Limits(256, 16, num_gpu_blocks=2000, block_size=16)
-    params = {"max_num_batched_tokens": 256, "max_num_seqs": 16}
+    limits = Limits(1024, 64, num_gpu_blocks=200, block_size=16)
     monkeypatch.setenv("KVSCHED_POLICY", policy)
     monkeypatch.setenv("KVSCHED_POLICY_PARAMS", json.dumps(params))
-    w = workload()
+    monkeypatch.setenv("KVSCHED_COST", "constant")
+    monkeypatch.setenv("KVSCHED_COST_PARAMS", '{"b": 0.01}')
+    w = load(WorkloadOptions(num_requests=80, rate=50.0, prompt_len="uniform:10:300", output_len="uniform:1:60", seed=2,
+                             output_known=policy == "wait"))
     inside = vllm_steps(w, limits, 0.01, scheduler_cls=KvschedScheduler)
     reference = vllm_steps(w, limits, 0.01) if policy == "vllm-v1" else kvsched_steps(w, policy, params, limits, 0.01)
     a = compare(inside, reference, w.prompt)
     assert a.steps > 100 and a.steps_differing == 0, a.first_difference
+    if policy in ("eb", "rad"):
+        assert a.preemptions["vllm"] > 0
+
+
+def test_a_policy_needing_a_cost_model_says_so(monkeypatch):
+    from kvsched.engines.vllm_replay import vllm_steps
+    from kvsched.engines.vllm_scheduler import KvschedScheduler
+    from kvsched.errors import KvschedError
+    monkeypatch.setenv("KVSCHED_POLICY", "eb-adaptive")
+    monkeypatch.setenv("KVSCHED_POLICY_PARAMS", '{"min_samples": 2, "update_every": 1}')
+    monkeypatch.delenv("KVSCHED_COST", raising=False)
+    with pytest.raises(KvschedError, match="KVSCHED_COST"):
+        vllm_steps(workload(), Limits(256, 16, num_gpu_blocks=2000), 0.01, scheduler_cls=KvschedScheduler)

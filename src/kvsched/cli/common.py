@@ -160,7 +160,7 @@ HARDWARE_FLAGS = {
     "block_size": (int, typer.Option(16, "--block-size", help="KV block size in tokens (1 = token-granular)")),
     "memory_utilization": (float, MemUtil),
     "max_model_len": (Optional[int], typer.Option(None, "--max-model-len", help="default: the model's maximum")),
-    "cost": (str, typer.Option("roofline", "--cost", help=f"batch-time model: {', '.join(COST_MODELS)}")),
+    "cost": (str, typer.Option("roofline", "--cost", help=f"batch-time model: {', '.join(COST_MODELS)}; or a cost file (.json) written by kvsched calibrate")),
     "cost_set": (list[str], typer.Option([], "--cost-set", help="cost model parameter key=value (repeatable)")),
 }
 

@@ -1,6 +1,11 @@
-"""Batch-time models: `time(BatchShape) -> seconds`, selected by name with parameters."""
+"""Batch-time models: `time(BatchShape) -> seconds`, selected by name with parameters, or
+from a cost file that `kvsched calibrate` writes (docs/calibration.md)."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import warnings
+from pathlib import Path
 from typing import Any, Protocol
 
 from kvsched.cost.constant import ConstantCost
@@ -29,18 +34,97 @@ COST_MODELS: dict[str, type] = {
 }
 
 
+COST_FILE_KEY = "kvsched_cost"     # a cost file's format marker; its value is the version
+COST_FILE_VERSION = 1
+CATALOGUE_MODELS = (RooflineCost, TiledCost)      # need the model and GPU: parameters tied to them
+
+
 def make_cost_model(name: str, overrides: dict[str, Any], model: Model, gpu: GPU) -> CostModel:
+    """A registered model by name, or the model of a cost file when `name` is not registered
+    and ends in .json or is a file; `overrides` (--cost-set) apply on top of the file's
+    parameters."""
+    if name not in COST_MODELS and (name.endswith(".json") or Path(name).is_file()):
+        cost, params = read_cost_file(Path(name), model, gpu)
+        return _build(cost, overrides, model, gpu, params, f"cost file {name} ({cost})")
+    return _build(name, overrides, model, gpu, {}, f"cost model {name}")
+
+
+def _build(name: str, overrides: dict[str, Any], model: Model, gpu: GPU, params: dict[str, Any], owner: str):
     try:
         cls = COST_MODELS[name]
     except KeyError:
-        raise KvschedError(f"unknown cost model {name!r}; known: {', '.join(COST_MODELS)}") from None
-    context = {"model": model, "gpu": gpu} if cls in (RooflineCost, TiledCost) else {}
+        raise KvschedError(f"unknown cost model {name!r}; known: {', '.join(COST_MODELS)}, "
+                           "or a cost file (.json) from kvsched calibrate") from None
+    context = {"model": model, "gpu": gpu} if cls in CATALOGUE_MODELS else {}
     bad = {"model", "gpu"} & set(overrides)
     if bad:
         raise KvschedError(f"cost model {name}: set {sorted(bad)[0]} with --{sorted(bad)[0]}")
-    defaults = {**PHASE_PRESETS.get(name, {}), **TILED_PRESETS.get(name, {}), **context}
-    return build(cls, f"cost model {name}", overrides, defaults)
+    defaults = {**PHASE_PRESETS.get(name, {}), **TILED_PRESETS.get(name, {}), **params, **context}
+    return build(cls, owner, overrides, defaults)
 
 
-__all__ = ["BatchShape", "CostModel", "COST_MODELS", "make_cost_model",
+def read_cost_file(path: Path, model: Model | None, gpu: GPU | None) -> tuple[str, dict[str, Any]]:
+    """(registered cost model name, parameters) of a cost file, checked; every problem is a
+    one-line error naming the file. A file fitted with --model/--gpu (roofline, tiled) is
+    refused for another model or GPU; a phase or linear file only warns. model and gpu may be
+    None (a caller without a catalogue entry, e.g. the vLLM adapter): not compared then."""
+    data = _load_json(path)
+    if not isinstance(data, dict) or data.get(COST_FILE_KEY) != COST_FILE_VERSION:
+        raise KvschedError(f"cost file {path}: not a kvsched cost file (needs \"{COST_FILE_KEY}\": "
+                           f"{COST_FILE_VERSION})")
+    cost, params = data.get("cost"), data.get("params")
+    if cost not in COST_MODELS:
+        raise KvschedError(f"cost file {path}: unknown cost model {cost!r}; known: {', '.join(COST_MODELS)}")
+    if not isinstance(params, dict):
+        raise KvschedError(f"cost file {path}: \"params\" must be an object of parameter values")
+    fields = {f.name for f in dataclasses.fields(COST_MODELS[cost]) if f.init} - {"model", "gpu"}
+    for key, value in params.items():
+        if key not in fields:
+            raise KvschedError(f"cost file {path}: cost model {cost} has no parameter {key!r} "
+                               f"(parameters: {', '.join(sorted(fields))})")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise KvschedError(f"cost file {path}: {key}={value!r} must be a number")
+    _check_hardware(path, data, COST_MODELS[cost], model, gpu)
+    return cost, params
+
+
+def _load_json(path: Path) -> Any:
+    def no_constant(name: str) -> None:
+        raise ValueError(f"{name} is not a number JSON allows")
+    try:
+        return json.loads(path.read_text(), parse_constant=no_constant)
+    except FileNotFoundError:
+        raise KvschedError(f"cost file {path}: no such file") from None
+    except OSError as exc:
+        raise KvschedError(f"cost file {path}: cannot read it: {exc.strerror or exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise KvschedError(f"cost file {path}: not JSON ({' '.join(str(exc).split())})") from None
+
+
+def _check_hardware(path: Path, data: dict, cls: type, model: Model | None, gpu: GPU | None) -> None:
+    """The file's model and GPU (those given to kvsched calibrate) against the simulation's."""
+    fitted = {"model": data.get("model"), "gpu": data.get("gpu")}
+    for key, value in fitted.items():
+        if value is not None and not isinstance(value, str):
+            raise KvschedError(f"cost file {path}: \"{key}\" must be a catalogue name or null, got {value!r}")
+    if model is None or gpu is None:
+        return
+    differs = [f"{k} {v}" for k, v, now in (("model", fitted["model"], model.name), ("gpu", fitted["gpu"], gpu.name))
+               if v is not None and v != now]
+    if not differs:
+        return
+    message = (f"cost file {path} was fitted for {' and '.join(differs)}, not {model.name} on {gpu.name}")
+    if cls in CATALOGUE_MODELS:
+        raise KvschedError(f"{message}: its parameters are relative to that catalogue entry; run with "
+                           f"--model {fitted['model'] or model.name} --gpu {fitted['gpu'] or gpu.name}")
+    if (str(path), model.name, gpu.name) not in _WARNED:       # once, not once per policy or replica
+        _WARNED.add((str(path), model.name, gpu.name))
+        warnings.warn(f"{message}: its batch times are those measured there", stacklevel=2)
+
+
+_WARNED: set[tuple[str, str, str]] = set()
+
+
+__all__ = ["BatchShape", "CostModel", "COST_MODELS", "COST_FILE_KEY", "COST_FILE_VERSION", "make_cost_model",
+           "read_cost_file",
            "ConstantCost", "LinearCost", "PhaseCost", "RooflineCost", "TiledCost"]

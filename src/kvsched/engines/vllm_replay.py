@@ -94,7 +94,7 @@ def vllm_version() -> str:
     return getattr(vllm, "__version__", "unknown")
 
 
-def build_scheduler(limits: Limits, model_dir: Path, scheduler_cls=None):
+def build_scheduler(limits: Limits, model_dir: Path, scheduler_cls=None, async_scheduling: bool = False):
     v = import_vllm()
     import torch
     warnings.filterwarnings("ignore", module="torch")
@@ -109,6 +109,7 @@ def build_scheduler(limits: Limits, model_dir: Path, scheduler_cls=None):
     cc = v["CacheConfig"](block_size=limits.block_size, enable_prefix_caching=False)
     cc.num_gpu_blocks = limits.num_gpu_blocks
     vc = v["VllmConfig"](model_config=mc, scheduler_config=sc, cache_config=cc)
+    vc.scheduler_config.async_scheduling = async_scheduling     # after the platform's say (CPU: off)
     spec = v["FullAttentionSpec"](block_size=limits.block_size, num_kv_heads=2, head_size=16, dtype=torch.float32)
     kv = v["KVCacheConfig"](num_blocks=limits.num_gpu_blocks, kv_cache_tensors=[],
                             kv_cache_groups=[v["KVCacheGroupSpec"](["layer"], spec)])
@@ -118,14 +119,17 @@ def build_scheduler(limits: Limits, model_dir: Path, scheduler_cls=None):
 
 
 def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_000_000,
-               scheduler_cls=None) -> list[Step]:
+               scheduler_cls=None, async_scheduling: bool = False) -> list[Step]:
     """vLLM's own scheduler (or `scheduler_cls`, e.g. the kvsched adapter) on the workload, one
-    Step per non-empty batch."""
+    Step per non-empty batch. With `async_scheduling` the scheduler is configured as under an
+    async engine, but stepped in lock-step (each step's output before the next schedule)."""
     with tempfile.TemporaryDirectory() as tmp:
-        v, sched = build_scheduler(limits, Path(tmp) / "tiny-llama", scheduler_cls)
+        v, sched = build_scheduler(limits, Path(tmp) / "tiny-llama", scheduler_cls, async_scheduling)
         n = len(workload)
         order = sorted(range(n), key=lambda i: (workload.arrival[i], i))
         nxt, t, steps, done = 0, 0.0, [], 0
+        if hasattr(sched, "set_clock"):                     # the kvsched adapter: on the replay's clock
+            sched.set_clock(lambda: t, lambda: (nxt < n, float(workload.arrival[order[nxt]]) if nxt < n else None))
         while done < n:
             while nxt < n and workload.arrival[order[nxt]] <= t:
                 i = order[nxt]
@@ -145,12 +149,13 @@ def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_0
             sampled = [[5] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens else [] for r in ids]
             steps.append(Step(t, {int(r): k for r, k in out.num_scheduled_tokens.items()},
                               frozenset(int(r) for r in (out.preempted_req_ids or ()))))
+            t += step_time                                  # the batch ends before its output is read
             sched.update_from_output(out, v["ModelRunnerOutput"](req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)},
                                                                   sampled_token_ids=sampled))
             done = n - len(sched.requests)
-            t += step_time
             if len(steps) > max_steps:
                 raise KvschedError(f"replay stopped after {max_steps} vLLM steps")
+        sched.shutdown()                                    # the adapter closes its step log
         return steps
 
 
@@ -176,14 +181,26 @@ class _Recorder:
         return getattr(self.inner, name)
 
 
-def kvsched_steps(workload, policy: str, params: dict[str, Any], limits: Limits, step_time: float,
-                  gpu: str = "a100-80gb") -> list[Step]:
-    from kvsched.cost import ConstantCost
+def engine_policy(name: str, params: dict[str, Any], max_num_batched_tokens: int, max_num_seqs: int):
+    """The policy `name` as an engine runs it: with the engine's token budget and seats for the
+    parameters of those names the policy has (`params` win), as the vLLM adapter builds it."""
+    import dataclasses
+
     from kvsched.hardware import get_gpu
+    from kvsched.policies import POLICIES, make_policy
+    cls = POLICIES.get(name)
+    has = {f.name for f in dataclasses.fields(cls)} if cls is not None and dataclasses.is_dataclass(cls) else set()
+    limits = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs}
+    return make_policy(name, {**{k: v for k, v in limits.items() if k in has}, **params}, get_gpu("a100-80gb"))
+
+
+def kvsched_steps(workload, policy: str, params: dict[str, Any], limits: Limits, step_time: float) -> list[Step]:
+    """kvsched's policy on the workload, on a replica with a constant batch time; params as
+    the adapter takes them (`engine_policy`)."""
+    from kvsched.cost import ConstantCost
     from kvsched.kvcache import PagedKV
-    from kvsched.policies import make_policy
     from kvsched.sim.server import Server
-    rec = _Recorder(make_policy(policy, params, get_gpu(gpu)))
+    rec = _Recorder(engine_policy(policy, params, limits.max_num_batched_tokens, limits.max_num_seqs))
     Server(workload, rec, ConstantCost(step_time), PagedKV((limits.num_gpu_blocks - 1) * limits.block_size,
                                                            limits.block_size),
            max_model_len=limits.max_model_len).run()

@@ -3,9 +3,25 @@
 
 The policy and its parameters come from the environment, which vLLM's engine-core process
 inherits: `KVSCHED_POLICY` (a name from `kvsched policies`, default vllm-v1) and
-`KVSCHED_POLICY_PARAMS` (a JSON object of parameters). `KVSCHED_STEP_LOG`, when set, names a
-CSV file that gets one row per step (prefill tokens and chunks, decodes and their total
-context, KV blocks used, and the measured time since the previous step's schedule).
+`KVSCHED_POLICY_PARAMS` (a JSON object of parameters). Policies whose thresholds need a
+batch-time model (EB(k*), EB+, WAIT, Nested WAIT) read it from `KVSCHED_COST`: a cost file from
+`kvsched calibrate`, or a cost model name, with `KVSCHED_COST_PARAMS` (JSON). The view's
+`recent_batch_times` and `mean_batch_time` are the measured step times. `KVSCHED_STEP_LOG`, when set, names a
+CSV file that gets one row per step (`STEP_LOG_HEADER`, cost/calibrate.py): the shape of each batch as
+`BatchShape` counts it, and `seconds`, the step's measured duration. That is the engine's
+cycle, from this step's `schedule()` to the next one's, when requests remain after the step
+(the engine steps again at once, so the cycle holds scheduling, the forward pass, sampling,
+output processing and request intake: what a simulated batch time stands for); when none
+remain, from `schedule()` to the end of `update_from_output()`. `kvsched calibrate` fits cost
+models to it (docs/calibration.md).
+
+Which class: vLLM 0.32 turns async scheduling on by default on GPUs, whatever
+`--scheduler-cls` says, and off on CPUs (`platforms/cpu.py`). Under async scheduling the engine
+schedules step n + 1 while step n runs, and only `AsyncScheduler` counts the tokens in flight
+(`num_output_placeholders`); a plain `Scheduler` subclass sees no work for a decode until its
+token is back, so it loses the overlap (vLLM logs a warning saying so). Use
+`KvschedAsyncScheduler` where async scheduling is on (GPUs), `KvschedScheduler` where it is
+off (CPUs, `--no-async-scheduling`); the wrong one is refused at start.
 
 How a Plan is applied: vLLM's `schedule()` is kept (about 1,000 lines of KV allocation and
 output building) and steered. Before it runs, each step:
@@ -18,7 +34,7 @@ vLLM then schedules what is left, in its own order (running first, then waiting 
 one chunked to the budget). vllm-v1 therefore passes through unchanged. Policies that only
 choose which requests run (EB's exclusive batches, decode selection) are exact; a Plan whose
 chunk sizes differ from vLLM's budget rule gets vLLM's chunk sizes. That departs from
-simulation and is counted in the step log (`planned_tokens` against `tokens`).
+simulation: such steps are counted (`departures`, with a warning at the first).
 """
 from __future__ import annotations
 
@@ -27,38 +43,38 @@ import json
 import math
 import os
 import time
+import warnings
 from collections import deque
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from kvsched.errors import KvschedError
-from kvsched.hardware import get_gpu
-from kvsched.policies import make_policy
+from kvsched.cost import make_cost_model
+from kvsched.cost.calibrate import STEP_LOG_HEADER
+from kvsched.errors import KvschedError, PlanError
+from kvsched.engines.vllm_replay import engine_policy
 from kvsched.policies.base import Plan
-
-STEP_LOG_FIELDS = ["step", "prefill_tokens", "prefill_chunks", "decodes", "decode_context", "kv_used_blocks",
-                   "planned_tokens", "tokens", "seconds_since_last"]
-
 
 class VllmView:
     """vLLM's scheduler state as kvsched's ServerView (policies/base.py). Request ids are the
-    integers kvsched policies expect, assigned in arrival order."""
+    integers kvsched policies expect, assigned in arrival order. A request's tokens include
+    those in flight under async scheduling (`num_output_placeholders`, 0 otherwise)."""
     index = 0
     role = "mixed"
-    arrivals_pending = True
-    next_arrival = None
-    cost_model = None
     declared_types = None
 
     def __init__(self, sched: "KvschedScheduler") -> None:
         self._s = sched
-        self.now = time.monotonic() - sched._t0
+        self.now = sched._clock() - sched._t0
+        # a live engine cannot know its future arrivals: pending, time unknown (as a closed loop)
+        self.arrivals_pending, self.next_arrival = sched._arrivals() if sched._arrivals else (True, None)
         reqs = sched._by_id
         self.waiting = [sched._num[r.request_id] for r in sched.waiting]
         self.running = [sched._num[r.request_id] for r in sched.running]
-        self.prefilling = [i for i in self.running if not self._decoding(reqs[i])]
-        self.decoding = [i for i in self.running if self._decoding(reqs[i])]
+        self.prefilling = [i for i in self.running if not _decoding(reqs[i])]
+        running = set(self.running)     # decoding: in the order they entered decode, as the simulator's
+        self.decoding = [i for i in sched._decode_order if i in running and _decoding(reqs[i])]
         self.num_decoding = len(self.decoding)
         self._decoding_set = set(self.decoding)
         pool = sched.kv_cache_manager.block_pool
@@ -72,9 +88,13 @@ class VllmView:
         self.iterations = sched._steps
         self.mean_batch_time = sched._busy / sched._steps if sched._steps else None
 
-    @staticmethod
-    def _decoding(r) -> bool:
-        return r.num_computed_tokens >= r.num_tokens - 1 and r.num_output_tokens > 0
+    @property
+    def cost_model(self):
+        """The batch-time model of KVSCHED_COST, for policies whose thresholds need one."""
+        if self._s._cost is None:
+            raise KvschedError(f"policy {self._s.policy.name} needs a batch-time model inside vLLM: set KVSCHED_COST "
+                               "to a cost file from `kvsched calibrate` (or a cost model name)")
+        return self._s._cost
 
     def _r(self, i: int):
         return self._s._by_id[i]
@@ -89,17 +109,20 @@ class VllmView:
         return self._r(i).num_prompt_tokens
 
     def output_len(self, i: int):
-        return None
+        """max_tokens when the request ignores EOS (then it is the output length), else None."""
+        sp = self._r(i).sampling_params
+        return sp.max_tokens if sp is not None and sp.ignore_eos else None
 
     def prefill_target(self, i: int) -> int:
         r = self._r(i)
-        return r.num_tokens if r.num_computed_tokens < r.num_tokens - 1 or not r.num_output_tokens else r.num_tokens - 1
+        return _tokens(r) - 1 if _decoding(r) else _tokens(r)
 
     def prefill_done(self, i: int) -> int:
         return self._r(i).num_computed_tokens
 
     def generated(self, i: int) -> int:
-        return self._r(i).num_output_tokens
+        r = self._r(i)
+        return r.num_output_tokens + r.num_output_placeholders
 
     def kv_tokens(self, i: int) -> int:
         return self._r(i).num_computed_tokens
@@ -120,7 +143,21 @@ class VllmView:
         return math.inf
 
     def last_token_time(self, i: int):
-        return None
+        return self._s._last_token.get(i)
+
+
+def _tokens(r) -> int:
+    """Prompt and output tokens, those in flight under async scheduling included."""
+    return r.num_tokens + r.num_output_placeholders
+
+
+def _decoding(r) -> bool:
+    return r.num_computed_tokens >= _tokens(r) - 1 and r.num_output_tokens + r.num_output_placeholders > 0
+
+
+def _short(x, limit: int = 60) -> str:
+    text = " ".join(repr(x).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class KvschedScheduler(Scheduler):
@@ -128,30 +165,40 @@ class KvschedScheduler(Scheduler):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        _check_class(self)
         name = os.environ.get("KVSCHED_POLICY", "vllm-v1")
-        try:
-            params = json.loads(os.environ.get("KVSCHED_POLICY_PARAMS", "{}"))
-        except json.JSONDecodeError as exc:
-            raise KvschedError(f"KVSCHED_POLICY_PARAMS is not a JSON object: {exc}") from None
-        if not isinstance(params, dict):
-            raise KvschedError("KVSCHED_POLICY_PARAMS must be a JSON object of parameters")
-        limits = {"max_num_batched_tokens": self.max_num_scheduled_tokens, "max_num_seqs": self.max_num_running_reqs}
-        try:
-            self.policy = make_policy(name, {**limits, **params}, get_gpu("a100-80gb"))
-        except KvschedError as exc:
-            if "has no parameter" not in str(exc):
-                raise
-            self.policy = make_policy(name, params, get_gpu("a100-80gb"))
+        params = _json_env("KVSCHED_POLICY_PARAMS")
+        self.policy = engine_policy(name, params, self.max_num_scheduled_tokens, self.max_num_running_reqs)
+        self._cost = _cost_from_env()
         self._num: dict[str, int] = {}
         self._by_id: dict[int, object] = {}
+        self._clock = time.monotonic                       # what policies see as time (set_clock)
+        self._arrivals = None
         self._t0, self._t0_wall = time.monotonic(), time.time()
-        self._steps, self._busy, self._last = 0, 0.0, None
+        self._steps, self._busy = 0, 0.0
+        self.departures = 0                                 # steps vLLM ran otherwise than planned
+        self._pending: dict[int, tuple[float, list, list]] = {}    # id(output) -> (start, log row, chunk order)
+        self._open: tuple[float, list] | None = None                # a step whose cycle is running
         self._recent_times: deque[float] = deque(maxlen=64)
-        self._recent_finished: deque[tuple[int, int]] = deque(maxlen=256)
-        self._log_path = os.environ.get("KVSCHED_STEP_LOG")
-        if self._log_path:
-            with open(self._log_path, "w", newline="") as f:
-                csv.writer(f).writerow(STEP_LOG_FIELDS)
+        self._recent_finished: deque[tuple[int, int]] = deque(maxlen=1024)    # as the simulator keeps
+        self._last_token: dict[int, float] = {}
+        self._decode_order: dict[int, None] = {}          # decoding requests, by decode-phase entry
+        self._hooks = {h: getattr(self.policy, h, None) for h in ("on_finish", "on_preempt", "on_batch_end")}
+        self._log = None
+        path = os.environ.get("KVSCHED_STEP_LOG")
+        if path:                                            # line-buffered: a row is on disk once written
+            self._log_file = open(path, "w", newline="", buffering=1)
+            self._log = csv.writer(self._log_file)
+            self._log.writerow(STEP_LOG_HEADER)
+
+    def set_clock(self, clock, arrivals=None, arrival_origin: float = 0.0) -> None:
+        """Run on another clock (seconds): a replay's simulated time instead of the wall's, so
+        that time-driven policies (SLAI's deadlines, measured batch times) see the steps the
+        replay makes. `arrivals() -> (pending, next arrival time)` tells policies what a replay
+        knows of future arrivals, as the simulator does. Request arrival times are then read from
+        `arrival_origin`."""
+        self._clock, self._t0, self._t0_wall = clock, clock(), arrival_origin
+        self._arrivals = arrivals
 
     def add_request(self, request) -> None:
         self._num[request.request_id] = k = len(self._num)
@@ -159,27 +206,39 @@ class KvschedScheduler(Scheduler):
         super().add_request(request)
 
     def schedule(self, *args, **kwargs):
+        start = self._clock()
+        self._close_cycle(start)
+        if not self.running and not self.waiting:           # nothing to plan for
+            return super().schedule(*args, **kwargs)
         view = VllmView(self)
         plan = self.policy.schedule(view)
-        if not isinstance(plan, Plan):
-            raise KvschedError(f"policy {self.policy.name} returned {type(plan).__name__}, not a Plan")
-        now = time.monotonic()
+        _check_plan(plan, view, self.policy.name)
+        chunks = dict(plan.chunks)
+        decode = set(view.decoding) - set(plan.preempt) if plan.decode is True else set(plan.decode or ())
+        budget = self.max_num_scheduled_tokens
+        planned = sum(chunks.values()) + len(decode)
+        if planned > budget:                                # vLLM's buffers are sized to its budget
+            raise PlanError(f"policy {self.policy.name} planned a batch of {planned} tokens; this engine's "
+                            f"max_num_batched_tokens is {budget}: raise it, or lower the policy's budget")
+        seats = len(view.running) - len(plan.preempt) + len(plan.admit)
+        if seats > self.max_num_running_reqs:
+            raise PlanError(f"policy {self.policy.name} planned {seats} running requests; this engine's max_num_seqs "
+                            f"is {self.max_num_running_reqs}: raise it, or lower the policy's limit")
+        now = start - self._t0
         for i in plan.preempt:                              # 2. preemptions, vLLM's own way
             r = self._by_id[i]
-            if r.status != RequestStatus.RUNNING:
-                raise KvschedError(f"policy {self.policy.name} preempted request {i}, which is not running")
             self.running.remove(r)
             self._preempt_request(r, now)
-        chunks = dict(plan.chunks)
-        decode = set(view.decoding) if plan.decode is True else set(plan.decode or ())
+            self._left_decode(i)
+            if self._hooks["on_preempt"]:
+                self._hooks["on_preempt"](i, VllmView(self))
         keep = decode | set(chunks)
-        hidden_running = [r for r in self.running if self._num[r.request_id] not in keep]
+        original_running = list(self.running)
+        hidden_running = [r for r in original_running if self._num[r.request_id] not in keep]
         admitted = set(plan.admit)
         original = list(self.waiting)
         before = {r.request_id for r in original}
         hidden_waiting = [r for r in original if self._num[r.request_id] not in admitted]
-        budget = self.max_num_scheduled_tokens
-        planned = sum(chunks.values()) + len(decode)
         self.running = [r for r in self.running if self._num[r.request_id] in keep]
         self.waiting.remove_requests(hidden_waiting)
         self.max_num_scheduled_tokens = max(planned, 1)
@@ -187,7 +246,11 @@ class KvschedScheduler(Scheduler):
             out = super().schedule(*args, **kwargs)
         finally:                                            # 3. the hidden requests come back, in order
             self.max_num_scheduled_tokens = budget
-            self.running = self.running + hidden_running
+            # running order is admission order (vLLM preempts from its end, policies read it)
+            now_running = {id(r) for r in self.running} | {id(r) for r in hidden_running}
+            before_running = {id(r) for r in original_running}
+            self.running = ([r for r in original_running if id(r) in now_running]
+                            + [r for r in self.running if id(r) not in before_running])
             hidden = set(id(r) for r in hidden_waiting)
             still = [r for r in self.waiting]
             fresh = [r for r in still if r.request_id not in before]      # vLLM's own preemptions
@@ -195,28 +258,202 @@ class KvschedScheduler(Scheduler):
             self.waiting.remove_requests(still)
             for r in fresh + [r for r in original if id(r) in known]:
                 self.waiting.add_request(r)
-        self._log(view, out, planned, now)
+        if out.num_scheduled_tokens:
+            self._pending[id(out)] = (start, self._shape_row(out, view, planned), list(chunks))
+        self._check_departure(out, chunks, decode)
         return out
 
-    def _log(self, view: VllmView, out, planned: int, now: float) -> None:
-        since = now - self._last if self._last is not None else 0.0
-        self._last = now
-        if not out.num_scheduled_tokens:
+    def update_from_output(self, scheduler_output, model_runner_output):
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        pending = self._pending.pop(id(scheduler_output), None)
+        if pending is None:
+            return result
+        start, row, order = pending
+        if self.has_unfinished_requests():      # the engine steps again at once: the cycle ends there
+            self._open = (start, row)
+        else:                                   # idle until the next request: the step ends here
+            self._record(row, self._clock() - start)
+        self._after_batch(scheduler_output, model_runner_output, order, self._clock() - self._t0)
+        return result
+
+    def _after_batch(self, out, model_output, order: list[int], now: float) -> None:
+        """Token times, finishes and the policy's hooks, as the simulator calls them. Requests
+        whose prefill completed enter the decode phase in the plan's chunk order, as there."""
+        for rid in out.preempted_req_ids or ():
+            self._left_decode(self._num[rid])
+        sampled = {self._num[rid] for rid, tokens in zip(model_output.req_ids, model_output.sampled_token_ids)
+                   if len(tokens) and rid in self._num}
+        for i in [*(i for i in order if i in sampled), *sorted(sampled)]:
+            self._last_token[i] = now
+            self._decode_order.setdefault(i)
+        finished = []
+        for rid in out.num_scheduled_tokens:
+            i = self._num[rid]
+            r = self._by_id[i]
+            if r.is_finished():
+                finished.append(i)
+                self._recent_finished.append((r.num_prompt_tokens, r.num_output_tokens))
+        for i in finished:
+            if self._hooks["on_finish"]:
+                self._hooks["on_finish"](i, VllmView(self))
+            del self._by_id[i]
+            self._left_decode(i)
+        if self._hooks["on_batch_end"]:
+            self._hooks["on_batch_end"](VllmView(self))
+
+    def _check_departure(self, out, chunks: dict[int, int], decode: set[int]) -> None:
+        """Count (and warn once about) steps whose tokens per request are not the plan's: vLLM
+        splits the budget by its own rule, so a plan's uneven chunk sizes can come out otherwise."""
+        done = {self._num[rid]: n for rid, n in out.num_scheduled_tokens.items()}
+        if done == {**chunks, **dict.fromkeys(decode, 1)}:
             return
+        self.departures += 1
+        if self.departures == 1:
+            warnings.warn(f"policy {self.policy.name}: vLLM scheduled other tokens per request than the plan "
+                          f"(step {self._steps + 1}); such steps are counted in KvschedScheduler.departures",
+                          stacklevel=2)
+
+    def _left_decode(self, i: int) -> None:
+        self._last_token.pop(i, None)
+        self._decode_order.pop(i, None)
+
+    def _close_cycle(self, now: float) -> None:
+        """The previous step, if the engine went on stepping, lasted until this schedule()."""
+        if self._open is not None:
+            start, row = self._open
+            self._open = None
+            self._record(row, now - start)
+
+    def _record(self, row: list, seconds: float) -> None:
         self._steps += 1
-        self._busy += since
-        self._recent_times.append(since)
-        if not self._log_path:
-            return
-        prefill = decodes = chunks = ctx = 0
-        for rid, n in out.num_scheduled_tokens.items():
+        self._busy += seconds
+        self._recent_times.append(seconds)
+        if self._log is not None:
+            self._log.writerow([self._steps, *row, f"{seconds:.6f}"])
+
+    def shutdown(self) -> None:
+        if self._log is not None:
+            self._log_file.close()
+            self._log = None
+        super().shutdown()
+
+    def _shape_row(self, out, view: VllmView, planned: int) -> list:
+        """The batch as BatchShape counts it (cost/shape.py), in STEP_LOG_HEADER order."""
+        pt = pchunks = pattn = pctx = decodes = dctx = 0
+        chunks = []
+        for rid, c in out.num_scheduled_tokens.items():
             r = self._by_id[self._num[rid]]
-            if r.num_output_tokens and r.num_computed_tokens >= r.num_tokens - 1:
+            p = r.num_computed_tokens - c                   # vLLM advanced it already
+            if self._num[rid] in view._decoding_set:
                 decodes += 1
-                ctx += r.num_computed_tokens
+                dctx += p + 1
             else:
-                prefill += n
-                chunks += 1
-        with open(self._log_path, "a", newline="") as f:
-            csv.writer(f).writerow([self._steps, prefill, chunks, decodes, ctx, view.kv_used_blocks, planned,
-                                    out.total_num_scheduled_tokens, f"{since:.6f}"])
+                pt += c
+                pchunks += 1
+                pattn += c * p + c * (c + 1) // 2          # c (p + (c + 1) / 2), exactly
+                pctx += p + c
+                chunks.append(f"{p}:{c}")
+        return [pt, pchunks, int(pattn), pctx, decodes, dctx, " ".join(chunks), view.kv_used_blocks, planned,
+                out.total_num_scheduled_tokens]
+
+
+def _cost_from_env():
+    """KVSCHED_COST (a cost file or a cost model name) with KVSCHED_COST_PARAMS (JSON), or None."""
+    name = os.environ.get("KVSCHED_COST")
+    if not name:
+        return None
+    params = _json_env("KVSCHED_COST_PARAMS")
+    return make_cost_model(name, params, None, None)
+
+
+def _json_env(var: str) -> dict:
+    try:
+        params = json.loads(os.environ.get(var) or "{}")
+    except json.JSONDecodeError as exc:
+        raise KvschedError(f"{var} is not a JSON object: {exc}") from None
+    if not isinstance(params, dict):
+        raise KvschedError(f"{var} must be a JSON object of parameters")
+    return params
+
+
+class KvschedAsyncScheduler(KvschedScheduler, AsyncScheduler):
+    """KvschedScheduler for engines with async scheduling on (vLLM's GPU default)."""
+
+
+def _check_class(s: Scheduler) -> None:
+    on = bool(s.vllm_config.scheduler_config.async_scheduling)
+    if on != isinstance(s, AsyncScheduler):
+        want = "KvschedAsyncScheduler" if on else "KvschedScheduler"
+        raise KvschedError(f"async scheduling is {'on' if on else 'off'} in this engine: use "
+                           f"--scheduler-cls kvsched.engines.vllm_scheduler.{want}")
+
+
+def _check_plan(plan, view: VllmView, name: str) -> None:
+    """The checks the simulator makes (sim/replica.py), with its messages: a bad plan fails the
+    same way inside vLLM as in simulation."""
+    if not isinstance(plan, Plan):
+        raise PlanError(f"policy {name} returned {_short(plan)} ({type(plan).__name__}), not a Plan")
+    for field_name in ("preempt", "admit", "chunks"):
+        x = getattr(plan, field_name)
+        if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
+            raise PlanError(f"policy {name} gave Plan.{field_name}={_short(x)}; it must be a list")
+    count = len(view._s._num)
+    running, waiting = set(view.running), set(view.waiting)
+
+    def exists(i, what: str) -> None:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count:
+            raise PlanError(f"policy {name} {what} request {_short(i)}, which does not exist "
+                            f"(requests are 0..{count - 1})")
+
+    freed = 0
+    for i in plan.preempt:
+        exists(i, "preempted")
+        if i not in running:
+            raise PlanError(f"policy {name} preempted request {i}, which is not running")
+        running.discard(i)
+        freed += view.kv_blocks(i)
+    prefilling = {i for i in view.prefilling if i in running}
+    for i in plan.admit:
+        exists(i, "admitted")
+        if i not in waiting:
+            raise PlanError(f"policy {name} admitted request {i}, which is not waiting")
+        waiting.discard(i)
+        prefilling.add(i)
+    new_blocks, seen = 0, set()
+    for item in plan.chunks:
+        try:
+            i, c = item
+        except (TypeError, ValueError):
+            raise PlanError(f"policy {name} gave a chunk {_short(item)}; chunks are (request, tokens) pairs") from None
+        exists(i, "gave a chunk to")
+        if isinstance(c, bool) or not isinstance(c, int):
+            raise PlanError(f"policy {name} gave request {i} a chunk of {_short(c)} tokens; tokens must be an integer")
+        if i not in prefilling:
+            raise PlanError(f"policy {name} gave request {i} a chunk of {c} tokens; it is not in its prefill "
+                            "phase on replica 0")
+        p = view.prefill_done(i)
+        left = view.prefill_target(i) - p
+        if not 0 < c <= left:
+            raise PlanError(f"policy {name} gave request {i} a chunk of {c} tokens; it is {left} prefill tokens left")
+        if i in seen:
+            raise PlanError(f"policy {name} gave one request two chunks in a batch")
+        seen.add(i)
+        new_blocks += view.blocks_for(p + c) - view.blocks_for(p)
+    decode = plan.decode
+    if decode is True:
+        decode = [i for i in view.decoding if i in running]
+    elif decode is False:
+        decode = []
+    elif isinstance(decode, (str, bytes, int, float)) or decode is None or not hasattr(decode, "__iter__"):
+        raise PlanError(f"policy {name} gave decode={_short(decode)}; it must be True, False "
+                        "or a collection of request ids in their decode phase")
+    for i in decode:
+        exists(i, "selected for decoding")
+        if i not in view._decoding_set or i not in running:
+            raise PlanError(f"policy {name} selected request {i} for decoding; it is not in its "
+                            "decode phase on replica 0")
+        new_blocks += view.needs_block(i)
+    held = view.kv_used_blocks - freed + new_blocks
+    if held > view.kv_capacity_blocks:
+        raise PlanError(f"policy {name} planned a batch needing {held} KV blocks; only "
+                        f"{view.kv_capacity_blocks} exist ({view.kv_capacity_blocks * view.block_size} tokens)")

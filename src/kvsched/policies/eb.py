@@ -257,7 +257,7 @@ class EbAdaptive(ExclusiveBatching):
             return "mean_mismatch"
         return "cfr_prior" if e["p0"] * e["mu_o"] < 0.5 else ""
 
-    def estimate(self, view: ServerView) -> dict[str, float]:
+    def estimate(self, view: ServerView, cost) -> dict[str, float]:
         """p0, eta, mu_L, mu_O from the window, and the cost model's coefficients."""
         lengths = np.array(self._recent, dtype=np.int64)
         mu_l, outs = float(lengths[:, 0].mean()), lengths[:, 1]
@@ -268,14 +268,15 @@ class EbAdaptive(ExclusiveBatching):
             p0 = max(p0, 1.0 / mu_o)
         if self.clamp_eta:
             eta = max(eta, 0.0)
-        c = coefficients(view.cost_model, mu_l, mu_o)
+        c = coefficients(cost, mu_l, mu_o)
         return {"p0": p0, "eta": eta, "mu_l": mu_l, "mu_o": mu_o, "alpha_p": c.alpha_p, "alpha_d": c.alpha_d,
                 "beta_p": c.beta_p, "beta_d": c.beta_d, "alpha_mb": c.alpha_mb, "beta_mb": c.beta_mb}
 
     def update(self, view: ServerView) -> None:
         """One step of Algorithm 1."""
+        cost = view.cost_model      # outside the try: a missing batch-time model is an error, not a held update
         try:
-            e = self.estimate(view)
+            e = self.estimate(view, cost)
         except KvschedError:
             return                              # e.g. every output the same length: keep theta
         e["p0_fit"] = e["p0"]

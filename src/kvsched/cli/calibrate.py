@@ -1,0 +1,124 @@
+"""`kvsched calibrate STEPLOG`: fit batch-time models to a measured step log and write a cost
+file for `--cost` (kvsched.cost.calibrate, docs/calibration.md)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from kvsched.cli.common import JsonOpt, app, emit, guard
+from kvsched.cost.calibrate import MODELS, Calibration, calibrate, read_step_log, write_cost_file
+from kvsched.errors import KvschedError
+from kvsched.hardware import get_gpu, get_model
+
+KIND_LABELS = {"prefill": "prefill-only", "decode": "decode-only", "mixed": "mixed", "all": "all steps"}
+
+
+@app.command("calibrate")
+def calibrate_cmd(steplog: Path = typer.Argument(..., help="step log CSV (KVSCHED_STEP_LOG of kvsched's vLLM adapter)"),
+                  models: str = typer.Option(",".join(MODELS), "--models", help=f"comma-separated models to fit: {', '.join(MODELS)}"),
+                  model: Optional[str] = typer.Option(None, "--model", help="catalogue model the log ran (roofline and tiled need it)"),
+                  gpu: Optional[str] = typer.Option(None, "--gpu", help="catalogue GPU the log ran on (roofline and tiled need it)"),
+                  skip: int = typer.Option(0, "--skip", help="drop the first N steps (warm-up)"),
+                  out: Optional[Path] = typer.Option(None, "--out", help="write the cost file (JSON) of --use here, for --cost FILE"),
+                  use: Optional[str] = typer.Option(None, "--use", help="the model --out writes (default: the lowest median relative error over all steps)"),
+                  json_: bool = JsonOpt) -> None:
+    """Fit batch-time models (phase, linear; roofline and tiled with --model and --gpu) to a
+    step log and report each one's relative error |predicted - measured| / measured, median
+    and p90 per batch kind. JSON keys: source, source_sha256, skipped_steps, steps, kinds,
+    model, gpu, best, use, out, models (per model: params, fallbacks, fixed, notes, errors; or
+    skipped: the reason)."""
+    def body() -> None:
+        names = _names(models)
+        if use is not None and use not in names:
+            raise KvschedError(f"--use {use}: not among --models ({', '.join(names)})")
+        if (model is None) != (gpu is None):
+            raise KvschedError("give both --model and --gpu, or neither")
+        if out is not None:
+            _check_out(out)
+        hardware = (get_model(model), get_gpu(gpu)) if model is not None else (None, None)
+        cal = calibrate(read_step_log(steplog).tail(skip), names, *hardware, skip=skip)
+        chosen = _chosen(cal, use)
+        if out is not None:
+            write_cost_file(out, cal.cost_file(chosen))
+        payload = {**cal.as_dict(), "use": chosen, "out": str(out) if out is not None else None}
+        emit(payload, json_, lambda: _render(payload))
+    guard(body)
+
+
+def _names(models: str) -> list[str]:
+    names = list(dict.fromkeys(m.strip() for m in models.split(",") if m.strip()))
+    unknown = [m for m in names if m not in MODELS]
+    if unknown or not names:
+        raise KvschedError(f"--models: unknown model {unknown[0] if unknown else models!r}; "
+                           f"known: {', '.join(MODELS)}")
+    return names
+
+
+def _check_out(out: Path) -> None:
+    """--out checked before any work: a file name in an existing folder."""
+    if out.is_dir():
+        raise KvschedError(f"--out {out} is a folder; give a file name (e.g. {out / 'cost.json'})")
+    if not out.parent.is_dir():
+        raise KvschedError(f"--out {out}: no folder {out.parent}")
+
+
+def _chosen(cal: Calibration, use: Optional[str]) -> str:
+    """The model --out writes: --use, else the best fit; an error when it was not fitted."""
+    if not cal.fits:
+        raise KvschedError("no model could be fitted: " + "; ".join(f"{k}: {v}" for k, v in cal.skipped.items()))
+    if use is not None and use in cal.skipped:
+        raise KvschedError(f"--use {use}: not fitted ({cal.skipped[use]})")
+    return use or cal.best()
+
+
+def _render(s: dict) -> Group:
+    fitted = {k: m for k, m in s["models"].items() if "params" in m}
+    parts: list = [_error_table(s, fitted), _param_table(fitted)]
+    for name, m in s["models"].items():
+        if "skipped" in m:
+            parts.append(Text(f"{name}: skipped, {m['skipped']}"))
+        for note in m.get("notes", []):
+            parts.append(Text(f"{name}: {note}"))
+    parts.append(Text(f"best: {s['best']} (lowest median relative error over all steps)"))
+    if s["out"] is not None:
+        parts.append(Text(f"wrote {s['out']}: the {s['use']} model (use it with --cost {s['out']})"))
+    return Group(*parts)
+
+
+def _error_table(s: dict, fitted: dict) -> Table:
+    skipped = f", first {s['skipped_steps']} skipped" if s["skipped_steps"] else ""
+    t = Table(title=Text(f"relative error |predicted - measured| / measured, median / p90: {s['source']}, "
+                         f"{s['steps']} steps{skipped}"), title_justify="left")
+    t.add_column("model")
+    counts = {**s["kinds"], "all": s["steps"]}
+    for label in KIND_LABELS.values():
+        t.add_column(label, justify="right")
+    t.add_row("steps", *(f"{counts[kind]:,}" for kind in KIND_LABELS), end_section=True)
+    for name, m in fitted.items():
+        t.add_row(name + (" *" if name == s["use"] else ""), *(_cell(m["errors"][k]) for k in KIND_LABELS))
+    return t
+
+
+def _source(m: dict, key: str) -> str:
+    if key in m["fallbacks"]:
+        return f"fallback: {m['fallbacks'][key]}"
+    return f"fixed: {m['fixed'][key]}" if key in m["fixed"] else "fit"
+
+
+def _cell(e: dict) -> str:
+    return "-" if e["median"] is None else f"{e['median']:.1%} / {e['p90']:.1%}"
+
+
+def _param_table(fitted: dict) -> Table:
+    t = Table(title="parameters", title_justify="left")
+    for c in ("model", "parameter", "value", "from"):
+        t.add_column(c, justify="right" if c == "value" else "left")
+    for name, m in fitted.items():
+        for key, value in m["params"].items():
+            t.add_row(name, key, f"{value:.6g}", _source(m, key))
+    return t
