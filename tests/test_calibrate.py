@@ -179,7 +179,7 @@ GOOD = "1,100,1,5050,100,0,0,0:100,0,100,100,0.01"
     ("", "steps.csv: empty step log (no header)"),
     (HEADER + "\n", "steps.csv: empty step log (no steps after the header)"),
     (HEADER.replace(",seconds", "") + "\n" + GOOD[:-5] + "\n", "steps.csv:1: missing column seconds"),
-    (f"{HEADER}\n{GOOD}\n{GOOD[:-4]}0\n", "steps.csv:3: seconds must be > 0, got 0"),
+    (f"{HEADER}\n{GOOD}\n{GOOD[:-4]}0\n", "steps.csv:3: seconds must be >= 1e-09 (a step's measured time), got 0"),
     (f"{HEADER}\n{GOOD}\n{GOOD[:-4]}inf\n", "steps.csv:3: seconds must be finite, got inf"),
     (f"{HEADER}\n{GOOD}\n{GOOD[:-4]}nan\n", "steps.csv:3: seconds must be finite, got nan"),
     (f"{HEADER}\n{GOOD}\n{GOOD.replace('1,100,1', '1,1e2x,1')}\n", "steps.csv:3: prefill_tokens is not a number"),
@@ -190,6 +190,11 @@ GOOD = "1,100,1,5050,100,0,0,0:100,0,100,100,0.01"
     (f"{HEADER}\n{GOOD}\n1,0,0,0,0,0,0,,0,0,0,0.01\n", "steps.csv:3: the step computes no tokens"),
     (f"{HEADER}\n{GOOD}\n1,0,0,0,0,3,2,,0,0,0,0.01\n", "steps.csv:3: decode_context 2 is below decodes 3"),
     (f"{HEADER}\n{GOOD}\n{GOOD},7\n", "steps.csv:3: 13 fields, the header has 12"),
+    (f"{HEADER}\n{GOOD}\n{GOOD[:-4]}1e-320\n", "steps.csv:3: seconds must be >= 1e-09"),
+    (f"{HEADER}\n{GOOD}\n1,0,0,0,0,2.5,3,,0,0,0,0.01\n", "steps.csv:3: decodes must be a whole number, got 2.5"),
+    (f"{HEADER}\n{GOOD}\n{GOOD.replace(',0,0,0:100', ',0,999,0:100')}\n", "steps.csv:3: decode_context 999 with no decodes"),
+    (f"{HEADER},seconds\n{GOOD},0.01\n", "steps.csv:1: column seconds appears twice"),
+    (f"{HEADER}\n{GOOD}\n,,,,,,,,,,,\n", "steps.csv:3: prefill_tokens is not a number"),
 ])
 def test_malformed_log_is_file_line_exit_2_nothing_written(tmp_path, monkeypatch, content, needle):
     monkeypatch.chdir(tmp_path)
@@ -288,7 +293,7 @@ def good_file(**change) -> dict:
     (json.dumps(good_file(cost="quantum")), "unknown cost model 'quantum'"),
     (json.dumps(good_file(params=[1, 2])), '"params" must be an object'),
     (json.dumps(good_file(params={"alpha_q": 1})), "cost model phase has no parameter 'alpha_q'"),
-    (json.dumps(good_file(params={"alpha_p": "fast"})), "alpha_p='fast' must be a number"),
+    (json.dumps(good_file(params={"alpha_p": "fast"})), "alpha_p='fast' must be a finite number"),
     (json.dumps(good_file(params={"alpha_p": -1})), "alpha_p must be a finite number >= 0, got -1"),
     ('{"kvsched_cost": 1, "cost": "phase", "params": {"alpha_p": NaN}}', "NaN is not a number JSON allows"),
     (json.dumps(good_file(model=7)), '"model" must be a catalogue name or null'),
@@ -359,3 +364,23 @@ def test_read_step_log_keeps_file_lines(tmp_path):
     steps = read_step_log(log)
     assert steps.line.tolist() == [3, 4, 5, 6, 7, 8] and steps.tail(2).line.tolist() == [5, 6, 7, 8]
     assert steps.counts() == {"prefill": 2, "decode": 2, "mixed": 2}
+
+
+@pytest.mark.parametrize("params,needle", [
+    ({"alpha_p": 1e999}, "alpha_p=inf must be a finite number"),
+    ({"c1": -1e-3, "c2": 1e-3}, "beta_MB(r) = c0 + c1 r + c2 r^2 must be >= 0 on [0, 1]"),
+])
+def test_cost_files_that_would_give_impossible_batch_times_are_refused(tmp_path, params, needle):
+    f = tmp_path / "cost.json"
+    f.write_text(json.dumps(good_file(params=params)).replace("Infinity", "1e999"))
+    r = invoke("simulate", "--num-requests", "20", "--rate", "5", "--prompt-len", "uniform:10:100",
+               "--output-len", "uniform:1:20", "--kv-capacity", "4000", "--cost", str(f))
+    assert r.exit_code == 2 and needle in r.stderr and "Traceback" not in r.output, r.output
+
+
+def test_out_may_not_overwrite_the_step_log(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("steps.csv").write_text(f"{HEADER}\n{GOOD}\n")
+    r = invoke("calibrate", "steps.csv", "--out", "steps.csv")
+    assert r.exit_code == 2 and "is the step log itself" in r.stderr
+    assert Path("steps.csv").read_text() == f"{HEADER}\n{GOOD}\n"

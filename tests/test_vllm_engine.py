@@ -210,3 +210,31 @@ def test_a_plan_vllm_cannot_follow_is_counted():
     with pytest.warns(UserWarning, match="other tokens per request than the plan"):
         vllm_steps(w, Limits(4096, 64, num_gpu_blocks=200, block_size=16), 0.01, scheduler_cls=Inside)
     assert seen[0].departures >= 1
+
+
+def test_plan_fields_given_as_iterators_are_applied_as_given(monkeypatch):
+    """A generator `decode` or `chunks` is read once: the adapter must not consume it in its
+    checks and then apply an empty plan (the simulator reads it once too)."""
+    from kvsched.engines.vllm_replay import compare, engine_policy, kvsched_steps
+    from kvsched.engines.vllm_scheduler import KvschedScheduler
+
+    class Iterating:
+        name = "eb"
+
+        def __init__(self):
+            self.inner = engine_policy("eb", {}, 256, 16)
+
+        def schedule(self, v):
+            p = self.inner.schedule(v)
+            decode = p.decode if isinstance(p.decode, bool) else iter(list(p.decode))
+            return Plan(iter(p.admit), iter(p.chunks), decode, iter(p.preempt))
+
+    class Inside(KvschedScheduler):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.policy = Iterating()
+
+    limits = Limits(256, 16, num_gpu_blocks=60, block_size=16)
+    w = workload(60, seed=2)
+    a = compare(vllm_steps(w, limits, 0.01, scheduler_cls=Inside), kvsched_steps(w, "eb", {}, limits, 0.01), w.prompt)
+    assert a.steps > 100 and a.steps_differing == 0, a.first_difference

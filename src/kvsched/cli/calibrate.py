@@ -40,6 +40,8 @@ def calibrate_cmd(steplog: Path = typer.Argument(..., help="step log CSV (KVSCHE
             raise KvschedError("give both --model and --gpu, or neither")
         if out is not None:
             _check_out(out)
+            if out.exists() and out.resolve() == steplog.resolve():
+                raise KvschedError(f"--out {out} is the step log itself: name another file")
         hardware = (get_model(model), get_gpu(gpu)) if model is not None else (None, None)
         cal = calibrate(read_step_log(steplog).tail(skip), names, *hardware, skip=skip)
         chosen = _chosen(cal, use)

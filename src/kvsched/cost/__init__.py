@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Any, Protocol
@@ -55,6 +56,9 @@ def _build(name: str, overrides: dict[str, Any], model: Model, gpu: GPU, params:
     except KeyError:
         raise KvschedError(f"unknown cost model {name!r}; known: {', '.join(COST_MODELS)}, "
                            "or a cost file (.json) from kvsched calibrate") from None
+    if cls in CATALOGUE_MODELS and (model is None or gpu is None):
+        raise KvschedError(f"{owner} needs a catalogue model and GPU, and none was given here "
+                           "(inside vLLM: use a phase or linear cost file from kvsched calibrate)")
     context = {"model": model, "gpu": gpu} if cls in CATALOGUE_MODELS else {}
     bad = {"model", "gpu"} & set(overrides)
     if bad:
@@ -69,7 +73,8 @@ def read_cost_file(path: Path, model: Model | None, gpu: GPU | None) -> tuple[st
     refused for another model or GPU; a phase or linear file only warns. model and gpu may be
     None (a caller without a catalogue entry, e.g. the vLLM adapter): not compared then."""
     data = _load_json(path)
-    if not isinstance(data, dict) or data.get(COST_FILE_KEY) != COST_FILE_VERSION:
+    version = data.get(COST_FILE_KEY) if isinstance(data, dict) else None
+    if type(version) is not int or version != COST_FILE_VERSION:
         raise KvschedError(f"cost file {path}: not a kvsched cost file (needs \"{COST_FILE_KEY}\": "
                            f"{COST_FILE_VERSION})")
     cost, params = data.get("cost"), data.get("params")
@@ -82,8 +87,8 @@ def read_cost_file(path: Path, model: Model | None, gpu: GPU | None) -> tuple[st
         if key not in fields:
             raise KvschedError(f"cost file {path}: cost model {cost} has no parameter {key!r} "
                                f"(parameters: {', '.join(sorted(fields))})")
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise KvschedError(f"cost file {path}: {key}={value!r} must be a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise KvschedError(f"cost file {path}: {key}={value!r} must be a finite number")
     _check_hardware(path, data, COST_MODELS[cost], model, gpu)
     return cost, params
 

@@ -43,6 +43,8 @@ NUMERIC = ("prefill_tokens", "prefill_chunks", "prefill_attn", "prefill_ctx", "d
            "seconds")
 REQUIRED = (*NUMERIC, "chunks")
 MODELS = ("phase", "linear", "roofline", "tiled")
+COUNTS = ("prefill_tokens", "prefill_chunks", "prefill_ctx", "decodes", "decode_context")
+MIN_SECONDS = 1e-9                               # below a clock's resolution: not a measured step
 NEEDS_HARDWARE = "needs --model and --gpu"
 EFFICIENCY_FLOOR = 1e-4                          # roofline efficiencies are fitted in [1e-4, 1]
 
@@ -116,6 +118,9 @@ def read_step_log(path: str | Path) -> StepLog:
     header = [h.strip() for h in next(reader, [])]
     if not any(header):
         raise KvschedError(f"{name}: empty step log (no header)")
+    twice = sorted({c for c in header if c and header.count(c) > 1})
+    if twice:
+        raise KvschedError(f"{name}:1: column {twice[0]} appears twice")
     missing = [c for c in REQUIRED if c not in header]
     if missing:
         raise KvschedError(f"{name}:1: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
@@ -123,7 +128,7 @@ def read_step_log(path: str | Path) -> StepLog:
     col = {c: header.index(c) for c in REQUIRED}
     lines, numbers, chunks = [], [], []
     for row in reader:
-        if not any(cell.strip() for cell in row):
+        if not row:
             continue                                # blank line
         where = f"{name}:{reader.line_num}"
         if len(row) != len(header):
@@ -150,8 +155,10 @@ def _number(where: str, column: str, text: str) -> float:
         raise KvschedError(f"{where}: {column} must be finite, got {text.strip()}")
     if x < 0:
         raise KvschedError(f"{where}: {column} must be >= 0, got {x:g}")
-    if column == "seconds" and x <= 0:
-        raise KvschedError(f"{where}: seconds must be > 0, got {x:g}")
+    if column == "seconds" and x < MIN_SECONDS:
+        raise KvschedError(f"{where}: seconds must be >= {MIN_SECONDS:g} (a step's measured time), got {x:g}")
+    if column in COUNTS and x != int(x):
+        raise KvschedError(f"{where}: {column} must be a whole number, got {x:g}")
     return x
 
 
@@ -176,6 +183,8 @@ def _check_row(where: str, v: dict[str, float], pairs: tuple[tuple[int, int], ..
     0.5 or 1e-5 relative: a value written with 6 significant digits (`%g`) passes."""
     if v["prefill_tokens"] == 0 and v["decodes"] == 0:
         raise KvschedError(f"{where}: the step computes no tokens (prefill_tokens and decodes are 0)")
+    if v["decodes"] == 0 and v["decode_context"] != 0:
+        raise KvschedError(f"{where}: decode_context {v['decode_context']:g} with no decodes")
     if v["decode_context"] < v["decodes"]:
         raise KvschedError(f"{where}: decode_context {v['decode_context']:g} is below decodes {v['decodes']:g} "
                            "(each decode's context includes the token it computes)")
@@ -250,7 +259,8 @@ def _mixed(p: np.ndarray, n: np.ndarray, y: np.ndarray) -> tuple[float, float, f
     columns T(1-r)^2 = p^2/T, 2Tr(1-r) = 2pn/T, Tr^2 = n^2/T, with alpha_mb, b0, b_half,
     b1 >= 0: beta_MB(r) >= 0 on all of [0, 1], so every mixed batch takes at least alpha_MB
     (PhaseCost's check, alpha_MB + beta_MB(r) > 0 at r = 0, 1/2, 1, then holds unless all
-    are 0). A.3's concave kappa < 0 (c2 < 0) stays free; only curves dipping below 0 are cut."""
+    are 0). A.3's concave kappa < 0 (c2 < 0) stays free. The bounds are sufficient, not necessary
+    (b_half >= -sqrt(b0 b1) is): a valid deep convex dip is fitted by the nearest curve with b_half >= 0."""
     T = p + n
     X = np.column_stack([np.ones_like(T), p * p / T, 2 * p * n / T, n * n / T]) if len(T) else np.empty((0, 4))
     rank = _rank(X)
@@ -270,8 +280,9 @@ def fit_phase(log: StepLog) -> Fit:
     determine its coefficients:
       no mixed fit:   one pass doing both, alpha_mb = max(alpha_p, alpha_d), c0 = beta_p,
                       c1 = beta_d - beta_p, c2 = 0, i.e. time = alpha_mb + beta_p p + beta_d n:
-                      appendix A.3's linear interpolation K(r) bar with kappa = 0 (eq. 9-11),
-                      no interference. Positive: alpha_p + beta_p > 0 and alpha_d + beta_d > 0
+                      slopes as appendix A.3's linear interpolation K(r) bar with kappa = 0
+                      (eq. 9-11), no interference; the intercept is a conservative choice (A.3
+                      would interpolate it too). Positive: alpha_p + beta_p > 0 and alpha_d + beta_d > 0
                       (PhaseCost's check) with p, n >= 1.
       no prefill fit: the mixed fit at r = 0 (T = p): alpha_p = alpha_mb, beta_p = c0.
       no decode fit:  the mixed fit at r = 1 (T = n): alpha_d = alpha_mb, beta_d = c0 + c1 + c2.
@@ -423,8 +434,10 @@ class Calibration:
     skipped: dict[str, str] = field(default_factory=dict)
 
     def best(self) -> str | None:
-        """The fitted model with the lowest median relative error over all steps (the first on ties)."""
-        return min(self.fits, key=lambda k: self.fits[k].errors["all"]["median"], default=None)
+        """The fitted model with the lowest median relative error over all steps (the first on
+        ties), among those with more steps than parameters (fewer fit any log exactly)."""
+        ok = [k for k, f in self.fits.items() if len(self.log) > len(f.params) - len(f.fixed)]
+        return min(ok, key=lambda k: self.fits[k].errors["all"]["median"], default=None)
 
     def provenance(self) -> dict:
         return {"source": self.log.path, "source_sha256": self.log.sha256, "skipped_steps": self.skip,
@@ -519,6 +532,9 @@ def write_cost_file(path: str | Path, payload: dict) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)                   # mkstemp makes 0600: give it a plain file's mode
         os.replace(tmp, path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)

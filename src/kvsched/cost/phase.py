@@ -1,6 +1,7 @@
 """Phase-linear batch time with mixed-batch interference (exclusive-batching-eb.txt)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvsched.cost.shape import BatchShape
@@ -38,9 +39,22 @@ class PhaseCost:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.alpha_p + self.beta_p <= 0 or self.alpha_d + self.beta_d <= 0:
             raise ValueError("prefill and decode batches must take positive time")
+        for name in ("c0", "c1", "c2"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
         for r in (0.0, 0.5, 1.0):
             if self.alpha_mb + self.beta_mb(r) <= 0:
                 raise ValueError(f"beta_MB(r) gives a non-positive mixed batch time at r={r}")
+        low = min(self.beta_mb(r) for r in self._critical_points())
+        if low < 0:                     # a large mixed batch would take negative time
+            raise ValueError(f"beta_MB(r) = c0 + c1 r + c2 r^2 must be >= 0 on [0, 1]; its minimum is {low:g}")
+
+    def _critical_points(self) -> list[float]:
+        """r = 0, 1 and the vertex of the quadratic when it lies inside (0, 1)."""
+        points = [0.0, 1.0]
+        if self.c2 > 0 and 0 < -self.c1 / (2 * self.c2) < 1:
+            points.append(-self.c1 / (2 * self.c2))
+        return points
 
     def beta_mb(self, r):
         return self.c0 + self.c1 * r + self.c2 * r * r

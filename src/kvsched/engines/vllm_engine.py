@@ -79,7 +79,9 @@ def make_engine(model_dir: Path, opts: ServeOptions):
     if opts.policy is not None:
         env.update(KVSCHED_POLICY=opts.policy, KVSCHED_POLICY_PARAMS=json.dumps(opts.policy_params or {}),
                    KVSCHED_STEP_LOG=None if opts.step_log is None else str(opts.step_log))
-        extra["scheduler_cls"] = "kvsched.engines.vllm_scheduler.KvschedScheduler"
+        from vllm.platforms import current_platform         # CPUs run without async scheduling
+        cls = "KvschedScheduler" if current_platform.is_cpu() else "KvschedAsyncScheduler"
+        extra["scheduler_cls"] = f"kvsched.engines.vllm_scheduler.{cls}"
     elif opts.step_log is not None:
         raise KvschedError("a step log needs a policy (vllm-v1 logs vLLM's own batches)")
     args = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, dtype=opts.dtype, seed=opts.seed,

@@ -181,16 +181,19 @@ class _Recorder:
         return getattr(self.inner, name)
 
 
-def engine_policy(name: str, params: dict[str, Any], max_num_batched_tokens: int, max_num_seqs: int):
-    """The policy `name` as an engine runs it: with the engine's token budget and seats for the
-    parameters of those names the policy has (`params` win), as the vLLM adapter builds it."""
+def engine_policy(name: str, params: dict[str, Any], max_num_batched_tokens: int, max_num_seqs: int,
+                  long_prefill_token_threshold: int = 0):
+    """The policy `name` as an engine runs it: with the engine's token budget, seats and
+    long-prefill cap for the parameters of those names the policy has (`params` win), as the
+    vLLM adapter builds it."""
     import dataclasses
 
     from kvsched.hardware import get_gpu
     from kvsched.policies import POLICIES, make_policy
     cls = POLICIES.get(name)
     has = {f.name for f in dataclasses.fields(cls)} if cls is not None and dataclasses.is_dataclass(cls) else set()
-    limits = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs}
+    limits = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
+              "long_prefill_token_threshold": long_prefill_token_threshold}
     return make_policy(name, {**{k: v for k, v in limits.items() if k in has}, **params}, get_gpu("a100-80gb"))
 
 
@@ -200,7 +203,8 @@ def kvsched_steps(workload, policy: str, params: dict[str, Any], limits: Limits,
     from kvsched.cost import ConstantCost
     from kvsched.kvcache import PagedKV
     from kvsched.sim.server import Server
-    rec = _Recorder(engine_policy(policy, params, limits.max_num_batched_tokens, limits.max_num_seqs))
+    rec = _Recorder(engine_policy(policy, params, limits.max_num_batched_tokens, limits.max_num_seqs,
+                                  limits.long_prefill_token_threshold))
     Server(workload, rec, ConstantCost(step_time), PagedKV((limits.num_gpu_blocks - 1) * limits.block_size,
                                                            limits.block_size),
            max_model_len=limits.max_model_len).run()

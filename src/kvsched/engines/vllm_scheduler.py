@@ -46,6 +46,8 @@ import time
 import warnings
 from collections import deque
 
+import numpy as np
+
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
@@ -73,8 +75,10 @@ class VllmView:
         self.waiting = [sched._num[r.request_id] for r in sched.waiting]
         self.running = [sched._num[r.request_id] for r in sched.running]
         self.prefilling = [i for i in self.running if not _decoding(reqs[i])]
-        running = set(self.running)     # decoding: in the order they entered decode, as the simulator's
+        running = set(self.running)     # decoding: in the order they entered decode, as the simulator's;
         self.decoding = [i for i in sched._decode_order if i in running and _decoding(reqs[i])]
+        known = set(self.decoding)      # under async scheduling a prefill's last chunk may still be in flight
+        self.decoding += [i for i in self.running if i not in known and _decoding(reqs[i])]
         self.num_decoding = len(self.decoding)
         self._decoding_set = set(self.decoding)
         pool = sched.kv_cache_manager.block_pool
@@ -134,7 +138,7 @@ class VllmView:
         return i in self._decoding_set
 
     def needs_block(self, i: int) -> bool:
-        return self._r(i).num_computed_tokens % self.block_size == 0
+        return i in self._decoding_set and self._r(i).num_computed_tokens % self.block_size == 0
 
     def tier_priority(self, i: int) -> int:
         return self._r(i).priority
@@ -166,19 +170,24 @@ class KvschedScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         _check_class(self)
+        if self.cache_config.enable_prefix_caching:
+            raise KvschedError("the kvsched adapter needs prefix caching off (--no-enable-prefix-caching): kvsched's "
+                               "KV model has no shared blocks yet, so plans would not match vLLM's KV")
         name = os.environ.get("KVSCHED_POLICY", "vllm-v1")
         params = _json_env("KVSCHED_POLICY_PARAMS")
-        self.policy = engine_policy(name, params, self.max_num_scheduled_tokens, self.max_num_running_reqs)
+        self.policy = engine_policy(name, params, self.max_num_scheduled_tokens, self.max_num_running_reqs,
+                                    self.scheduler_config.long_prefill_token_threshold)
         self._cost = _cost_from_env()
-        self._num: dict[str, int] = {}
+        self._count = 0                                     # requests seen: ids are 0.._count-1
+        self._num: dict[str, int] = {}                      # live requests: vLLM id -> kvsched id
         self._by_id: dict[int, object] = {}
         self._clock = time.monotonic                       # what policies see as time (set_clock)
         self._arrivals = None
         self._t0, self._t0_wall = time.monotonic(), time.time()
         self._steps, self._busy = 0, 0.0
         self.departures = 0                                 # steps vLLM ran otherwise than planned
-        self._pending: dict[int, tuple[float, list, list]] = {}    # id(output) -> (start, log row, chunk order)
-        self._open: tuple[float, list] | None = None                # a step whose cycle is running
+        self._pending: dict[int, tuple[list, set]] = {}     # id(output) -> (chunk order, planned preemptions)
+        self._open: tuple[float, list] | None = None        # the last step scheduled, until it ends
         self._recent_times: deque[float] = deque(maxlen=64)
         self._recent_finished: deque[tuple[int, int]] = deque(maxlen=1024)    # as the simulator keeps
         self._last_token: dict[int, float] = {}
@@ -187,7 +196,10 @@ class KvschedScheduler(Scheduler):
         self._log = None
         path = os.environ.get("KVSCHED_STEP_LOG")
         if path:                                            # line-buffered: a row is on disk once written
-            self._log_file = open(path, "w", newline="", buffering=1)
+            try:
+                self._log_file = open(path, "w", newline="", buffering=1)
+            except OSError as exc:
+                raise KvschedError(f"KVSCHED_STEP_LOG={path}: cannot write it: {exc.strerror or exc}") from None
             self._log = csv.writer(self._log_file)
             self._log.writerow(STEP_LOG_HEADER)
 
@@ -201,109 +213,147 @@ class KvschedScheduler(Scheduler):
         self._arrivals = arrivals
 
     def add_request(self, request) -> None:
-        self._num[request.request_id] = k = len(self._num)
+        self._num[request.request_id] = k = self._count
+        self._count += 1
         self._by_id[k] = request
         super().add_request(request)
 
     def schedule(self, *args, **kwargs):
         start = self._clock()
-        self._close_cycle(start)
+        self._close_step(start)
         if not self.running and not self.waiting:           # nothing to plan for
             return super().schedule(*args, **kwargs)
         view = VllmView(self)
-        plan = self.policy.schedule(view)
-        _check_plan(plan, view, self.policy.name)
+        plan = _check_plan(self._call("schedule", self.policy.schedule, view), view, self.policy.name)
         chunks = dict(plan.chunks)
         decode = set(view.decoding) - set(plan.preempt) if plan.decode is True else set(plan.decode or ())
-        budget = self.max_num_scheduled_tokens
-        planned = sum(chunks.values()) + len(decode)
-        if planned > budget:                                # vLLM's buffers are sized to its budget
+        self._check_limits(view, plan, sum(chunks.values()) + len(decode))
+        for i in plan.preempt:                              # 2. preemptions, vLLM's own way
+            r = self._by_id[i]
+            self.running.remove(r)
+            self._preempt_request(r, time.monotonic())
+            self._left_decode(i)
+            self._hook("on_preempt", i)
+        out = self._steered(plan, chunks, decode)
+        if out.num_scheduled_tokens:
+            self._open = (start, self._shape_row(out, view, sum(chunks.values()) + len(decode)))
+            self._pending[id(out)] = (list(chunks), set(plan.preempt))
+        self._check_departure(out, chunks, decode)
+        return out
+
+    def _check_limits(self, view: VllmView, plan: Plan, planned: int) -> None:
+        """The engine's own limits, which simulation does not have: vLLM sizes its buffers to them."""
+        if planned > self.max_num_scheduled_tokens:
             raise PlanError(f"policy {self.policy.name} planned a batch of {planned} tokens; this engine's "
-                            f"max_num_batched_tokens is {budget}: raise it, or lower the policy's budget")
+                            f"max_num_batched_tokens is {self.max_num_scheduled_tokens}: raise it, or lower the "
+                            "policy's budget")
         seats = len(view.running) - len(plan.preempt) + len(plan.admit)
         if seats > self.max_num_running_reqs:
             raise PlanError(f"policy {self.policy.name} planned {seats} running requests; this engine's max_num_seqs "
                             f"is {self.max_num_running_reqs}: raise it, or lower the policy's limit")
-        now = start - self._t0
-        for i in plan.preempt:                              # 2. preemptions, vLLM's own way
-            r = self._by_id[i]
-            self.running.remove(r)
-            self._preempt_request(r, now)
-            self._left_decode(i)
-            if self._hooks["on_preempt"]:
-                self._hooks["on_preempt"](i, VllmView(self))
-        keep = decode | set(chunks)
+
+    def _steered(self, plan: Plan, chunks: dict[int, int], decode: set[int]):
+        """vLLM's schedule() over only what the plan runs, in the plan's order (decodes, then the
+        chunks; admissions in plan order), with the plan's token count as the budget and vLLM's
+        own admission rules (whole-prompt reservation, long-prefill cap) off: the plan decided."""
+        order = {i: k for k, i in enumerate([*decode, *chunks])}
+        num = self._num
         original_running = list(self.running)
-        hidden_running = [r for r in original_running if self._num[r.request_id] not in keep]
-        admitted = set(plan.admit)
+        hidden_running = [r for r in original_running if num[r.request_id] not in order]
         original = list(self.waiting)
         before = {r.request_id for r in original}
-        hidden_waiting = [r for r in original if self._num[r.request_id] not in admitted]
-        self.running = [r for r in self.running if self._num[r.request_id] in keep]
-        self.waiting.remove_requests(hidden_waiting)
-        self.max_num_scheduled_tokens = max(planned, 1)
+        rank = {i: k for k, i in enumerate(plan.admit)}
+        hidden_waiting = [r for r in original if num[r.request_id] not in rank]
+        saved = (self.max_num_scheduled_tokens, self.scheduler_reserve_full_isl,
+                 self.scheduler_config.long_prefill_token_threshold)
+        self.running = sorted((r for r in original_running if num[r.request_id] in order),
+                              key=lambda r: order[num[r.request_id]])
+        self.waiting.remove_requests(original)
+        for r in sorted((r for r in original if num[r.request_id] in rank), key=lambda r: rank[num[r.request_id]]):
+            self.waiting.add_request(r)
+        self.max_num_scheduled_tokens = max(sum(chunks.values()) + len(decode), 1)
+        self.scheduler_reserve_full_isl = False
+        self.scheduler_config.long_prefill_token_threshold = 0
         try:
-            out = super().schedule(*args, **kwargs)
+            return super().schedule()
         finally:                                            # 3. the hidden requests come back, in order
-            self.max_num_scheduled_tokens = budget
+            (self.max_num_scheduled_tokens, self.scheduler_reserve_full_isl,
+             self.scheduler_config.long_prefill_token_threshold) = saved
             # running order is admission order (vLLM preempts from its end, policies read it)
             now_running = {id(r) for r in self.running} | {id(r) for r in hidden_running}
             before_running = {id(r) for r in original_running}
             self.running = ([r for r in original_running if id(r) in now_running]
                             + [r for r in self.running if id(r) not in before_running])
-            hidden = set(id(r) for r in hidden_waiting)
-            still = [r for r in self.waiting]
+            still = list(self.waiting)
             fresh = [r for r in still if r.request_id not in before]      # vLLM's own preemptions
-            known = {id(r) for r in still} | hidden
+            known = {id(r) for r in still} | {id(r) for r in hidden_waiting}
             self.waiting.remove_requests(still)
             for r in fresh + [r for r in original if id(r) in known]:
                 self.waiting.add_request(r)
-        if out.num_scheduled_tokens:
-            self._pending[id(out)] = (start, self._shape_row(out, view, planned), list(chunks))
-        self._check_departure(out, chunks, decode)
-        return out
+
+    def _call(self, where: str, fn, *args):
+        """A policy call; what it raises stops the engine with one error naming the policy."""
+        try:
+            return fn(*args)
+        except KvschedError:
+            raise
+        except Exception as exc:
+            raise PlanError(f"policy {self.policy.name} raised {type(exc).__name__} in {where}: "
+                            f"{_short(exc, 300)}") from exc
+
+    def _hook(self, name: str, *args) -> None:
+        if self._hooks[name]:
+            self._call(name, self._hooks[name], *args, VllmView(self))
 
     def update_from_output(self, scheduler_output, model_runner_output):
         result = super().update_from_output(scheduler_output, model_runner_output)
         pending = self._pending.pop(id(scheduler_output), None)
         if pending is None:
             return result
-        start, row, order = pending
-        if self.has_unfinished_requests():      # the engine steps again at once: the cycle ends there
-            self._open = (start, row)
-        else:                                   # idle until the next request: the step ends here
-            self._record(row, self._clock() - start)
-        self._after_batch(scheduler_output, model_runner_output, order, self._clock() - self._t0)
+        if not self.has_unfinished_requests():  # idle until the next request: the step ends here
+            self._close_step(self._clock())
+        self._after_batch(scheduler_output, model_runner_output, *pending, self._clock() - self._t0)
         return result
 
-    def _after_batch(self, out, model_output, order: list[int], now: float) -> None:
+    def _after_batch(self, out, model_output, order: list[int], planned_preempt: set[int], now: float) -> None:
         """Token times, finishes and the policy's hooks, as the simulator calls them. Requests
         whose prefill completed enter the decode phase in the plan's chunk order, as there."""
         for rid in out.preempted_req_ids or ():
-            self._left_decode(self._num[rid])
+            i = self._num.get(rid)
+            if i is not None and i not in planned_preempt:     # vLLM's own preemption
+                self._left_decode(i)
+                self._hook("on_preempt", i)
         sampled = {self._num[rid] for rid, tokens in zip(model_output.req_ids, model_output.sampled_token_ids)
                    if len(tokens) and rid in self._num}
         for i in [*(i for i in order if i in sampled), *sorted(sampled)]:
             self._last_token[i] = now
             self._decode_order.setdefault(i)
-        finished = []
-        for rid in out.num_scheduled_tokens:
-            i = self._num[rid]
-            r = self._by_id[i]
-            if r.is_finished():
-                finished.append(i)
-                self._recent_finished.append((r.num_prompt_tokens, r.num_output_tokens))
+        finished = [self._num[rid] for rid in out.num_scheduled_tokens
+                    if rid in self._num and self._by_id[self._num[rid]].is_finished()]
         for i in finished:
-            if self._hooks["on_finish"]:
-                self._hooks["on_finish"](i, VllmView(self))
-            del self._by_id[i]
-            self._left_decode(i)
-        if self._hooks["on_batch_end"]:
-            self._hooks["on_batch_end"](VllmView(self))
+            self._finished(i)
+        self._hook("on_batch_end")
+
+    def finish_requests(self, request_ids, finished_status):
+        """Aborts and stops from outside the step: the policy hears of them as finishes."""
+        result = super().finish_requests(request_ids, finished_status)
+        for r in result or ():
+            i = self._num.get(r.request_id)
+            if i is not None:
+                self._finished(i)
+        return result
+
+    def _finished(self, i: int) -> None:
+        r = self._by_id[i]
+        self._recent_finished.append((r.num_prompt_tokens, r.num_output_tokens))
+        self._hook("on_finish", i)
+        del self._by_id[i], self._num[r.request_id]
+        self._left_decode(i)
+        self._last_token.pop(i, None)
 
     def _check_departure(self, out, chunks: dict[int, int], decode: set[int]) -> None:
-        """Count (and warn once about) steps whose tokens per request are not the plan's: vLLM
-        splits the budget by its own rule, so a plan's uneven chunk sizes can come out otherwise."""
+        """Count (and warn once about) steps whose tokens per request are not the plan's (vLLM
+        may still run a plan otherwise, e.g. a chunk it cannot allocate)."""
         done = {self._num[rid]: n for rid, n in out.num_scheduled_tokens.items()}
         if done == {**chunks, **dict.fromkeys(decode, 1)}:
             return
@@ -314,11 +364,12 @@ class KvschedScheduler(Scheduler):
                           stacklevel=2)
 
     def _left_decode(self, i: int) -> None:
-        self._last_token.pop(i, None)
         self._decode_order.pop(i, None)
 
-    def _close_cycle(self, now: float) -> None:
-        """The previous step, if the engine went on stepping, lasted until this schedule()."""
+    def _close_step(self, now: float) -> None:
+        """The last step scheduled ends here: at the next schedule() (the engine stepped again at
+        once; under async scheduling that is while the step still runs, so each row is one
+        cycle) or, when no request remains, at its update."""
         if self._open is not None:
             start, row = self._open
             self._open = None
@@ -360,9 +411,11 @@ class KvschedScheduler(Scheduler):
 def _cost_from_env():
     """KVSCHED_COST (a cost file or a cost model name) with KVSCHED_COST_PARAMS (JSON), or None."""
     name = os.environ.get("KVSCHED_COST")
-    if not name:
-        return None
     params = _json_env("KVSCHED_COST_PARAMS")
+    if not name:
+        if params:
+            raise KvschedError("KVSCHED_COST_PARAMS is set but KVSCHED_COST is not: name the cost model or file")
+        return None
     return make_cost_model(name, params, None, None)
 
 
@@ -388,20 +441,33 @@ def _check_class(s: Scheduler) -> None:
                            f"--scheduler-cls kvsched.engines.vllm_scheduler.{want}")
 
 
-def _check_plan(plan, view: VllmView, name: str) -> None:
+def _check_plan(plan, view: VllmView, name: str) -> Plan:
     """The checks the simulator makes (sim/replica.py), with its messages: a bad plan fails the
-    same way inside vLLM as in simulation."""
+    same way inside vLLM as in simulation. Returns the plan with its fields read once into
+    lists (a generator is read here, not consumed by the check and then seen empty)."""
     if not isinstance(plan, Plan):
         raise PlanError(f"policy {name} returned {_short(plan)} ({type(plan).__name__}), not a Plan")
     for field_name in ("preempt", "admit", "chunks"):
         x = getattr(plan, field_name)
         if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
             raise PlanError(f"policy {name} gave Plan.{field_name}={_short(x)}; it must be a list")
-    count = len(view._s._num)
+    decode = plan.decode
+    if isinstance(decode, (bool, np.bool_)):
+        decode = bool(decode)
+    elif isinstance(decode, (str, bytes, int, float)) or decode is None or not hasattr(decode, "__iter__"):
+        raise PlanError(f"policy {name} gave decode={_short(decode)}; it must be True, False "
+                        "or a collection of request ids in their decode phase")
+    try:
+        plan = Plan(list(plan.admit), list(plan.chunks), decode if isinstance(decode, bool) else list(decode),
+                    list(plan.preempt))
+    except Exception as exc:                                # e.g. a generator that raises
+        raise PlanError(f"policy {name} gave a plan that cannot be read: {type(exc).__name__}: "
+                        f"{_short(exc, 120)}") from exc
+    count = view._s._count
     running, waiting = set(view.running), set(view.waiting)
 
     def exists(i, what: str) -> None:
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < count:
             raise PlanError(f"policy {name} {what} request {_short(i)}, which does not exist "
                             f"(requests are 0..{count - 1})")
 
@@ -411,6 +477,7 @@ def _check_plan(plan, view: VllmView, name: str) -> None:
         if i not in running:
             raise PlanError(f"policy {name} preempted request {i}, which is not running")
         running.discard(i)
+        waiting.add(i)                                      # back to the queue: it may be admitted again
         freed += view.kv_blocks(i)
     prefilling = {i for i in view.prefilling if i in running}
     for i in plan.admit:
@@ -426,28 +493,25 @@ def _check_plan(plan, view: VllmView, name: str) -> None:
         except (TypeError, ValueError):
             raise PlanError(f"policy {name} gave a chunk {_short(item)}; chunks are (request, tokens) pairs") from None
         exists(i, "gave a chunk to")
-        if isinstance(c, bool) or not isinstance(c, int):
+        if isinstance(c, bool) or not isinstance(c, (int, float, np.integer, np.floating)):
             raise PlanError(f"policy {name} gave request {i} a chunk of {_short(c)} tokens; tokens must be an integer")
         if i not in prefilling:
             raise PlanError(f"policy {name} gave request {i} a chunk of {c} tokens; it is not in its prefill "
                             "phase on replica 0")
-        p = view.prefill_done(i)
-        left = view.prefill_target(i) - p
-        if not 0 < c <= left:
+        p = 0 if i in plan.preempt else view.prefill_done(i)
+        left = (view.prompt_len(i) + view.generated(i) if i in plan.preempt else view.prefill_target(i)) - p
+        if not 0 < c <= left or c != int(c):
             raise PlanError(f"policy {name} gave request {i} a chunk of {c} tokens; it is {left} prefill tokens left")
         if i in seen:
             raise PlanError(f"policy {name} gave one request two chunks in a batch")
         seen.add(i)
-        new_blocks += view.blocks_for(p + c) - view.blocks_for(p)
-    decode = plan.decode
-    if decode is True:
-        decode = [i for i in view.decoding if i in running]
-    elif decode is False:
-        decode = []
-    elif isinstance(decode, (str, bytes, int, float)) or decode is None or not hasattr(decode, "__iter__"):
-        raise PlanError(f"policy {name} gave decode={_short(decode)}; it must be True, False "
-                        "or a collection of request ids in their decode phase")
-    for i in decode:
+        new_blocks += view.blocks_for(p + int(c)) - view.blocks_for(p)
+    idle = [i for i in plan.admit if i not in seen]
+    if idle:                                                # vLLM admits a request only with tokens
+        raise PlanError(f"policy {name} admitted request {idle[0]} without a chunk: inside vLLM a request is "
+                        "admitted only when it computes tokens (the adapter cannot hold it admitted and idle)")
+    selected = [i for i in view.decoding if i in running] if plan.decode is True else plan.decode or []
+    for i in selected:
         exists(i, "selected for decoding")
         if i not in view._decoding_set or i not in running:
             raise PlanError(f"policy {name} selected request {i} for decoding; it is not in its "
@@ -457,3 +521,5 @@ def _check_plan(plan, view: VllmView, name: str) -> None:
     if held > view.kv_capacity_blocks:
         raise PlanError(f"policy {name} planned a batch needing {held} KV blocks; only "
                         f"{view.kv_capacity_blocks} exist ({view.kv_capacity_blocks * view.block_size} tokens)")
+    return Plan(plan.admit, [(int(i), int(c)) for i, c in plan.chunks], plan.decode if isinstance(plan.decode, bool)
+                else [int(i) for i in plan.decode], [int(i) for i in plan.preempt])
