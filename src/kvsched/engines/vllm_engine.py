@@ -99,18 +99,18 @@ def _environment(values: dict[str, str | None]):
     scheduler in this process must not inherit this engine's policy or step log."""
     saved = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _put(values)
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _put(saved)
+
+
+def _put(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def serve(engine, workload, limits: Limits, timeout_s: float = 600.0) -> RunRecords:
