@@ -50,13 +50,13 @@ import numpy as np
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import RequestStatus
 
 from kvsched.cost import make_cost_model
 from kvsched.cost.calibrate import STEP_LOG_HEADER
 from kvsched.errors import KvschedError, PlanError
 from kvsched.engines.vllm_replay import engine_policy
 from kvsched.policies.base import Plan
+from kvsched.sim.replica import _short      # the simulator's rendering, for the same messages
 
 class VllmView:
     """vLLM's scheduler state as kvsched's ServerView (policies/base.py). Request ids are the
@@ -157,11 +157,6 @@ def _tokens(r) -> int:
 
 def _decoding(r) -> bool:
     return r.num_computed_tokens >= _tokens(r) - 1 and r.num_output_tokens + r.num_output_placeholders > 0
-
-
-def _short(x, limit: int = 60) -> str:
-    text = " ".join(repr(x).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class KvschedScheduler(Scheduler):
