@@ -95,3 +95,44 @@ def test_a_policy_needing_a_cost_model_says_so(monkeypatch):
     monkeypatch.delenv("KVSCHED_COST", raising=False)
     with pytest.raises(KvschedError, match="KVSCHED_COST"):
         vllm_steps(workload(), Limits(256, 16, num_gpu_blocks=2000), 0.01, scheduler_cls=KvschedScheduler)
+
+
+def shared_prefix_workload(n=80, rate=40.0, seed=0):
+    """Requests starting with 0-2 shared segments (4 contents, several lengths), then own tokens."""
+    import numpy as np
+
+    from kvsched.workload.request import Ragged, Segments, Workload
+    rng = np.random.default_rng(seed)
+    segs = [[(int(rng.integers(0, 4)), int(rng.choice([16, 40, 100, 200, 300]))) for _ in range(rng.integers(0, 3))]
+            for _ in range(n)]
+    off = np.concatenate(([0], np.cumsum([len(s) for s in segs]))).astype(np.int64)
+    seg = Segments(Ragged(np.array([a for s in segs for a, _ in s], np.int64), off),
+                   Ragged(np.array([b for s in segs for _, b in s], np.int64), off))
+    prompt = [sum(x for _, x in s) + int(rng.integers(1, 150)) for s in segs]
+    return Workload.build(np.cumsum(rng.exponential(1 / rate, n)), prompt, rng.integers(1, 80, n), segments=seg)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("limits", [
+    Limits(256, 16, num_gpu_blocks=60, prefix_caching=True),                       # KV-tight: evictions, preemptions
+    Limits(512, 32, num_gpu_blocks=120, long_prefill_token_threshold=100, prefix_caching=True),
+    Limits(2048, 64, num_gpu_blocks=300, prefix_caching=True),
+])
+def test_vllm_v1_agrees_with_vllm_with_prefix_caching(seed, limits):
+    a = replay(shared_prefix_workload(seed=seed), "vllm-v1", v1(limits), limits, 0.01)
+    assert a.steps > 100 and a.steps_differing == 0, a.first_difference
+    assert a.first_token_step_diff["max"] == 0 and a.finish_step_diff["max"] == 0
+
+
+def test_prefix_hits_are_compared_and_found():
+    from kvsched.engines.vllm_replay import kvsched_steps, vllm_steps
+    limits = Limits(256, 16, num_gpu_blocks=60, prefix_caching=True)
+    w = shared_prefix_workload()
+    a, b = vllm_steps(w, limits, 0.01), kvsched_steps(w, "vllm-v1", v1(limits), limits, 0.01)
+    hits = sum(sum(s.hits.values()) for s in a)
+    assert hits > 2000 and hits == sum(sum(s.hits.values()) for s in b)
+    assert sum(len(s.preempted) for s in a) > 0
+    # with caching off on vLLM's side only, the steps differ
+    off = Limits(256, 16, num_gpu_blocks=60, prefix_caching=False)
+    from kvsched.engines.vllm_replay import compare
+    assert compare(vllm_steps(w, off, 0.01), b, w.prompt).steps_differing > 0

@@ -214,9 +214,11 @@ def summarize(rec: RunRecords, goodput: Goodput | None = None, trim: int = 0,
     if trim:
         if trim < 0 or 2 * trim >= n:
             raise KvschedError(f"--trim {trim} leaves no requests out of {n}")
-        keep[:trim] = False
-        keep[n - trim:] = False
-        start, end = float(rec.arrival[trim]), float(rec.arrival[n - trim - 1])
+        # arrival order (a session's later turns arrive when the simulation issues them)
+        order = np.argsort(rec.arrival, kind="stable")
+        keep[order[:trim]] = False
+        keep[order[n - trim:]] = False
+        start, end = float(rec.arrival[order[trim]]), float(rec.arrival[order[n - trim - 1]])
         in_window = done & (rec.finished >= start) & (rec.finished <= end)
     else:
         start = float(rec.arrival.min()) if n else 0.0

@@ -51,6 +51,7 @@ class Scenario:
     kv_transfer_latency: float = 0.0        # seconds
     stall_batches: int = DEFAULT_STALL_BATCHES   # batches without an output token before a policy is stopped
     tbt_first_zero: bool = False            # also report p99 TBT with a 0 s gap per first token (SLAI's telemetry)
+    prefix_caching: bool | None = None      # None: the policy's default (on for vllm-v1, as vLLM)
 
     def pools(self) -> tuple[int, int]:
         """(replicas, prefill replicas), checked."""
@@ -269,7 +270,8 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
                       prefill_replicas=prefill, kv_bytes_per_token=model.kv_bytes_per_token,
                       bandwidth_gbps=scenario.kv_transfer_bandwidth, latency_s=scenario.kv_transfer_latency,
                       max_model_len=max_len, record_timeline=record_timeline, record_batches=record_batches,
-                      strict=scenario.strict, stall_batches=scenario.stall_batches)
+                      strict=scenario.strict, stall_batches=scenario.stall_batches,
+                      prefix_caching=prefix_caching_for(scenario, pols[0]))
     records = cluster.run(progress)
     name = pols[0].name if hasattr(pols[0], "name") else type(pols[0]).__name__
     records.extra = {"policy": name, "cost_model": scenario.cost, "model": model.name,
@@ -280,10 +282,30 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
         records.extra.update({"prefill_replicas": prefill, "decode_replicas": replicas - prefill,
                               "decode_policy": pols[-1].name})
     summary = summarize(records, scenario.goodput, scenario.trim, tbt_first_zero=scenario.tbt_first_zero)
+    caches = [r.cache for r in cluster.replicas if r.cache is not None]
+    if caches:
+        summary.update(prefix_cache_summary(caches))
     reports = [p.report() for p in pols if callable(getattr(p, "report", None))]
     if reports:                 # what the policy decided (e.g. WAIT's thresholds), per replica
         summary["policy_report"] = reports[0] if len(pols) == 1 else reports
     return Result(name, summary, records, cluster.timeline, cluster.batches, pols[0], pols)
+
+
+def prefix_caching_for(scenario: Scenario, policy) -> bool:
+    """--prefix-caching, else the policy's default (`prefix_caching_default`, off if it has none)."""
+    if scenario.prefix_caching is not None:
+        return bool(scenario.prefix_caching)
+    return bool(getattr(policy, "prefix_caching_default", False))
+
+
+def prefix_cache_summary(caches) -> dict[str, Any]:
+    """Prefix-cache figures over the replicas (docs/prefix-caching.md, "Metrics")."""
+    q = sum(c.query_tokens for c in caches)
+    h = sum(c.hit_tokens for c in caches)
+    qb = sum(c.query_blocks for c in caches)
+    hb = sum(c.hit_blocks for c in caches)
+    return {"prefix_hit_rate": h / q if q else 0.0, "prefix_block_hit_rate": hb / qb if qb else 0.0,
+            "prefill_tokens_saved": h, "prefix_evictions": sum(c.evictions for c in caches)}
 
 
 def _policy(policy: str | Policy, params: dict[str, Any] | None, gpu, k: int) -> Policy:

@@ -126,6 +126,8 @@ WORKLOAD_FLAGS = {
     "cap_len": (Optional[int], typer.Option(None, "--cap-len", help="cap prompt + output at this many tokens (reports how many were capped)")),
     "window": (Optional[str], typer.Option(None, "--window", help="trace time window START:END, seconds from its first request")),
     "spread": (Optional[float], typer.Option(None, "--spread", help="spread replayed times uniformly over [t, t + S) seconds (Mooncake's 3 s grid)")),
+    "shared_prefix": (Optional[str], typer.Option(None, "--shared-prefix", help="system prompts of synthetic phases: TOKENS:SHARE[,TOKENS:SHARE...]; a request (a session) begins with prompt k with probability SHARE_k")),
+    "sessions": (Optional[str], typer.Option(None, "--sessions", help="multi-turn sessions in synthetic open-loop phases: turns=T[,think=S] (T an integer or a length distribution; S seconds, fixed:S, exponential:MEAN or uniform:LOW:HIGH); --num-requests counts every turn")),
 }
 
 
@@ -162,6 +164,7 @@ HARDWARE_FLAGS = {
     "max_model_len": (Optional[int], typer.Option(None, "--max-model-len", help="default: the model's maximum")),
     "cost": (str, typer.Option("roofline", "--cost", help=f"batch-time model: {', '.join(COST_MODELS)}; or a cost file (.json) written by kvsched calibrate")),
     "cost_set": (list[str], typer.Option([], "--cost-set", help="cost model parameter key=value (repeatable)")),
+    "prefix_caching": (Optional[str], typer.Option(None, "--prefix-caching", help="on|off: share cached prompt blocks as vLLM's automatic prefix caching (default: the policy's; on for vllm-v1)")),
 }
 
 
@@ -175,16 +178,20 @@ class HardwareOptions:
     max_model_len: Optional[int]
     cost: str
     cost_set: list[str]
+    prefix_caching: Optional[str]
 
     def scenario(self, workload, goodput: list[str] = (), trim: int = 0, strict: bool = False,
                  tbt_first_zero: bool = False) -> Scenario:
         get_model(self.model), get_gpu(self.gpu)
+        if self.prefix_caching not in (None, "on", "off"):
+            raise KvschedError(f"--prefix-caching must be on or off, got {self.prefix_caching!r}")
         return Scenario(workload, model=self.model, gpu=self.gpu, cost=self.cost,
                         cost_params=parse_assignments(self.cost_set, "--cost-set"),
                         kv_capacity=self.kv_capacity, memory_utilization=self.memory_utilization,
                         block_size=self.block_size, max_model_len=self.max_model_len,
                         goodput=Goodput.parse(list(goodput)), trim=trim, strict=strict,
-                        tbt_first_zero=tbt_first_zero)
+                        tbt_first_zero=tbt_first_zero,
+                        prefix_caching=None if self.prefix_caching is None else self.prefix_caching == "on")
 
 
 hardware_flags = _flags(HARDWARE_FLAGS, HardwareOptions, "hw")

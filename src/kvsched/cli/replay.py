@@ -29,6 +29,7 @@ def replay_cmd(wopts: WorkloadOptions,
                block_size: int = typer.Option(16, "--block-size", help="KV block size, tokens"),
                max_model_len: int = typer.Option(8192, "--max-model-len", help="longest request, tokens"),
                step_time: float = typer.Option(0.01, "--step-time", help="constant seconds per step on both sides"),
+               prefix_caching: str = typer.Option("on", "--prefix-caching", help="on|off: automatic prefix caching on both sides (vLLM's default: on)"),
                json_: bool = JsonOpt,
                out: Optional[Path] = typer.Option(None, "--out", help="write agreement.json and steps.csv (one row per step) here")) -> None:
     """Run the installed vLLM's v1 scheduler (no model) and a kvsched policy on the same
@@ -36,10 +37,14 @@ def replay_cmd(wopts: WorkloadOptions,
     report where they agree. JSON keys: steps, steps_differing, vllm_steps, kvsched_steps,
     first_difference (step, differs_in, each side's tokens per request and preempted
     requests), preemptions, first_token_step_diff and finish_step_diff (max, mean,
-    requests_differing over requests). vllm-v1 should agree on every step."""
+    requests_differing over requests). vllm-v1 should agree on every step. Prompts get token
+    ids from their content (shared segments give shared tokens), so vLLM's prefix cache finds
+    the prefixes kvsched's does; a step's `hits` (prompt tokens from the cache) are compared too."""
     def body() -> None:
         if engine != "vllm":
             raise KvschedError(f"--engine {engine!r}: only vllm is supported")
+        if prefix_caching not in ("on", "off"):
+            raise KvschedError(f"--prefix-caching must be on or off, got {prefix_caching!r}")
         if kv_capacity < 2 * block_size:
             raise KvschedError(f"--kv-capacity {kv_capacity} holds fewer than two blocks of {block_size}")
         from kvsched.engines.vllm_replay import Limits, replay, vllm_version
@@ -50,7 +55,7 @@ def replay_cmd(wopts: WorkloadOptions,
             params = {"max_num_batched_tokens": str(max_num_batched_tokens), "max_num_seqs": str(max_num_seqs),
                       "long_prefill_token_threshold": str(long_prefill_token_threshold), **params}
         limits = Limits(max_num_batched_tokens, max_num_seqs, long_prefill_token_threshold, block_size,
-                        kv_capacity // block_size + 1, max_model_len)
+                        kv_capacity // block_size + 1, max_model_len, prefix_caching == "on")
         wopts.untimed_ok = False
         w = load(wopts)
         result = replay(w, policy, params, limits, step_time)

@@ -173,6 +173,7 @@ def _records(workload, first, finished, seen, itl, steps, limits: Limits, wall: 
 
 def run_real(workload, model_dir: Path, opts: ServeOptions) -> dict[str, Any]:
     """One workload through a fresh engine: kvsched's summary of what the engine did."""
+    workload.refuse_sessions("the real engine")
     engine = make_engine(model_dir, opts)
     try:
         return summarize(serve(engine, workload, opts.limits))

@@ -1,13 +1,15 @@
 """Replay a workload through the installed vLLM's own v1 scheduler, beside a kvsched policy.
 
 vLLM's `Scheduler` is built without a model, as vLLM's own tests build it (tests/v1/core/utils.py,
-`create_scheduler`): a local tiny-Llama config (no download, no tokenizer), prefix caching off,
-`num_gpu_blocks` G. It is stepped with a constant step time:
+`create_scheduler`): a local tiny-Llama config (no download, no tokenizer), prefix caching on or
+off (`Limits.prefix_caching`), `num_gpu_blocks` G. It is stepped with a constant step time:
 1. requests that have arrived by the step's start are added (`max_tokens` = output length,
-   `ignore_eos`);
+   `ignore_eos`), their prompt token ids made from their content (`token_ids`): the same
+   content gives the same tokens, so vLLM's own block hashing finds the prefixes kvsched shares;
 2. `schedule()`;
 3. a fabricated `ModelRunnerOutput` gives one sampled token to every request whose computed
-   tokens reached its token count (decodes and last prefill chunks; none for a partial chunk);
+   tokens reached its token count (decodes and last prefill chunks; none for a partial chunk),
+   the next token of the request's own content;
 4. `update_from_output()`.
 A step that schedules nothing waits for the next arrival. kvsched runs the same workload on one
 replica with `constant` batch time `step_time` and KV of (G - 1) x block_size tokens (vLLM holds
@@ -42,6 +44,7 @@ class Step:
     time: float
     tokens: dict[int, int]
     preempted: frozenset[int] = frozenset()
+    hits: dict[int, int] = field(default_factory=dict)     # prompt tokens taken from the prefix cache
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Limits:
     block_size: int = 16
     num_gpu_blocks: int = 0            # G; kvsched gets (G - 1) x block_size tokens of KV
     max_model_len: int = 8192
+    prefix_caching: bool = False       # vLLM's enable_prefix_caching; kvsched's --prefix-caching
 
     def check(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len"):
@@ -77,6 +81,8 @@ def import_vllm():
                                "see the README's vLLM section") from None
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.outputs import ModelRunnerOutput
@@ -85,7 +91,8 @@ def import_vllm():
     return dict(CacheConfig=CacheConfig, ModelConfig=ModelConfig, SchedulerConfig=SchedulerConfig,
                 VllmConfig=VllmConfig, SamplingParams=SamplingParams, Scheduler=Scheduler,
                 FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
-                ModelRunnerOutput=ModelRunnerOutput, Request=Request,
+                ModelRunnerOutput=ModelRunnerOutput, Request=Request, get_hash_fn_by_name=get_hash_fn_by_name,
+                get_request_block_hasher=get_request_block_hasher, init_none_hash=init_none_hash,
                 StructuredOutputManager=StructuredOutputManager)
 
 
@@ -106,7 +113,7 @@ def build_scheduler(limits: Limits, model_dir: Path, scheduler_cls=None, async_s
                               max_model_len=limits.max_model_len, enable_chunked_prefill=True,
                               long_prefill_token_threshold=limits.long_prefill_token_threshold,
                               is_encoder_decoder=False)
-    cc = v["CacheConfig"](block_size=limits.block_size, enable_prefix_caching=False)
+    cc = v["CacheConfig"](block_size=limits.block_size, enable_prefix_caching=limits.prefix_caching)
     cc.num_gpu_blocks = limits.num_gpu_blocks
     vc = v["VllmConfig"](model_config=mc, scheduler_config=sc, cache_config=cc)
     vc.scheduler_config.async_scheduling = async_scheduling     # after the platform's say (CPU: off)
@@ -130,12 +137,19 @@ def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_0
         nxt, t, steps, done = 0, 0.0, [], 0
         if hasattr(sched, "set_clock"):                     # the kvsched adapter: on the replay's clock
             sched.set_clock(lambda: t, lambda: (nxt < n, float(workload.arrival[order[nxt]]) if nxt < n else None))
+        content = token_ids(workload)
+        hasher = None
+        if limits.prefix_caching:                           # as vLLM's EngineCore sets it up
+            fn = v["get_hash_fn_by_name"](sched.cache_config.prefix_caching_hash_algo)
+            v["init_none_hash"](fn)
+            hasher = v["get_request_block_hasher"](limits.block_size, fn)
+        progress: dict[str, int] = {}                       # computed tokens we expect each request to have
         while done < n:
             while nxt < n and workload.arrival[order[nxt]] <= t:
                 i = order[nxt]
-                sched.add_request(v["Request"](str(i), [3] * int(workload.prompt[i]),
+                sched.add_request(v["Request"](str(i), content.prompt(i),
                                                v["SamplingParams"](max_tokens=int(workload.output[i]), ignore_eos=True),
-                                               None, arrival_time=float(workload.arrival[i])))
+                                               None, arrival_time=float(workload.arrival[i]), block_hasher=hasher))
                 nxt += 1
             out = sched.schedule()
             if not out.num_scheduled_tokens:
@@ -146,9 +160,19 @@ def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_0
                 sched.update_from_output(out, v["ModelRunnerOutput"](req_ids=[], req_id_to_index={}))
                 continue
             ids = list(out.num_scheduled_tokens)
-            sampled = [[5] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens else [] for r in ids]
-            steps.append(Step(t, {int(r): k for r, k in out.num_scheduled_tokens.items()},
-                              frozenset(int(r) for r in (out.preempted_req_ids or ()))))
+            reqs = sched.requests
+            sampled = [[content.output(int(r), len(reqs[r].output_token_ids))]
+                       if reqs[r].num_computed_tokens >= reqs[r].num_tokens else [] for r in ids]
+            preempted = frozenset(int(r) for r in (out.preempted_req_ids or ()))
+            hits = {}
+            for r in preempted:
+                progress[str(r)] = 0
+            for r, k in out.num_scheduled_tokens.items():
+                start = reqs[r].num_computed_tokens - k
+                if start > progress.get(r, 0):              # a prefix-cache hit
+                    hits[int(r)] = start - progress.get(r, 0)
+                progress[r] = reqs[r].num_computed_tokens
+            steps.append(Step(t, {int(r): k for r, k in out.num_scheduled_tokens.items()}, preempted, hits))
             t += step_time                                  # the batch ends before its output is read
             sched.update_from_output(out, v["ModelRunnerOutput"](req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)},
                                                                   sampled_token_ids=sampled))
@@ -170,11 +194,21 @@ class _Recorder:
         plan = self.inner.schedule(v)
         gone = set(plan.preempt)
         tokens = {i: c for i, c in plan.chunks}
+        hits = {}
+        planner = v.prefix_planner()
+        if planner is not None:                 # where each chunk starts, as the replica applies the plan
+            for i in plan.preempt:
+                planner.preempt(i)
+            for i, c in plan.chunks:
+                done = 0 if i in gone or i in plan.admit else v.prefill_done(i)
+                start = planner.chunk(i, c)
+                if start > done:
+                    hits[i] = start - done
         decoding = [i for i in v.decoding if i not in gone] if plan.decode is True else list(plan.decode or ())
         for i in decoding:
             tokens[i] = 1
         if tokens:
-            self.steps.append(Step(v.now, tokens, frozenset(plan.preempt)))
+            self.steps.append(Step(v.now, tokens, frozenset(plan.preempt), hits))
         return plan
 
     def __getattr__(self, name: str):           # the optional hooks, when the policy has them
@@ -207,7 +241,7 @@ def kvsched_steps(workload, policy: str, params: dict[str, Any], limits: Limits,
                                   limits.long_prefill_token_threshold))
     Server(workload, rec, ConstantCost(step_time), PagedKV((limits.num_gpu_blocks - 1) * limits.block_size,
                                                            limits.block_size),
-           max_model_len=limits.max_model_len).run()
+           max_model_len=limits.max_model_len, prefix_caching=limits.prefix_caching).run()
     return rec.steps
 
 
@@ -241,6 +275,8 @@ def compare(a: list[Step], b: list[Step], prompts, rel_time: float = 1e-9) -> Ag
                 what.append("tokens")
             if x.preempted != y.preempted:
                 what.append("preempted")
+            if x.hits != y.hits:
+                what.append("hits")
             if not math.isclose(x.time, y.time, rel_tol=rel_time, abs_tol=1e-9):
                 what.append("time")
         if what:
@@ -264,12 +300,12 @@ def _describe(s: Step | None) -> dict[str, Any] | None:
     if s is None:
         return None
     return {"time": s.time, "tokens": {str(i): c for i, c in sorted(s.tokens.items())},
-            "preempted": sorted(s.preempted)}
+            "preempted": sorted(s.preempted), "hits": {str(i): c for i, c in sorted(s.hits.items())}}
 
 
 def _first_token_and_finish(steps: list[Step], prompts) -> tuple[dict[int, int], dict[int, int]]:
-    """Per request, the step of its first output token (its computed tokens first reach its
-    prompt) and the last step it computes in (its finish)."""
+    """Per request, the step of its first output token (its computed tokens, cache hits
+    included, first reach its prompt) and the last step it computes in (its finish)."""
     computed: dict[int, int] = {}
     first: dict[int, int] = {}
     last: dict[int, int] = {}
@@ -277,11 +313,40 @@ def _first_token_and_finish(steps: list[Step], prompts) -> tuple[dict[int, int],
         for i in s.preempted:
             computed[i] = 0
         for i, c in s.tokens.items():
-            computed[i] = computed.get(i, 0) + c
+            computed[i] = computed.get(i, 0) + c + s.hits.get(i, 0)
             if i not in first and computed[i] >= prompts[i]:
                 first[i] = k
             last[i] = k
     return first, last
+
+
+class token_ids:
+    """Token ids made from each request's content (sim/prefix_cache.py's sources): a token is
+    a function of its content id and offset, so requests that share content share tokens, and
+    the rest are (almost surely) distinct. Output tokens continue the request's own content."""
+    VOCAB = TINY_LLAMA["vocab_size"]
+
+    def __init__(self, workload) -> None:
+        from kvsched.sim.prefix_cache import _sources
+        self._w, self._src = workload, _sources(workload)
+
+    @classmethod
+    def _token(cls, kind: int, cid: int, offset: int) -> int:
+        return 10 + hash((kind, cid, offset)) % (cls.VOCAB - 10)
+
+    def prompt(self, i: int) -> list[int]:
+        segments, (kind, own) = self._src(i)
+        out: list[int] = []
+        for k, cid, n in segments:
+            out += [self._token(k, cid, j) for j in range(n)]
+        m = len(out)
+        out += [self._token(kind, own, j) for j in range(int(self._w.prompt[i]) - m)]
+        return out
+
+    def output(self, i: int, g: int) -> int:
+        """Output token g (0 = the first) of request i."""
+        segments, (kind, own) = self._src(i)
+        return self._token(kind, own, int(self._w.prompt[i]) - sum(n for _, _, n in segments) + g)
 
 
 def _diffs(x: dict[int, int], y: dict[int, int]) -> dict[str, float]:
@@ -293,6 +358,7 @@ def _diffs(x: dict[int, int], y: dict[int, int]) -> dict[str, float]:
 
 def replay(workload, policy: str, params: dict[str, Any], limits: Limits, step_time: float = 0.01) -> Agreement:
     limits.check()
+    workload.refuse_sessions("replay")
     if not step_time > 0 or not math.isfinite(step_time):
         raise KvschedError(f"--step-time must be a finite number > 0, got {step_time}")
     return compare(vllm_steps(workload, limits, step_time), kvsched_steps(workload, policy, params, limits, step_time),

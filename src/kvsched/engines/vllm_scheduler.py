@@ -65,6 +65,16 @@ class VllmView:
     index = 0
     role = "mixed"
     declared_types = None
+    prefix_caching = False          # the adapter refuses vLLM's prefix caching (docs/prefix-caching.md)
+    prefix_hit_rate = None
+
+    @staticmethod
+    def prefix_planner() -> None:
+        return None
+
+    @staticmethod
+    def cached_tokens(i: int) -> int:
+        return 0
 
     def __init__(self, sched: "KvschedScheduler") -> None:
         self._s = sched

@@ -14,6 +14,9 @@ class Plan:
     admit:   waiting requests to start (they hold no KV until a chunk runs).
     chunks:  (request, tokens) prefill chunks for requests in their prefill phase
              (admitted ones included); the last chunk of a prefill yields an output token.
+             With prefix caching, a request's first chunk after admission starts after its
+             cached prefix, as far as the chunk leaves room before its prefill target
+             (`view.prefix_planner()` says how far that is).
     decode:  True: every request in its decode phase decodes one token (the O(1) path);
              False: none; or a collection of request ids in their decode phase: exactly
              those decode, the others stay paused with their KV held (their next
@@ -55,6 +58,8 @@ class ServerView(Protocol):
     declared_types: tuple[tuple[int, int, float], ...] | None   # (prompt, output, rate req/s) per type
                                       # when the workload declares them, rates scaled to this
                                       # replica's share of arrivals (even split assumed); else None
+    prefix_caching: bool              # whether the replica caches prefixes (docs/prefix-caching.md)
+    prefix_hit_rate: float | None     # share of looked-up prompt tokens taken from the cache so far
 
     def blocks_for(self, tokens: int) -> int: ...
     def arrival(self, i: int) -> float: ...
@@ -70,6 +75,9 @@ class ServerView(Protocol):
     def tier_priority(self, i: int) -> int: ...
     def tbt_slo(self, i: int) -> float: ...           # seconds; infinity when its tier has none
     def last_token_time(self, i: int) -> float | None: ...   # None before its first token
+    def cached_tokens(self, i: int) -> int: ...       # prompt tokens of a waiting request cached now
+    def prefix_planner(self): ...                     # a HitPlanner for the plan being built, or
+                                                      # None without prefix caching (sim/prefix_cache.py)
 
 
 class Policy(Protocol):

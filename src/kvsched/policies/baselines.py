@@ -67,12 +67,14 @@ def prefill_order(v: ServerView, order: str, user_priority: bool = False, aging:
 
 
 def admit_reserving(v: ServerView, queue: Iterable[int], free: int, budget: int, seats: int,
-                    watermark: float) -> tuple[list[int], list[tuple[int, int]], int, int]:
+                    watermark: float, hits=None) -> tuple[list[int], list[tuple[int, int]], int, int]:
     """Admission as the vLLM-v0 block manager under Sarathi-Serve (and SLAI): in `queue` order,
     while budget and seats last, a request is admitted when KV for its whole prompt fits beyond
     `watermark` x blocks kept free (while requests run); its first chunk runs and the rest is
-    reserved. The first request that does not fit ends admission. Returns (admitted, their
-    chunks, free blocks left, budget left)."""
+    reserved. The first request that does not fit ends admission. With prefix caching
+    (`hits`, the view's planner), a request needs KV only beyond its cached prefix, plus the
+    cached blocks it takes from the free pool, and computes from its prefix on. Returns
+    (admitted, their chunks, free blocks left, budget left)."""
     admit: list[int] = []
     chunks: list[tuple[int, int]] = []
     keep = int(watermark * v.kv_capacity_blocks) if v.running else 0
@@ -80,12 +82,15 @@ def admit_reserving(v: ServerView, queue: Iterable[int], free: int, budget: int,
         if budget <= 0 or seats <= 0:
             break
         target = v.prefill_target(i)
-        need = v.blocks_for(target)
+        hit, taken = hits.lookup(i) if hits is not None else (0, 0)
+        need = v.blocks_for(target) - v.blocks_for(hit) + taken
         if free - need < keep:
             break
-        c = min(budget, target)
+        c = min(budget, target - hit)
         admit.append(i)
         chunks.append((i, c))
+        if hits is not None:
+            hits.chunk(i, c)
         free -= need
         budget -= c
         seats -= 1
@@ -129,8 +134,12 @@ class VllmV1(_Base):
             raise ValueError("long_prefill_token_threshold must be >= 0 (0 = no cap)")
         self._cap = self.long_prefill_token_threshold or None
 
+    prefix_caching_default = True           # vLLM v1 turns automatic prefix caching on
+
     def schedule(self, v: ServerView) -> Plan:
-        victims, free, nd = make_room(v)
+        hits = v.prefix_planner()
+        release = hits.preempt if hits is not None else v.kv_blocks
+        victims, free, nd = make_room(v, release=release)
         budget = self.max_num_batched_tokens - nd
         chunks: list[tuple[int, int]] = []
         gone = set(victims)
@@ -150,13 +159,15 @@ class VllmV1(_Base):
                 gone.add(j)
                 if j == i:
                     break
-                free += v.kv_blocks(j)
+                free += release(j)
                 if v.is_decoding(j):
                     free += v.needs_block(j)
                     budget += 1
             if i in gone:
                 break
             chunks.append((i, c))
+            if hits is not None:
+                hits.chunk(i, c)
             free -= need
             budget -= c
         admit: list[int] = []
@@ -166,12 +177,16 @@ class VllmV1(_Base):
                 if seqs >= self.max_num_seqs or budget <= 0:
                     break
                 target = v.prefill_target(i)
-                c = min(budget, target, cap or budget)
-                need = v.blocks_for(c)
-                if need > free or self.reserve_full_prompt and v.blocks_for(target) > free:
+                hit, taken = hits.lookup(i) if hits is not None else (0, 0)
+                c = min(budget, target - hit, cap or budget)
+                # the hit's blocks are shared, and those now free leave the free pool (vLLM's allocate_slots)
+                need = v.blocks_for(hit + c) - v.blocks_for(hit) + taken
+                if need > free or self.reserve_full_prompt and v.blocks_for(target) - v.blocks_for(hit) + taken > free:
                     break
                 admit.append(i)
                 chunks.append((i, c))
+                if hits is not None:
+                    hits.chunk(i, c)
                 free -= need
                 budget -= c
                 seqs += 1
@@ -206,6 +221,12 @@ class Sarathi(_Base):
         def release(i: int) -> int:
             return blocks(target(i)) if not v.is_decoding(i) else v.kv_blocks(i)
 
+        hits = v.prefix_planner()
+        if hits is not None:
+            plain = release
+
+            def release(i: int) -> int:         # shared blocks stay held by the others
+                return plain(i) - v.kv_blocks(i) + hits.preempt(i)
         victims, free, nd = make_room(v, reserve, release)
         budget = self.chunk_size - nd
         gone = set(victims)
@@ -216,12 +237,14 @@ class Sarathi(_Base):
             if i not in gone:
                 c = min(budget, target(i) - v.prefill_done(i))
                 chunks.append((i, c))
+                if hits is not None:
+                    hits.chunk(i, c)
                 budget -= c
         admit: list[int] = []
         if not victims and v.waiting and budget > 0:
             queue = v.waiting if self.order == "fcfs" else prefill_order(v, self.order)
             admit, new, _, _ = admit_reserving(v, queue, free, budget, self.max_num_seqs - len(v.running),
-                                               self.watermark)
+                                               self.watermark, hits)
             chunks += new
         return Plan(admit, chunks, nd > 0, victims)
 
@@ -245,30 +268,38 @@ class VllmV0(_Base):
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
 
     def schedule(self, v: ServerView) -> Plan:
+        hits = v.prefix_planner()
+        if hits is not None:
+            hits.decodes(0)                     # an admission step is prefill-only
         admit, chunks = admit_whole_prompts(
             v, v.kv_free_blocks, self.max_num_batched_tokens, self.max_num_seqs - len(v.running),
-            int(self.watermark * v.kv_capacity_blocks) if v.num_decoding else 0, alone_ok=True)
+            int(self.watermark * v.kv_capacity_blocks) if v.num_decoding else 0, alone_ok=True, hits=hits)
         if admit:
             return Plan(admit, chunks, False, [])
-        victims, _, nd = make_room(v)
+        victims, _, nd = make_room(v, release=hits.preempt if hits is not None else None)
         return Plan([], [], nd > 0, victims)
 
 
 def admit_whole_prompts(v: ServerView, free: int, budget: int, seats: int, keep_free: int = 0,
-                        alone_ok: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+                        alone_ok: bool = True, hits=None) -> tuple[list[int], list[tuple[int, int]]]:
     """FCFS admission of whole prompts (no chunking) while tokens, seats and KV allow.
-    A prompt longer than the budget may run alone when `alone_ok`."""
+    A prompt longer than the budget may run alone when `alone_ok`. With prefix caching
+    (`hits`), only the uncached part is computed and needs new KV."""
     admit: list[int] = []
     chunks: list[tuple[int, int]] = []
     for i in v.waiting:
-        t = v.prefill_target(i)
+        hit, taken = hits.lookup(i) if hits is not None else (0, 0)
+        target = v.prefill_target(i)
+        t = target - hit
         if seats <= 0 or (t > budget and (admit or not alone_ok)):
             break
-        need = v.blocks_for(t)
+        need = v.blocks_for(target) - v.blocks_for(hit) + taken
         if free - need < keep_free:
             break
         admit.append(i)
         chunks.append((i, t))
+        if hits is not None:
+            hits.chunk(i, t)
         free -= need
         budget -= t
         seats -= 1
@@ -292,13 +323,14 @@ class Orca(_Base):
             _check_limits(self.name, self.max_num_batched_tokens, self.max_num_seqs)
 
     def schedule(self, v: ServerView) -> Plan:
-        victims, free, nd = make_room(v)
+        hits = v.prefix_planner()
+        victims, free, nd = make_room(v, release=hits.preempt if hits is not None else None)
         admit: list[int] = []
         chunks: list[tuple[int, int]] = []
         if not victims:
             budget = self.max_num_batched_tokens - nd if self.max_num_batched_tokens else 1 << 62
             admit, chunks = admit_whole_prompts(v, free, budget, self.max_num_seqs - len(v.running),
-                                                alone_ok=nd == 0)
+                                                alone_ok=nd == 0, hits=hits)
         return Plan(admit, chunks, nd > 0, victims)
 
 
@@ -317,8 +349,9 @@ class RequestLevel(_Base):
             raise ValueError(f"b must be >= 1, got {self.b}")
 
     def schedule(self, v: ServerView) -> Plan:
+        hits = v.prefix_planner()
         if v.num_decoding:
-            victims, _, nd = make_room(v)
+            victims, _, nd = make_room(v, release=hits.preempt if hits is not None else None)
             return Plan([], [], nd > 0, victims)
-        admit, chunks = admit_whole_prompts(v, v.kv_free_blocks, 1 << 62, self.b)
+        admit, chunks = admit_whole_prompts(v, v.kv_free_blocks, 1 << 62, self.b, hits=hits)
         return Plan(admit, chunks, False, [])

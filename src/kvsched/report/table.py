@@ -23,10 +23,13 @@ ROWS = [
     ("decode_replicas", "decode replicas"), ("decode_policy", "decode policy"),
     ("mean_transfer_ms", "mean KV transfer ms"), ("p99_transfer_ms", "p99 KV transfer ms"),
     ("prefill_busy_fraction", "prefill pool busy"), ("decode_busy_fraction", "decode pool busy"),
+    ("prefix_hit_rate", "prefix hit rate (tokens)"), ("prefix_block_hit_rate", "prefix hit rate (blocks)"),
+    ("prefill_tokens_saved", "prefill tokens saved"), ("prefix_evictions", "cached blocks evicted"),
 ]
 OPTIONAL = {"replicas", "router", "prefill_replicas", "decode_replicas", "decode_policy", "mean_transfer_ms",
-            "p99_transfer_ms", "prefill_busy_fraction", "decode_busy_fraction"}   # shown when present
-PERCENT = {"mean_kv_usage", "peak_kv_usage", "prefill_busy_fraction", "decode_busy_fraction",
+            "p99_transfer_ms", "prefill_busy_fraction", "decode_busy_fraction", "prefix_hit_rate",
+            "prefix_block_hit_rate", "prefill_tokens_saved", "prefix_evictions"}   # shown when present
+PERCENT = {"mean_kv_usage", "peak_kv_usage", "prefix_hit_rate", "prefix_block_hit_rate", "prefill_busy_fraction", "decode_busy_fraction",
            "busy_fraction", "ttft_slo_attainment", "tbt_slo_attainment", "itl_slo_attainment"}
 REPLICA_COLUMNS = [("replica", "replica"), ("role", "role"), ("completed", "completed"),
                    ("request_throughput", "requests/s"), ("mean_ttft_ms", "mean TTFT ms"),

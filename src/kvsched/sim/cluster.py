@@ -19,6 +19,11 @@ A preemption on a decode replica recomputes there (its policy prefills the reque
 This departs from DistServe (rad-slai.txt Algorithm 5), which swaps preempted KV to host
 memory, and whose prefill instances run one whole prompt at a time FCFS: here the prefill
 replicas run whatever policy is chosen, batched and chunked as it decides.
+
+Sessions (a workload's `session_prev`): the open loop issues first turns at their arrival
+times and skips later turns; when a turn finishes (or is rejected, at the moment it would
+have been issued), its session's next turn is issued `think` seconds later, as a loop event,
+and routed like any arrival. Arrivals stay pending while any turn remains to be issued.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import numpy as np
 from kvsched.errors import KvschedError, PlanError
 from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram, RunRecords
+from kvsched.sim.prefix_cache import fewer_collections
 from kvsched.sim.replica import DEFAULT_STALL_BATCHES, Arrivals, Replica
 from kvsched.sim.requests import INF, RequestTable
 from kvsched.sim.routers import ReplicaSummary, Router, make_router
@@ -38,7 +44,25 @@ from kvsched.sim.rowlog import MergedRows
 from kvsched.sim.transfer import KVLink
 from kvsched.workload.request import Workload
 
-SEAT, HANDOFF, PULL, LAND = range(4)
+SEAT, HANDOFF, PULL, LAND, ISSUE = range(5)
+
+
+class _Turns:
+    """Sessions' later turns, issued `think` seconds after their previous turn finishes."""
+
+    def __init__(self, w: Workload, reqs: RequestTable) -> None:
+        prev = w.previous_turn()
+        later = prev >= 0
+        nxt = np.full(len(prev), -1, np.int64)
+        nxt[prev[later]] = np.flatnonzero(later)
+        self.next = nxt.tolist()                # the session's next turn (-1: none)
+        self.think = w.think.tolist()
+        self.arrival = w.arrival.tolist()       # stored times: the open loop's schedule
+        self.skip = (reqs.rejected | later).tolist()     # rows the open loop does not issue
+        self.rejected_firsts = np.flatnonzero(reqs.rejected & ~later & (nxt >= 0)).tolist()
+        self.left = int(later.sum())            # later turns not issued yet
+        self.due: list[float] = []              # heap: issue times of the scheduled ones
+        self.open = 0                           # the open loop's next row to issue
 
 
 class Cluster:
@@ -51,7 +75,7 @@ class Cluster:
                  kv_bytes_per_token: float = 0.0, bandwidth_gbps: float = 25.0, latency_s: float = 0.0,
                  max_model_len: int | None = None, record_timeline: bool = False,
                  record_batches: bool = False, strict: bool = False,
-                 stall_batches: int = DEFAULT_STALL_BATCHES) -> None:
+                 stall_batches: int = DEFAULT_STALL_BATCHES, prefix_caching: bool = False) -> None:
         r = len(policies)
         if r < 1:
             raise KvschedError("a cluster needs at least one replica")
@@ -60,6 +84,9 @@ class Cluster:
         self.reqs = RequestTable(workload, kv.block_size, kv.capacity_blocks,
                                  max_model_len=max_model_len, strict=strict)
         self.arrivals = Arrivals()
+        self._turns = _Turns(workload, self.reqs) if workload.has_sessions else None
+        if self._turns is not None:
+            self._set_next = self._set_next_turns
         self.disaggregated = prefill_replicas > 0
         self.replicas: list[Replica] = []
         for k, pol in enumerate(policies):
@@ -69,7 +96,8 @@ class Cluster:
                 index=k, role=role, arrivals=self.arrivals, record_timeline=record_timeline,
                 record_batches=record_batches, stall_batches=stall_batches,
                 handoff=self._handoff if role == "prefill" else None,
-                share=1 / (prefill_replicas if role == "prefill" else r - prefill_replicas)))
+                share=1 / (prefill_replicas if role == "prefill" else r - prefill_replicas),
+                prefix_caching=prefix_caching, on_done=self._turn_done if self._turns is not None else None))
         self.front = self.replicas[:prefill_replicas] if self.disaggregated else self.replicas
         self.back = self.replicas[prefill_replicas:]
         self.router = make_router(router, router_seed) if isinstance(router, str) else router
@@ -101,16 +129,25 @@ class Cluster:
         if len(pool) == 1:
             return 0
         if router.uses_state:
+            cached = self._cached(pool, i) if getattr(router, "uses_prefix", False) else None
             view = []
             for k, rep in enumerate(pool):
                 out, kv, backlog = rep.summary_at(t)
-                view.append(ReplicaSummary(k, out, kv, rep.kv_capacity_blocks, backlog))
-            k = router.route(i, t, view)
+                view.append(ReplicaSummary(k, out, kv, rep.kv_capacity_blocks, backlog, cached[k] if cached else 0))
+            k = router.route(i, t, view) if cached is None else router.route(i, t, view, prompt=self.reqs.target[i])
         else:
             k = router.route(i, t, len(pool))
         if not (isinstance(k, (int, np.integer)) and 0 <= k < len(pool)):
             raise KvschedError(f"router {router.name} chose replica {k!r} of {len(pool)}")
         return int(k)
+
+    def _cached(self, pool: list[Replica], i: int) -> list[int]:
+        """Prompt tokens of request i cached on each replica of `pool` (its keys made once)."""
+        caches = [rep.cache for rep in pool]
+        if caches[0] is None:
+            return [0] * len(pool)
+        keys = caches[0].keys(i, caches[0].cap_blocks(i), keep=False)
+        return [c.count_cached(keys) for c in caches]
 
     def _arrive(self, i: int, t: float) -> None:
         k = self._route(self.router, self.front, i, t)
@@ -130,6 +167,8 @@ class Cluster:
             self._pull(k, t)
         elif kind == PULL:
             self._pull(ev[3], t)
+        elif kind == ISSUE:
+            self._issue_turn(ev[3], t)
         else:
             _, _, _, i, p, k = ev
             self.replicas[p].release(i, t)
@@ -167,11 +206,22 @@ class Cluster:
 
     # ----- the loop ----------------------------------------------------------------------
     def run(self, progress: Callable[[int, int], None] | None = None) -> RunRecords:
+        if all(r.cache is None for r in self.replicas):
+            return self._run(progress)
+        with fewer_collections():               # the prefix cache allocates a block object per block
+            return self._run(progress)
+
+    def _run(self, progress: Callable[[int, int], None] | None) -> RunRecords:
         wall0 = _time.perf_counter()
         reqs, reps, events = self.reqs, self.replicas, self._events
         arrival, rejected, n = reqs.arrival, reqs.rejected_list, reqs.n
         closed = reqs.workload.concurrency.tolist() if reqs.workload.closed_loop else None
         arr = self.arrivals
+        turns = self._turns
+        if turns is not None:                   # sessions: the open loop skips later turns
+            arrival, rejected = turns.arrival, turns.skip
+            for i in turns.rejected_firsts:
+                self._turn_done(i, arrival[i])
         if closed is not None:
             arr.pending, arr.next_time = n > 0, None
             self._issue(0.0, closed)
@@ -213,6 +263,8 @@ class Cluster:
                 self._push(rep.now, SEAT, reqs.done - before)
             if rep.pulls:                           # a decode replica's KV may have room at the batch end
                 self._push(rep.now, PULL, rep.index - len(self.front))
+        if turns is not None:
+            self._drain_turns()
         return self._records(_time.perf_counter() - wall0)
 
     def _set_next(self, nxt: int, t: float) -> None:
@@ -227,6 +279,54 @@ class Cluster:
             for r in self.replicas:
                 r.wake(t)
         self.arrivals.pending = pending
+
+    # ----- sessions ----------------------------------------------------------------------
+    def _turn_done(self, i: int, t: float) -> None:
+        """Request i finished (or was rejected) at t: its session's next turn is due think later."""
+        tr = self._turns
+        s = tr.next[i]
+        if s >= 0:
+            due = t + tr.think[s]
+            heapq.heappush(tr.due, due)
+            self._push(due, ISSUE, s)
+            self._turn_times(t)
+
+    def _issue_turn(self, s: int, t: float) -> None:
+        """Later turn s arrives at t (a rejected one finishes at once)."""
+        tr, reqs = self._turns, self.reqs
+        heapq.heappop(tr.due)
+        tr.left -= 1
+        reqs.arrival[s] = t
+        if reqs.rejected_list[s]:
+            self._turn_done(s, t)
+        else:
+            self._arrive(s, t)
+        self._turn_times(t)
+
+    def _set_next_turns(self, nxt: int, t: float) -> None:
+        """`_set_next` with sessions: the open loop's next row skips later turns too."""
+        tr, n = self._turns, self.reqs.n
+        while nxt < n and tr.skip[nxt]:
+            nxt += 1
+        tr.open = nxt
+        self._turn_times(t)
+
+    def _turn_times(self, t: float) -> None:
+        """Pending while a first turn or a later turn is still to come; the next known time is
+        the open loop's next arrival or the earliest scheduled turn (None while the later turns
+        wait for their previous turns to finish, as in a closed loop)."""
+        tr = self._turns
+        times = tr.due[:1] + ([tr.arrival[tr.open]] if tr.open < self.reqs.n else [])
+        self._pending(bool(times) or tr.left > 0, t)
+        self.arrivals.next_time = min(times) if times else None
+
+    def _drain_turns(self) -> None:
+        """After the last finish only rejected turns remain: record when they would have arrived."""
+        events = self._events
+        while events:
+            ev = heapq.heappop(events)
+            if ev[2] == ISSUE:
+                self._issue_turn(ev[3], ev[0])
 
     def _deadlock(self, closed: bool) -> None:
         stuck = [r for r in self.replicas if r._queue or r._running or r._landing]

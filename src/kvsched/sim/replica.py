@@ -29,6 +29,7 @@ from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram
 from kvsched.policies.base import Plan
 from kvsched.sim.decode_set import Cohort, DecodeSet
+from kvsched.sim.prefix_cache import HitPlanner, PrefixCache
 from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING, RequestTable
 from kvsched.sim.rowlog import CHUNK, RowLog
 from kvsched.sim.view import ReadOnlySeq, ReplicaView
@@ -59,7 +60,8 @@ class Replica:
     def __init__(self, reqs: RequestTable, policy, cost, kv: PagedKV, *, index: int = 0,
                  role: str = "mixed", arrivals: Arrivals | None = None, record_timeline: bool = False,
                  record_batches: bool = False, stall_batches: int = DEFAULT_STALL_BATCHES,
-                 handoff: Callable[[int, float], None] | None = None, share: float = 1.0) -> None:
+                 handoff: Callable[[int, float], None] | None = None, share: float = 1.0,
+                 prefix_caching: bool = False, on_done: Callable[[int, float], None] | None = None) -> None:
         if stall_batches < 1:
             raise KvschedError(f"stall_batches must be >= 1, got {stall_batches}")
         self.reqs, self.policy, self.cost, self.kv = reqs, policy, cost, kv
@@ -69,6 +71,7 @@ class Replica:
         self.kv_capacity_blocks = kv.capacity_blocks
         self._arrivals = arrivals or Arrivals()
         self._handoff = handoff
+        self._on_done = on_done             # on_done(i, t): request i finished at t (sessions' next turns)
         self._stall_limit = stall_batches
         self._stall = 0
         self._queue: deque[int] = deque()
@@ -77,6 +80,9 @@ class Replica:
         self._landing: deque[int] = deque()
         self.pulls: deque[int] = deque()        # decode role: handed-off requests waiting for KV room
         self._decoders = DecodeSet(bs, self._move)
+        # prefix caching (sim/prefix_cache.py): admitted requests whose hit is taken at their first chunk
+        self.cache = PrefixCache(kv, reqs) if prefix_caching else None
+        self._fresh: set[int] = set()
         self._where = self._decoders.where
         # the table's per-request lists, aliased for the view's hot reads (mutated in place only)
         self._arrival, self._prompt, self._output, self._known = reqs.arrival, reqs.prompt, reqs.output, reqs.known
@@ -119,7 +125,8 @@ class Replica:
             "recent_batch_times": ReadOnlySeq(self.recent_batch_times),
             "recent_finished": ReadOnlySeq(self.recent_finished),
             "_output": reqs.output_ro, "_admitted": reqs.admitted_ro,
-            "declared_types": _declared(reqs.workload.declared_types, share)})
+            "declared_types": _declared(reqs.workload.declared_types, share),
+            "prefix_caching": prefix_caching})
 
     def _hook(self, name: str):
         fn = getattr(self.policy, name, None)
@@ -189,6 +196,24 @@ class Replica:
         """The request's time-between-tokens SLO in seconds (infinity when its tier has none)."""
         return self.reqs.tbt[i]
 
+    def cached_tokens(self, i: int) -> int:
+        """Prompt tokens of waiting request i that would hit the prefix cache now (0 without it)."""
+        return self.cache.cached_tokens(i) if self.cache is not None else 0
+
+    def prefix_planner(self) -> HitPlanner | None:
+        """What a plan being built finds in the cache (None without prefix caching)."""
+        return HitPlanner(self.cache, self) if self.cache is not None else None
+
+    def awaits_hit(self, i: int) -> bool:
+        """Request i takes its cache hit at its next chunk (waiting, or admitted without a chunk yet)."""
+        return self._status[i] == WAITING or i in self._fresh
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Share of looked-up prompt tokens taken from the cache so far (None: none looked up)."""
+        c = self.cache
+        return c.hit_tokens / c.query_tokens if c is not None and c.query_tokens else None
+
     def last_token_time(self, i: int) -> float | None:
         """When its last output token came out (None before the first)."""
         if i in self._where:
@@ -243,7 +268,10 @@ class Replica:
         used = self._snap[1] if mid else self.kv.used
         if used + need + self._decoders.new_blocks + (tokens % bs == 0) > self.kv.capacity_blocks:
             return False
-        self.kv.used += need
+        if self.cache is None:
+            self.kv.used += need
+        else:
+            self.cache.allocate(need)
         if mid:
             out, kv, pre = self._snap
             self._snap = (out, kv + need, pre)
@@ -257,7 +285,7 @@ class Replica:
 
     def release(self, i: int, t: float) -> None:
         """The KV of request i (handed off) has left this replica at t."""
-        self.kv.used -= -(-self.reqs.computed[i] // self.block_size)
+        self._free(i, self.reqs.computed[i], True)
         self.wake(t)
 
     def wake(self, t: float) -> None:
@@ -340,13 +368,6 @@ class Replica:
             self._check_fields(plan)
             raise
         bs = self.block_size
-        if chunks:
-            new_blocks, pt, pattn, pctx, shape_chunks = self._prefill_shape(plan, chunks)
-        elif chunks is None:
-            self._check_fields(plan)
-        else:
-            new_blocks = pt = pattn = pctx = 0
-            shape_chunks = ()
         ds = self._decoders
         d = plan.decode
         if d is True:
@@ -357,20 +378,34 @@ class Replica:
         else:
             cohorts = self._selected(d)
             nd = sum(c.n for c in cohorts)
-        dctx = 0
+        dnew = dctx = 0
         if nd:
             if len(cohorts) == 1:
                 c0 = cohorts[0]
-                new_blocks += c0.residue[-c0.clock % bs]     # c0.new_blocks, inline
+                dnew = c0.residue[-c0.clock % bs]     # c0.new_blocks, inline
                 dctx = c0.ctx
             else:
                 for c in cohorts:
-                    new_blocks += c.new_blocks
+                    dnew += c.new_blocks
                     dctx += c.ctx
+        if chunks:
+            if self.cache is None:
+                new_blocks, pt, pattn, pctx, shape_chunks = self._prefill_shape(plan, chunks)
+            else:                               # allocated as it goes, the decode step included
+                pt, pattn, pctx, shape_chunks = self._prefill_shape_cached(plan, chunks, dnew)
+                new_blocks = dnew = 0
+        elif chunks is None:
+            self._check_fields(plan)
+        else:
+            new_blocks = pt = pattn = pctx = 0
+            shape_chunks = ()
+            if self.cache is not None and dnew:
+                self._allocate(dnew)
+                dnew = 0
         if pt == 0 and nd == 0:
             return False
         kv = self.kv
-        held = kv.used + new_blocks
+        held = kv.used + new_blocks + dnew
         if held > kv.capacity_blocks:
             raise PlanError(
                 f"policy {self.name} planned a batch needing {held} KV blocks; only "
@@ -446,6 +481,70 @@ class Replica:
         if len(chunks) > 1 and len({i for i, _ in chunks}) != len(chunks):
             raise PlanError(f"policy {self.name} gave one request two chunks in a batch")
         return new_blocks, pt, pattn, pctx, shape_chunks
+
+    def _prefill_shape_cached(self, plan: Plan, chunks, decode_blocks: int) -> tuple[int, float, int, list[tuple[int, int]]]:
+        """`_prefill_shape` with prefix caching, allocating as vLLM's scheduler does: the
+        running requests' chunks and the decode step (`decode_blocks`) first, then each
+        admitted request's first chunk takes its cache hit (as far as the chunk leaves room)
+        and its new blocks, in plan order. Every chunk's full blocks are cached as it is
+        scheduled, so later chunks of the batch hit them. (tokens, query-key pairs, KV touched,
+        per chunk)."""
+        computed, target, prefilling, bs = self._computed, self._target, self._prefilling, self.block_size
+        cache, fresh = self.cache, self._fresh
+        pending: int | None = decode_blocks     # allocated at the first admission (None: since then)
+        pt = pattn = pctx = 0
+        shape_chunks = []
+        try:
+            for i, c in chunks:
+                if i not in prefilling:
+                    self._bad_chunk(i, c)
+                if i in fresh:
+                    if not 0 < c <= target[i] or c != int(c):
+                        self._bad_chunk(i, c)
+                    if pending is not None:
+                        self._allocate(pending)
+                        pending = None
+                    fresh.discard(i)
+                    h = cache.hit(i, c)
+                    computed[i] = h
+                    self.prefill_backlog -= h
+                p = computed[i]
+                if not 0 < c <= target[i] - p or c != int(c):
+                    self._bad_chunk(i, c)
+                cache.register(i, p, c)
+                n = -(-(p + c) // bs) - -(-p // bs)
+                if pending is None:
+                    self._allocate(n)
+                else:
+                    pending += n
+                pt += c
+                pattn += c * (p + (c + 1) / 2)
+                pctx += p + c
+                shape_chunks.append((p, c))
+        except (TypeError, ValueError, IndexError):
+            self._check_fields(plan)
+            raise self._malformed_chunks(chunks) from None
+        if len(chunks) > 1 and len({i for i, _ in chunks}) != len(chunks):
+            raise PlanError(f"policy {self.name} gave one request two chunks in a batch")
+        if pending:
+            self._allocate(pending)
+        return pt, pattn, pctx, shape_chunks
+
+    def _allocate(self, n: int) -> None:
+        """n new KV blocks from the prefix cache's pool (evicting), or the plan's KV error."""
+        kv = self.kv
+        if kv.used + n > kv.capacity_blocks:
+            raise PlanError(
+                f"policy {self.name} planned a batch needing {kv.used + n} KV blocks; only "
+                f"{kv.capacity_blocks} exist ({kv.capacity_blocks * self.block_size} tokens)")
+        self.cache.allocate(n)
+
+    def _free(self, i: int, kv_tokens: int, done: bool) -> None:
+        """Request i's KV leaves this replica (finished, preempted or handed off)."""
+        if self.cache is None:
+            self.kv.used -= -(-kv_tokens // self.block_size)
+        else:
+            self.cache.free(i, kv_tokens, done)
 
     def _stalled(self, end: float) -> None:
         """A batch without an output token: stop the policy after `stall_batches` in a row."""
@@ -524,6 +623,8 @@ class Replica:
         r.status[i] = PREFILL
         self._running[i] = None
         self._prefilling[i] = None
+        if self.cache is not None:
+            self._fresh.add(i)
         if r.admitted[i] == INF:
             r.admitted[i] = self.now
 
@@ -653,7 +754,7 @@ class Replica:
         r.status[i] = DONE
         r.finished[i] = t
         del self._running[i]
-        self.kv.used -= -(-kv_tokens // self.block_size)
+        self._free(i, kv_tokens, True)
         r.done += 1
         r.in_flight -= 1
         self.outstanding -= 1
@@ -664,6 +765,8 @@ class Replica:
         r.gen[i] = r.output[i]
         r.computed[i] = 0
         r.last_tok[i] = 0.0
+        if self._on_done is not None:
+            self._on_done(i, t)
 
     def _preempt(self, i: int) -> None:
         r = self.reqs
@@ -684,7 +787,8 @@ class Replica:
         else:
             self._check_id(i, "preempted")
             raise PlanError(f"policy {self.name} preempted request {i}, which is not running")
-        self.kv.used -= -(-kv_tokens // self.block_size)
+        self._fresh.discard(i)
+        self._free(i, kv_tokens, False)
         r.computed[i] = 0
         r.status[i] = WAITING
         del self._running[i]

@@ -19,11 +19,13 @@ class ReplicaSummary(NamedTuple):
     kv_used_blocks: int
     kv_capacity_blocks: int
     prefill_backlog: int        # prefill tokens queued there (waiting + unfinished prefills)
+    cached_tokens: int = 0      # prompt tokens of the arriving request cached there (routers with uses_prefix)
 
 
 class Router(Protocol):
     name: str
     uses_state: bool            # False: route() gets no summaries (cheaper)
+    # uses_prefix (optional, default False): summaries carry the request's cached prompt tokens
 
     def route(self, i: int, t: float, replicas: Sequence[ReplicaSummary] | int) -> int: ...
 
@@ -84,14 +86,55 @@ class LeastPrefill(_Least):
     name, column = "least-prefill", 4
 
 
+class PrefixAffinity:
+    """Route to the replica with the best weighted score of prefix affinity and load, as the
+    scorer-based cluster routers do (llm-d's inference scheduler, Dynamo's KV router):
+
+        score = w_affinity * cached / prompt  +  w_queue * (q_max - q) / (q_max - q_min)
+                + w_kv * (1 - KV used / capacity)
+
+    where cached is the arriving request's prompt tokens already cached on the replica (its
+    expected hit), q the requests outstanding there (the queue term is 1 everywhere when all
+    are equal). The load terms guard against piling every request sharing a prefix on one
+    replica. Highest score wins; ties go round-robin. Without prefix caching the affinity
+    term is 0 and it routes on load alone."""
+    name, uses_state, uses_prefix = "prefix-affinity", True, True
+
+    def __init__(self, seed: int = 0, w_affinity: float = 3.0, w_queue: float = 2.0, w_kv: float = 2.0) -> None:
+        for label, w in (("w_affinity", w_affinity), ("w_queue", w_queue), ("w_kv", w_kv)):
+            if not w >= 0:
+                raise KvschedError(f"prefix-affinity router: {label} must be >= 0, got {w}")
+        self.weights = (w_affinity, w_queue, w_kv)
+        self._next = 0
+
+    def route(self, i: int, t: float, replicas: Sequence[ReplicaSummary], prompt: int = 1) -> int:
+        wa, wq, wk = self.weights
+        qs = [r.outstanding for r in replicas]
+        q_lo, q_hi = min(qs), max(qs)
+        span = q_hi - q_lo
+        n = len(replicas)
+        start = self._next % n
+        best, best_s = start, -1.0
+        for k in range(n):
+            j = (start + k) % n
+            r = replicas[j]
+            s = (wa * r.cached_tokens / max(prompt, 1) + wq * ((q_hi - r.outstanding) / span if span else 1.0)
+                 + wk * (1 - r.kv_used_blocks / r.kv_capacity_blocks))
+            if s > best_s:
+                best, best_s = j, s
+        self._next = start + 1
+        return best
+
+
 ROUTERS: dict[str, type] = {cls.name: cls for cls in (RoundRobin, RandomRouter, LeastOutstanding, LeastKV,
-                                                       LeastPrefill)}
+                                                       LeastPrefill, PrefixAffinity)}
 ROUTER_HELP = {
     "round-robin": "replicas in turn",
     "random": "uniform at random (seeded by --seed)",
     "least-outstanding": "fewest requests waiting or running",
     "least-kv": "least KV in use",
     "least-prefill": "fewest queued prefill tokens",
+    "prefix-affinity": "weighted score: cached prompt prefix, requests outstanding, KV use",
 }
 
 

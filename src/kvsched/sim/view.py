@@ -15,15 +15,16 @@ from kvsched.errors import PlanError
 
 _METHODS = ("blocks_for", "arrival", "prompt_len", "output_len", "prefill_target", "prefill_done",
             "generated", "kv_tokens", "kv_blocks", "is_decoding", "needs_block", "tier_priority",
-            "tbt_slo", "last_token_time")
+            "tbt_slo", "last_token_time", "cached_tokens", "prefix_planner")
 # view attribute -> the replica attribute path it reads (C-level attrgetter, no Python frame)
 _SCALARS = {"now": "now", "num_decoding": "_decoders.n", "kv_used_blocks": "kv.used",
             "mean_batch_time": "mean_batch_time", "iterations": "iterations",
             "arrivals_pending": "_arrivals.pending", "next_arrival": "_arrivals.next_time",
             "outstanding": "outstanding", "prefill_backlog": "prefill_backlog", "num_waiting": "num_waiting",
-            "issued": "reqs.issued", "in_flight": "reqs.in_flight"}
+            "issued": "reqs.issued", "in_flight": "reqs.in_flight", "prefix_hit_rate": "prefix_hit_rate"}
 _FIXED = ("index", "role", "block_size", "kv_capacity_blocks", "cost_model", "waiting", "running",
-          "prefilling", "decoding", "recent_batch_times", "recent_finished", "_output", "_admitted", "declared_types")
+          "prefilling", "decoding", "recent_batch_times", "recent_finished", "_output", "_admitted", "declared_types",
+          "prefix_caching")
 
 
 class ReadOnlySeq(Sequence):

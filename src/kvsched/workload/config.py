@@ -32,10 +32,11 @@ from kvsched.workload.arrivals import Replay, parse_arrivals
 from kvsched.workload.lengths import parse_length
 from kvsched.workload.readers import FORMATS
 from kvsched.workload.request import Tier
+from kvsched.workload.sharing import parse_sessions, parse_shared_prefix
 from kvsched.workload.spec import Phase, RequestType, TierShare, WorkloadSpec
 
 PHASE_KEYS = ("name", "requests", "prompt", "output", "types", "trace", "format", "window", "arrivals",
-              "spread", "sample")
+              "spread", "sample", "shared_prefix", "sessions")
 TOP_KEYS = ("name", "seed", "output_known", "cap_len", "keep_hashes", "tiers", "phases")
 TIER_KEYS = ("name", "share", "ttft_slo", "tbt_slo", "priority")
 TYPE_KEYS = ("prompt", "output", "rate")
@@ -108,7 +109,13 @@ def parse_phase(where: str, table: dict, base: Path | None = None) -> Phase:
     if not (isinstance(sample, bool) or sample == "permutation"):
         raise KvschedError(f"{where}: sample must be true (rows with replacement), false (the first rows) or "
                            f"\"permutation\" (rows without replacement, shuffled by the seed), got {sample!r}")
-    return Phase(requests, types, trace, fmt, window, arrivals, str(table.get("name", "")), sample)
+    try:
+        shared = parse_shared_prefix(table["shared_prefix"]) if "shared_prefix" in table else ()
+        sessions = parse_sessions(table["sessions"]) if "sessions" in table else None
+    except KvschedError as exc:
+        raise KvschedError(f"{where}: {exc}") from None
+    return Phase(requests, types, trace, fmt, window, arrivals, str(table.get("name", "")), sample,
+                 shared_prefix=shared, sessions=sessions)
 
 
 def with_spread(where: str, arrivals, spread: float):

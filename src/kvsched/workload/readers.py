@@ -3,7 +3,8 @@
 Formats (`--format`, or detected from the first line):
 - `azure`:    Azure LLM inference 2023 CSV: TIMESTAMP (YYYY-MM-DD HH:MM:SS.fffffff),
               ContextTokens, GeneratedTokens; CRLF line ends.
-- `mooncake`: Mooncake JSONL: timestamp (ms), input_length, output_length, hash_ids.
+- `mooncake`: Mooncake JSONL: timestamp (ms), input_length, output_length, hash_ids (ids of
+              the prompt's 512-token blocks; each full block becomes a shared segment).
 - `lengths`:  length-only CSV: num_prefill_tokens, num_decode_tokens, ... (no times).
 - `csv`:      generic CSV: arrival_time (s), prompt_tokens, output_tokens[, tier].
 - `jsonl`:    generic JSONL with the same keys.
@@ -29,7 +30,7 @@ import numpy as np
 
 from kvsched.errors import KvschedError
 from kvsched.workload.lengths import MAX_TOKENS
-from kvsched.workload.request import Ragged
+from kvsched.workload.request import Ragged, Segments
 
 # format -> (columns or keys: time, prompt, output)
 COLUMNS = {
@@ -41,6 +42,8 @@ COLUMNS = {
 }
 FORMATS = tuple(COLUMNS) + ("auto",)
 JSON_FORMATS = ("mooncake", "jsonl")
+MOONCAKE_BLOCK = 512        # tokens per Mooncake hash_id block
+_NO_HASHES: list = []       # a row without hash_ids (read only)
 _AZURE_TIME = re.compile(r"(\d{4}-\d\d-\d\d) (\d\d:\d\d:\d\d)(?:\.(\d{1,7}))?\Z")
 
 
@@ -55,6 +58,7 @@ class TraceRows:
     tier: list[str] | None              # generic formats' optional tier column
     prefix: Ragged | None               # Mooncake hash_ids, when kept
     rows_in_file: int | None            # None when reading stopped early
+    segments: Segments | None = None    # Mooncake's full blocks as shared segments
 
 
 class _Where:
@@ -165,11 +169,11 @@ def detect_format(path: Path, first_line: str) -> str:
 class _Collector:
     """Accumulates rows, checks time order, applies a time window and a row limit."""
 
-    def __init__(self, where: _Where, timed: bool, window, limit: int | None, keep_hashes: bool) -> None:
+    def __init__(self, where: _Where, timed: bool, window, limit: int | None, hashes: bool) -> None:
         self.where, self.timed, self.window, self.limit = where, timed, window, limit
         self.times, self.prompt, self.output = array("d"), array("q"), array("q")
         self.tiers: list[str] | None = None         # made at the first row with a tier
-        self.hashes, self.offsets = (array("q"), array("q", [0])) if keep_hashes else (None, None)
+        self.hashes, self.offsets = (array("q"), array("q", [0])) if hashes else (None, None)
         self.origin = None
         self.last = -math.inf
         self.rows = 0
@@ -187,10 +191,10 @@ class _Collector:
             rel = (t - self.origin) / 1e7 if isinstance(t, int) else t - self.origin
             if self.window is None:
                 self.times.append(rel if isinstance(t, int) else t)
-            elif rel < self.window[0]:
-                return True
-            elif rel >= self.window[1]:
-                return False
+            elif rel < self.window[0] or rel >= self.window[1]:
+                if hashes:
+                    _check_hashes(self.where, hashes)     # checked, though not kept
+                return rel < self.window[0]
             else:
                 self.times.append(rel - self.window[0])
         self.prompt.append(prompt)
@@ -200,9 +204,13 @@ class _Collector:
         elif tier:
             self.tiers = [""] * (len(self.prompt) - 1) + [tier]
         if self.hashes is not None:
-            self.hashes.extend(hashes or ())
+            try:
+                self.hashes.extend(hashes)
+            except (TypeError, OverflowError):
+                raise self.where.error(HASH_ERROR) from None
             self.offsets.append(len(self.hashes))
         return self.limit is None or len(self.prompt) < self.limit
+
 
 
 def read_trace(path: str | Path, *, format: str = "auto", window: tuple[float, float] | None = None,
@@ -225,7 +233,7 @@ def read_trace(path: str | Path, *, format: str = "auto", window: tuple[float, f
         fmt = detect_format(path, first_line) if format == "auto" else format
         if window is not None and fmt == "lengths":
             raise KvschedError(f"{path}: a length-only trace has no times, so no time window")
-        col = _Collector(where, fmt != "lengths", window, first, keep_hashes and fmt == "mooncake")
+        col = _Collector(where, fmt != "lengths", window, first, fmt == "mooncake")
         if fmt in JSON_FORMATS:
             _read_jsonl(first_line, lines, where, fmt, col)
         else:
@@ -237,12 +245,32 @@ def read_trace(path: str | Path, *, format: str = "auto", window: tuple[float, f
         raise KvschedError(f"{path}: no requests in the time window {window[0]:g}..{window[1]:g} s")
     # the arrays share the collectors' buffers (no copies: a large trace is held once)
     times = np.frombuffer(col.times, np.float64) if fmt != "lengths" else None
-    prefix = None
+    prompt = np.frombuffer(col.prompt, np.int64)
+    prefix = segments = None
     if col.hashes is not None:
-        prefix = Ragged(np.frombuffer(col.hashes, np.int64), np.frombuffer(col.offsets, np.int64))
-    return TraceRows(path, fmt, times, np.frombuffer(col.prompt, np.int64),
-                     np.frombuffer(col.output, np.int64), col.tiers, prefix,
-                     col.rows if complete else None)
+        hashes = Ragged(np.frombuffer(col.hashes, np.int64), np.frombuffer(col.offsets, np.int64))
+        segments = _block_segments(prompt, hashes) if len(col.hashes) else None
+        prefix = hashes if keep_hashes else None
+    return TraceRows(path, fmt, times, prompt, np.frombuffer(col.output, np.int64), col.tiers,
+                     prefix, col.rows if complete else None, segments)
+
+
+def _block_segments(prompt: np.ndarray, hashes: Ragged) -> Segments:
+    """Each row's full 512-token blocks as segments (hash id, 512); a trailing partial block
+    is not shared (the request's own tokens), nor is a block beyond the prompt."""
+    counts = np.diff(hashes.offsets)
+    full = np.minimum(prompt // MOONCAKE_BLOCK, counts)
+    drop = counts - full                    # mostly 0 or 1 (the partial block) per row
+    ids = hashes.values
+    if drop.any():
+        rows = np.flatnonzero(drop)
+        first = hashes.offsets[rows] + full[rows]
+        cut = np.repeat(first - np.cumsum(drop[rows]) + drop[rows], drop[rows])
+        keep = np.ones(len(ids), bool)
+        keep[cut + np.arange(len(cut))] = False
+        ids = ids[keep]
+    offsets = np.concatenate(([0], np.cumsum(full))).astype(np.int64)
+    return Segments(Ragged(ids, offsets), Ragged(np.full(len(ids), MOONCAKE_BLOCK, np.int64), offsets))
 
 
 def _read_csv(header_line: str, lines, where: _Where, fmt: str, col: _Collector) -> None:
@@ -285,24 +313,52 @@ def _read_jsonl(first_line: str, lines, where: _Where, fmt: str, col: _Collector
     names = COLUMNS[fmt]
     scale = 1000.0 if fmt == "mooncake" else 1.0            # Mooncake stamps are in ms
     for text in itertools.chain([first_line], lines):
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise where.error(f"not a JSON object ({exc.msg}; truncated line?)") from None
+        obj = _json(where, text)
         if not isinstance(obj, dict):
             raise where.error("each line must be a JSON object")
         for key in names:
             if key not in obj:
                 raise where.error(f"missing key {key!r} for the {fmt} format")
         hashes = None
-        if fmt == "mooncake" and col.hashes is not None:
-            hashes = obj.get("hash_ids", [])
-            if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool)
-                                                       and -2 ** 63 <= h < 2 ** 63 for h in hashes):
-                raise where.error("hash_ids must be a list of 64-bit integers")
+        if fmt == "mooncake":
+            hashes = obj.get("hash_ids", _NO_HASHES)
+            # every row is checked, so fast: the collector's int64 array refuses floats, strings and
+            # values beyond 64 bits; a negative id or a JSON true/false (which Python counts as an
+            # integer) can only be there if the line holds '-', 'true' or 'false'
+            if type(hashes) is not list or "-" in text or "true" in text or "false" in text:
+                _check_hashes(where, hashes)
         tier = obj.get("tier") if fmt == "jsonl" else None
         if tier is not None and not isinstance(tier, str):
             raise where.error(f"tier must be a string, got {tier!r}")
         if not col.add(_seconds(where, names[0], obj[names[0]]) / scale, _tokens(where, names[1], obj[names[1]]),
                        _tokens(where, names[2], obj[names[2]]), tier, hashes):
             return
+
+
+_SCAN = json.JSONDecoder().scan_once     # the C scanner: json.loads without its per-call Python layers
+_JSON_SPACE = " \t\n\r"
+
+
+def _json(where: _Where, text: str):
+    """One line's JSON value, as json.loads reads it (surrounding whitespace allowed)."""
+    try:
+        obj, end = _SCAN(text, len(text) - len(text.lstrip(_JSON_SPACE)))
+    except StopIteration:
+        raise where.error("not a JSON object (Expecting value; truncated line?)") from None
+    except json.JSONDecodeError as exc:
+        raise where.error(f"not a JSON object ({exc.msg}; truncated line?)") from None
+    if text[end:].strip(_JSON_SPACE):
+        raise where.error("not a JSON object (Extra data; truncated line?)")
+    return obj
+
+
+HASH_ERROR = "hash_ids must be a list of 64-bit integers"
+
+
+def _check_hashes(where: _Where, hashes) -> None:
+    """The exact check of a Mooncake row's hash_ids: 64-bit integers >= 0."""
+    if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool)
+                                               and -2 ** 63 <= h < 2 ** 63 for h in hashes):
+        raise where.error(HASH_ERROR)
+    if hashes and min(hashes) < 0:
+        raise where.error(f"hash_ids holds {min(hashes)}; block ids must be >= 0")

@@ -36,7 +36,7 @@ class Request:
 
 @dataclass(frozen=True)
 class Ragged:
-    """One integer list per request (Mooncake `hash_ids`), stored flat: request i owns
+    """One integer list per request (Mooncake `hash_ids`, segments), stored flat: request i owns
     values[offsets[i]:offsets[i + 1]]."""
     values: np.ndarray
     offsets: np.ndarray
@@ -61,6 +61,69 @@ class Ragged:
         sizes = np.concatenate([np.diff(p.offsets) for p in parts]) if parts else np.zeros(0, np.int64)
         return Ragged(values.astype(np.int64), np.concatenate(([0], np.cumsum(sizes))).astype(np.int64))
 
+    def rows(self) -> np.ndarray:
+        """The request each value belongs to."""
+        return np.repeat(np.arange(len(self), dtype=np.int64), np.diff(self.offsets))
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Per request, the shared token segments its prompt begins with. ids[i] and lengths[i] (same length)
+    list request i's segments in order: its prompt starts with the first lengths[i][k] tokens of content
+    ids[i][k], one after the other; the rest of its prompt, then its output, are its own tokens.
+    An id >= 0 names content (a Mooncake hash_id block, a system prompt); an id < 0 names the own
+    tokens of the request whose caller id (Workload.ids) is -(id + 1): its prompt after its segments,
+    then its output (a session's next turn begins with the previous turn's segments and own tokens)."""
+    ids: Ragged
+    lengths: Ragged
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def take(self, idx) -> "Segments":
+        """The segments of requests `idx`, in that order (repeats allowed), as `Ragged.take`."""
+        return Segments(self.ids.take(idx), self.lengths.take(idx))
+
+    @staticmethod
+    def concat(parts: Sequence["Segments"]) -> "Segments":
+        return Segments(Ragged.concat([p.ids for p in parts]), Ragged.concat([p.lengths for p in parts]))
+
+    @staticmethod
+    def empty(n: int) -> "Segments":
+        """n requests without segments."""
+        flat = Ragged(np.zeros(0, np.int64), np.zeros(n + 1, np.int64))
+        return Segments(flat, flat)
+
+    def tokens(self) -> np.ndarray:
+        """Segment tokens per request (the shared part of each prompt)."""
+        total = np.concatenate(([0], np.cumsum(self.lengths.values, dtype=np.int64)))
+        return total[self.lengths.offsets[1:]] - total[self.lengths.offsets[:-1]]
+
+    def clip(self, prompt: np.ndarray) -> "Segments":
+        """The segments within each request's first prompt[i] tokens: later ones dropped, the
+        one crossing the end shortened (a shorter length of the same content shares its first
+        tokens)."""
+        lengths, offsets = self.lengths.values, self.lengths.offsets
+        rows = self.lengths.rows()
+        before = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))     # tokens before each value
+        start = before[:-1] - before[offsets[:-1]][rows]                          # ... within its request
+        room = np.asarray(prompt, np.int64)[rows] - start
+        keep = room > 0
+        counts = np.bincount(rows[keep], minlength=len(self))
+        new = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        return Segments(Ragged(self.ids.values[keep], new), Ragged(np.minimum(lengths, room)[keep], new))
+
+
+def session_roots(prev: np.ndarray) -> np.ndarray:
+    """Each request's session's first turn, from the previous-turn indices (-1: a first turn),
+    by pointer doubling (log of the longest session steps)."""
+    root = np.where(prev >= 0, prev, np.arange(len(prev)))
+    while True:
+        nxt = root[root]
+        if np.array_equal(nxt, root):
+            return root
+        root = nxt
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -78,6 +141,13 @@ class Workload:
     `declared_types` holds (prompt, output, rate req/s) per request type when the workload
     declares them (one open-loop phase of fixed-length types, fluid-wait-nested-wait.txt
     section 2.1), sorted by (output, prompt); None otherwise. WAIT reads its rates from here.
+    `segments` lists the shared token segments each prompt begins with (`Segments`; None: no
+    request shares any), for prefix caching.
+    `session_prev` is the caller id of a request's previous turn in its session (-1: none, a
+    first turn or no session); such a follow-up turn is issued `think[i]` seconds after its
+    previous turn finishes (decided by the simulation), so its stored arrival is a placeholder
+    (its session's start) that sorts it after its previous turn. A session is a chain: a turn
+    has at most one follow-up.
     """
     arrival: np.ndarray
     prompt: np.ndarray
@@ -93,6 +163,9 @@ class Workload:
     prefix: Ragged | None = None
     timed: bool = True
     declared_types: tuple[tuple[int, int, float], ...] | None = None
+    segments: Segments | None = None
+    session_prev: np.ndarray = field(default=None)  # type: ignore[assignment]
+    think: np.ndarray = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         n = len(self.arrival)
@@ -102,7 +175,12 @@ class Workload:
             object.__setattr__(self, "phase", np.zeros(n, np.int16))
         if self.concurrency is None:
             object.__setattr__(self, "concurrency", np.zeros(n, np.int64))
-        for name in ("prompt", "output", "output_known", "tier_index", "ids", "phase", "concurrency"):
+        if self.session_prev is None:
+            object.__setattr__(self, "session_prev", np.full(n, -1, np.int64))
+        if self.think is None:
+            object.__setattr__(self, "think", np.zeros(n, np.float64))
+        for name in ("prompt", "output", "output_known", "tier_index", "ids", "phase", "concurrency",
+                     "session_prev", "think"):
             if len(getattr(self, name)) != n:
                 raise KvschedError(f"workload: {name} has {len(getattr(self, name))} entries, expected {n}")
         if self.prefix is not None and len(self.prefix) != n:
@@ -121,13 +199,107 @@ class Workload:
             raise KvschedError("workload: every request needs >= 1 prompt and >= 1 output token")
         if n and self.tier_index.max(initial=-1) >= len(self.tiers):
             raise KvschedError("workload: tier index out of range")
+        if n and (not np.all(np.isfinite(self.think)) or self.think.min() < 0):
+            raise KvschedError("workload: think times must be finite and >= 0 seconds")
+        if n and self.session_prev.min() < -1:
+            raise KvschedError("workload: session_prev holds caller ids of previous turns, or -1 (none)")
+        if self.segments is not None:
+            self._check_segments()
+        if self.has_sessions or (self.segments is not None and len(self.segments.ids.values)
+                                 and self.segments.ids.values.min() < 0):
+            self._check_sessions()
+
+    def _check_segments(self) -> None:
+        s, n = self.segments, len(self)
+        if len(s.ids) != n or len(s.lengths) != n:
+            raise KvschedError(f"workload: segments have {len(s.ids)} ids and {len(s.lengths)} lengths entries, "
+                               f"expected {n}")
+        if not np.array_equal(s.ids.offsets, s.lengths.offsets):
+            raise KvschedError("workload: segment ids and lengths differ in shape (one length per id)")
+        short = s.lengths.values < 1
+        if short.any():
+            k = int(np.argmax(short))
+            raise KvschedError(f"workload: request {int(self.ids[s.lengths.rows()[k]])} has a segment of "
+                               f"{int(s.lengths.values[k])} tokens; each needs >= 1")
+        tokens = s.tokens()
+        over = tokens > self.prompt
+        if over.any():
+            k = int(np.argmax(over))
+            raise KvschedError(f"workload: request {int(self.ids[k])}'s segments hold {int(tokens[k])} tokens, "
+                               f"more than its prompt of {int(self.prompt[k])}")
+
+    def _check_sessions(self) -> None:
+        """Turns follow earlier turns, sessions are chains, and an own-token segment (id < 0)
+        names an earlier turn of the same session."""
+        n = len(self)
+        if self.closed_loop and self.has_sessions:
+            raise KvschedError("workload: sessions need open-loop arrivals (a follow-up turn is issued "
+                               "think seconds after its previous turn finishes, not when a seat frees)")
+        if len(np.unique(self.ids)) != n:
+            raise KvschedError("workload: sessions and own-token segments need distinct request ids")
+        prev = self.previous_turn()
+        turns = prev[prev >= 0]
+        if len(np.unique(turns)) != len(turns):
+            k = int(np.flatnonzero(np.bincount(turns) > 1)[0])
+            raise KvschedError(f"workload: request {int(self.ids[k])} has two follow-up turns; a session is a chain")
+        if self.segments is None:
+            return
+        values = self.segments.ids.values
+        own = values < 0
+        if not own.any():
+            return
+        rows = self.segments.ids.rows()[own]
+        names = -(values[own] + 1)
+        where = self._index_of(names)
+        root = session_roots(prev)
+        bad = (where < 0) | (where >= rows)
+        bad[~bad] = root[where[~bad]] != root[rows[~bad]]
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise KvschedError(f"workload: request {int(self.ids[rows[k]])} has a segment of request "
+                               f"{int(names[k])}'s own tokens, which is not an earlier turn of its session")
+
+    def _index_of(self, ids: np.ndarray) -> np.ndarray:
+        """Index of each caller id (-1 where no request has it)."""
+        if not len(self) or not len(ids):
+            return np.full(len(ids), -1, np.int64)
+        order = np.argsort(self.ids, kind="stable")
+        known = self.ids[order]
+        pos = np.minimum(np.searchsorted(known, ids), len(known) - 1)
+        return np.where(known[pos] == ids, order[pos], -1)
+
+    def previous_turn(self) -> np.ndarray:
+        """Index of each request's previous turn in its session (-1: none); checked to name an
+        existing, earlier request."""
+        prev = np.full(len(self), -1, np.int64)
+        has = self.session_prev >= 0
+        later = np.flatnonzero(has)
+        where = self._index_of(self.session_prev[has])
+        bad = (where < 0) | (where >= later)
+        if bad.any():
+            k = int(later[np.argmax(bad)])
+            raise KvschedError(f"workload: request {int(self.ids[k])}'s previous turn {int(self.session_prev[k])} "
+                               "is not an earlier request (session_prev: a caller id, or -1)")
+        prev[has] = where
+        return prev
+
+    @property
+    def has_sessions(self) -> bool:
+        return bool(len(self.session_prev)) and int(self.session_prev.max()) >= 0
+
+    def refuse_sessions(self, what: str) -> None:
+        """`what` reads arrival times, which a session's later turns get only in simulation."""
+        if self.has_sessions:
+            raise KvschedError(f"{what} cannot take a workload with sessions: later turns arrive when the "
+                               "simulation issues them (use kvsched simulate)")
 
     @classmethod
     def build(cls, arrival, prompt, output, *, output_known=False, tier_index=None,
               tiers: Sequence[Tier] = (), ids=None, source: str = "synthetic", phase=None,
               phases: Sequence[str] = ("all",), concurrency=None,
               prefix: Ragged | None = None, timed: bool = True,
-              declared_types: tuple[tuple[int, int, float], ...] | None = None) -> "Workload":
+              declared_types: tuple[tuple[int, int, float], ...] | None = None,
+              segments: Segments | None = None, session_prev=None, think=None) -> "Workload":
         """Arrays in any order -> a workload sorted by arrival (stable, so ties keep order)."""
         arrival = np.asarray(arrival, dtype=np.float64)
         n = len(arrival)
@@ -141,7 +313,9 @@ class Workload:
                    column(tier_index, np.int16, -1), tuple(tiers),
                    np.arange(n, dtype=np.int64)[order] if ids is None else np.asarray(ids, np.int64)[order],
                    source, column(phase, np.int16, 0), tuple(phases), column(concurrency, np.int64, 0),
-                   None if prefix is None else prefix.take(order), timed, declared_types)
+                   None if prefix is None else prefix.take(order), timed, declared_types,
+                   None if segments is None else segments.take(order), column(session_prev, np.int64, -1),
+                   column(think, np.float64, 0.0))
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request]) -> "Workload":

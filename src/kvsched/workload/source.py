@@ -13,6 +13,7 @@ from kvsched.workload.config import (load_workload_file, parse_phase_flag, parse
 from kvsched.workload.lengths import parse_length
 from kvsched.workload.presets import PRESETS
 from kvsched.workload.request import Workload
+from kvsched.workload.sharing import parse_sessions, parse_shared_prefix
 from kvsched.workload.spec import Phase, RequestType, WorkloadSpec
 from kvsched.workload.traces import trace_arrivals
 
@@ -41,6 +42,8 @@ class WorkloadOptions:
     spread: float | None = None
     keep_hashes: bool = False
     untimed_ok: bool = False            # describe a length-only trace without arrivals
+    shared_prefix: str | None = None    # 'TOKENS:SHARE,...': system prompts of synthetic phases
+    sessions: str | None = None         # 'turns=T,think=S': multi-turn sessions in synthetic phases
 
 
 def base_spec(opts: WorkloadOptions) -> WorkloadSpec:
@@ -101,6 +104,13 @@ def _override(ph: Phase, k: int, opts: WorkloadOptions, arrivals, window) -> Pha
                                     output=parse_length(opts.output_len) if opts.output_len else t.output),)
     if ph.trace is None and (opts.window is not None or opts.format != "auto"):
         raise KvschedError(f"{where}: --window and --format apply to trace files")
+    if opts.shared_prefix is not None or opts.sessions is not None:
+        if ph.trace is not None:
+            raise KvschedError(f"{where}: --shared-prefix and --sessions apply to synthetic workloads, not to a trace")
+        if opts.shared_prefix is not None:
+            changes["shared_prefix"] = _flag("--shared-prefix", parse_shared_prefix, opts.shared_prefix)
+        if opts.sessions is not None:
+            changes["sessions"] = _flag("--sessions", parse_sessions, opts.sessions)
     if window is not None:
         changes["window"] = window
     if opts.format != "auto":
@@ -118,3 +128,10 @@ def _override(ph: Phase, k: int, opts: WorkloadOptions, arrivals, window) -> Pha
         new = with_spread(f"{where}: --spread", new, opts.spread)
     changes["arrivals"] = new
     return replace(ph, **changes)
+
+
+def _flag(flag: str, parse, text: str):
+    try:
+        return parse(text)
+    except KvschedError as exc:
+        raise KvschedError(f"{flag}: {exc}") from None

@@ -21,7 +21,8 @@ from kvsched.errors import KvschedError
 from kvsched.workload.arrivals import Arrivals, Closed, Poisson, Replay, TraceRate
 from kvsched.workload.readers import read_trace
 from kvsched.workload.lengths import Fixed, LengthDist
-from kvsched.workload.request import Ragged, Tier, Workload
+from kvsched.workload.request import Ragged, Segments, Tier, Workload, session_roots
+from kvsched.workload.sharing import Sessions, SharedPrefix, check_shared, share
 
 
 BYTES_PER_REQUEST = 400     # workload arrays, per-request state and records, measured ~330 B
@@ -69,6 +70,10 @@ class Phase:
                      file (rad-slai.txt section 7). More requests than rows is an error; no
                      `requests` takes every row, shuffled. A replayed timed trace keeps each
                      chosen row's own time (a seeded random subset of the trace).
+
+    A synthetic phase may share prompt content (workload/sharing.py): `shared_prefix` system
+    prompts, each begun with by a share of the requests (prepended to the drawn prompt), and
+    `sessions`: requests form multi-turn sessions (`requests` counts every turn).
     """
     requests: int | None = None
     types: tuple[RequestType, ...] = ()
@@ -78,6 +83,8 @@ class Phase:
     arrivals: Arrivals | None = None
     name: str = ""
     sample: bool | str = False          # how trace rows are picked: False, True or "permutation"
+    shared_prefix: tuple[SharedPrefix, ...] = ()
+    sessions: Sessions | None = None
 
     def label(self, k: int) -> str:
         return self.name or f"phase {k + 1}"
@@ -100,6 +107,16 @@ class Phase:
             raise KvschedError(f"{where}: sample='permutation' draws a trace's rows; this phase has no trace")
         if self.window is not None and not 0 <= self.window[0] < self.window[1]:
             raise KvschedError(f"{where}: window needs 0 <= start < end, got {self.window}")
+        if (self.shared_prefix or self.sessions) and self.trace is not None:
+            raise KvschedError(f"{where}: shared_prefix and sessions apply to synthetic phases (prompt/output "
+                               "or types), not to a trace")
+        if self.sessions is not None and isinstance(self.arrivals, Closed):
+            raise KvschedError(f"{where}: sessions need open-loop arrivals (a follow-up turn is issued think "
+                               "seconds after its previous turn finishes), not a closed loop")
+        try:
+            check_shared(self.shared_prefix)
+        except KvschedError as exc:
+            raise KvschedError(f"{where}: {exc}") from None
 
 
 @dataclass
@@ -112,6 +129,9 @@ class _Part:
     concurrency: int
     prefix: Ragged | None
     timed: bool = True
+    segments: Segments | None = None
+    prev: np.ndarray | None = None      # previous turn, index in the part (-1: none); None: no sessions
+    think: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +171,10 @@ class WorkloadSpec:
         if len(closed) > 1:
             raise KvschedError(f"{self.name}: phases mix closed-loop and open-loop arrivals; "
                                "use one kind for the whole workload")
+        sessions = any(p.prev is not None for p in parts)
+        if sessions and self.cap_len is not None:
+            raise KvschedError(f"{self.name}: cap_len does not apply to sessions (a turn's prompt holds the "
+                               "previous turns); give max_model_len to reject turns that grow too long")
         prompt, output = _cap(np.concatenate([p.prompt for p in parts]),
                               np.concatenate([p.output for p in parts]), self.cap_len)
         tiers, codes = self._assign_tiers(parts, np.random.default_rng(seeds[-1]))
@@ -158,13 +182,17 @@ class WorkloadSpec:
         prefix = None
         if all(p.prefix is not None for p in parts):
             prefix = Ragged.concat([p.prefix for p in parts])
+        segments, prev, think = _joined(parts, prompt)
+        if sessions:
+            codes = codes[session_roots(prev)]          # a session's turns share its first turn's tier
         return Workload.build(
             np.concatenate([p.arrival for p in parts]), prompt, output,
             output_known=self.output_known, tier_index=codes, tiers=tiers, source=self.name,
             phase=np.repeat(np.arange(len(parts)), sizes),
             phases=[ph.label(k) for k, ph in enumerate(self.phases)],
             concurrency=np.repeat([p.concurrency for p in parts], sizes), prefix=prefix,
-            timed=all(p.timed for p in parts), declared_types=self.declared_types())
+            timed=all(p.timed for p in parts), declared_types=self.declared_types(),
+            segments=segments, session_prev=prev, think=think)
 
     def declared_types(self) -> tuple[tuple[int, int, float], ...] | None:
         """(prompt, output, rate req/s) per request type, sorted by (output, prompt), when the
@@ -175,6 +203,8 @@ class WorkloadSpec:
         if len(self.phases) != 1 or not self.phases[0].types:
             return None
         ph = self.phases[0]
+        if ph.shared_prefix or ph.sessions is not None:     # prompts are no longer the types' lengths
+            return None
         if not all(isinstance(t.prompt, Fixed) and isinstance(t.output, Fixed) for t in ph.types):
             return None
         weights = np.array([t.rate for t in ph.types], float)
@@ -225,8 +255,12 @@ def _generate(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool, un
         raise KvschedError(f"{ph.label(k)}: every request type needs a rate (weight) > 0")
     arrivals = ph.arrivals or Poisson(float(rates.sum()))
     conc = arrivals.concurrency if isinstance(arrivals, Closed) else 0
-    arrival = np.zeros(n) if conc else arrivals.times(rng, n)
-    kind = rng.choice(len(rates), size=n, p=rates / rates.sum()) if len(rates) > 1 else np.zeros(n, int)
+    turns = ph.sessions.layout(rng, n) if ph.sessions is not None else None
+    m = n if turns is None else len(turns)                  # first turns (a session is one user, one type)
+    arrival = np.zeros(m) if conc else arrivals.times(rng, m)
+    kind = rng.choice(len(rates), size=m, p=rates / rates.sum()) if len(rates) > 1 else np.zeros(m, int)
+    if turns is not None:
+        arrival, kind = np.repeat(arrival, turns), np.repeat(kind, turns)   # later turns: their session's start
     prompt, output = np.empty(n, np.int64), np.empty(n, np.int64)
     tiers = list(dict.fromkeys(t.tier for t in ph.types if t.tier is not None))
     codes = np.full(n, -1, np.int16)
@@ -237,7 +271,10 @@ def _generate(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool, un
         output[mask] = t.output.sample(rng, m)
         if t.tier is not None:
             codes[mask] = tiers.index(t.tier)
-    return _Part(arrival, prompt, output, codes, tiers, conc, None)
+    if not ph.shared_prefix and ph.sessions is None:
+        return _Part(arrival, prompt, output, codes, tiers, conc, None)
+    s = share(k, ph.shared_prefix, turns, prompt, output, ph.sessions, rng)
+    return _Part(arrival, s.prompt, output, codes, tiers, conc, None, segments=s.segments, prev=s.prev, think=s.think)
 
 
 def _from_trace(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool, untimed_ok: bool) -> _Part:
@@ -282,7 +319,32 @@ def _from_trace(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool, 
         lookup = {name: j for j, name in enumerate(names)}
         codes = np.array([lookup.get(t, -1) for t in rows.tier], np.int16)[idx]
     prefix = rows.prefix.take(idx) if rows.prefix is not None else None
-    return _Part(arrival, rows.prompt[idx], rows.output[idx], codes, tiers, conc, prefix, not untimed)
+    segments = rows.segments.take(idx) if rows.segments is not None else None
+    return _Part(arrival, rows.prompt[idx], rows.output[idx], codes, tiers, conc, prefix, not untimed, segments)
+
+
+def _joined(parts: list[_Part], prompt: np.ndarray):
+    """The parts' segments (clipped to `prompt`, the capped prompts), previous turns and think
+    times over the whole workload, their indices shifted to caller ids (positions in part
+    order); None for what no part has."""
+    starts = np.cumsum([0] + [len(p.prompt) for p in parts])
+    segments = prev = think = None
+    if any(p.segments is not None for p in parts):
+        own = []
+        for p, base in zip(parts, starts):
+            seg = p.segments if p.segments is not None else Segments.empty(len(p.prompt))
+            ids = seg.ids.values
+            if base and len(ids) and ids.min() < 0:         # own tokens of turn j: -(j + 1), shifted
+                seg = Segments(Ragged(np.where(ids < 0, ids - base, ids), seg.ids.offsets), seg.lengths)
+            own.append(seg)
+        segments = Segments.concat(own)
+        if (segments.tokens() > prompt).any():
+            segments = segments.clip(prompt)
+    if any(p.prev is not None for p in parts):
+        prev = np.concatenate([np.full(len(p.prompt), -1, np.int64) if p.prev is None else
+                               np.where(p.prev >= 0, p.prev + base, -1) for p, base in zip(parts, starts)])
+        think = np.concatenate([np.zeros(len(p.prompt)) if p.think is None else p.think for p in parts])
+    return segments, prev, think
 
 
 def _resampled_gaps(rng: np.random.Generator, stamps: np.ndarray, n: int) -> np.ndarray:

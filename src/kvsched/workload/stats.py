@@ -1,7 +1,8 @@
 """A workload in numbers (`kvsched workload stats`), computed as ../shared/traces/README.md
 states: percentiles by numpy's linear interpolation; span = last - first arrival; mean rate
 = (n - 1) / span; CV = population std / mean of the gaps between consecutive arrivals, zero
-gaps kept; repeated prefix share = blocks whose hash appeared earlier / all blocks."""
+gaps kept; repeated prefix share = blocks whose hash appeared earlier / all blocks. With
+sessions, the arrival figures are those of the sessions' first turns."""
 from __future__ import annotations
 
 from typing import Any
@@ -32,8 +33,10 @@ def repeated_prefix_share(w: Workload) -> float | None:
 def describe(w: Workload) -> dict[str, Any]:
     out: dict[str, Any] = {"source": w.source, "requests": len(w)}
     closed = w.closed_loop
-    out.update(arrival_summary(w.arrival) if w.timed and not closed else
+    firsts = w.session_prev < 0             # a later turn's stored arrival is a placeholder
+    out.update(arrival_summary(w.arrival[firsts]) if w.timed and not closed else
                {"span_s": None, "mean_rate": None, "cv_interarrival": None})
+    out["sessions"] = int(firsts.sum()) if w.has_sessions else None
     out["arrival_times"] = w.timed
     out["closed_loop_concurrency"] = list(dict.fromkeys(w.concurrency.tolist())) if closed else None
     out["input_tokens"] = token_summary(w.prompt)
@@ -54,5 +57,5 @@ def _phase(w: Workload, k: int, name: str) -> dict[str, Any]:
     if w.closed_loop:
         row["concurrency"] = int(w.concurrency[mask][0]) if mask.any() else None
     elif w.timed:
-        row["mean_rate"] = arrival_summary(w.arrival[mask])["mean_rate"]
+        row["mean_rate"] = arrival_summary(w.arrival[mask & (w.session_prev < 0)])["mean_rate"]
     return row

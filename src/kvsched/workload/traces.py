@@ -56,6 +56,9 @@ def export_csv(workload: Workload, path: str | Path) -> None:
     if workload.closed_loop:
         raise KvschedError("a closed-loop workload has no arrival times to export (they are decided "
                            "by the simulation); give open-loop arrivals, e.g. --arrivals poisson:RATE")
+    if workload.has_sessions:
+        raise KvschedError("a workload with sessions has no arrival times to export for its later turns (each is "
+                           "issued think seconds after its previous turn finishes, in the simulation)")
     if str(path).strip() in ("", ".") or Path(path).is_dir():
         raise KvschedError(f"--out {str(path)!r} must name a file to write")
     path = Path(path)

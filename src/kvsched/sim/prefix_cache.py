@@ -1,0 +1,433 @@
+"""Automatic prefix caching on one replica's KV pool, as vLLM v1 keeps it (vllm/v1/core/
+block_pool.py, kv_cache_manager.py; docs/prefix-caching.md).
+
+Only full blocks are cached. A block's key chains its parent's key and the content of its
+tokens, so two requests share a block exactly when their token sequences agree up to its
+end. Content comes from the workload's segments (`Workload.segments`: Mooncake hash_ids,
+system prompts, a session's previous turns); a request's other tokens (the rest of its
+prompt, then its output) are its own. Cached blocks are reference-counted. A block whose
+count drops to 0 stays cached at the tail of the free queue, in the order vLLM frees them
+(a request's blocks in reverse, so its tail is evicted first); uncached free blocks sit at
+the front (vLLM prepends them), so a new allocation takes those first and then evicts the
+oldest cached block. A hit on a free cached block takes it out of the free queue. The pool's
+counter (`PagedKV.used`) counts blocks with a reference: free = capacity - used counts
+evictable cached blocks as free, as vLLM does.
+
+Keys of a running request's blocks are registered when its prefill chunks compute them (so
+a later chunk of the same batch, or a later request, hits them); blocks its decode steps
+fill are registered when it frees them (no other request can hit a request's own tokens
+while it runs), which keeps a decode step O(1).
+
+Departures from vLLM, for the batch as a unit (docs/prefix-caching.md): a batch's hits are
+taken before its new blocks are allocated (vLLM allocates request by request, so an earlier
+admission can evict a block a later one would hit), and a plan's preemptions free their
+blocks before the batch allocates (vLLM frees victims when a running request's allocation
+first fails). Both change which cached block is evicted only under KV pressure.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections import OrderedDict
+
+
+@contextlib.contextmanager
+def fewer_collections(threshold: int = 200_000):
+    """Run with the youngest GC generation collected every `threshold` allocations instead of
+    700: a cached run allocates one `Block` per KV block and makes no cycles, and CPython's
+    default collections cost it 40% of its time (mooncake-synthetic: 10.0 s -> 6.2 s)."""
+    old = gc.get_threshold()
+    gc.set_threshold(max(threshold, old[0]), *old[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+
+
+class Block:
+    """A cached block: its key and reference count (0: free, in the free queue)."""
+    __slots__ = ("key", "ref")
+
+    def __init__(self, key: int, ref: int) -> None:
+        self.key, self.ref = key, ref
+
+
+class PrefixCache:
+    """The cache over `kv` (a PagedKV whose `used` it keeps) for requests of `reqs`."""
+
+    def __init__(self, kv, reqs) -> None:
+        self.kv, self.reqs = kv, reqs
+        self.bs = kv.block_size
+        self.map: dict[int, Block] = {}              # key -> its cached block (the one a hit takes)
+        self.dups: dict[int, list[Block]] = {}       # key -> later copies (vLLM keeps duplicates)
+        self.free_q: OrderedDict[Block, None] = OrderedDict()   # cached free blocks, eviction order
+        self.held: dict[int, list[Block]] = {}       # request -> its registered blocks 0..m-1
+        self._keys: dict[int, list[int]] = {}
+        self._sources = _sources(reqs.workload)
+        # statistics (docs/prefix-caching.md, "Metrics")
+        self.query_tokens = 0       # prompt tokens (prefill targets) looked up at admission
+        self.hit_tokens = 0         # of them, taken from the cache (not computed)
+        self.query_blocks = 0       # full blocks looked up (up to the hit cap)
+        self.hit_blocks = 0
+        self.evictions = 0
+
+    # ----- keys ------------------------------------------------------------------------
+    def keys(self, i: int, n: int, keep: bool = True) -> list[int]:
+        """Keys of request i's first n (or more) blocks; memoised while the request lives here
+        unless `keep` is False (a router asking about a request not routed yet)."""
+        ks = self._keys.get(i)
+        if ks is None:
+            ks = []
+            if keep:
+                self._keys[i] = ks
+        if len(ks) < n:
+            _extend_keys(ks, n, self.bs, self._sources(i))
+        return ks
+
+    # ----- lookups -----------------------------------------------------------------------
+    def cap_blocks(self, i: int) -> int:
+        """Blocks a hit may cover: the prefill target less one token (vLLM computes the last
+        prompt token for its logits), whole blocks only."""
+        return (self.reqs.target[i] - 1) // self.bs
+
+    def walk(self, i: int, pending: set[int] | None = None, keep: bool = True):
+        """Request i's longest cached prefix: yields its first cached block per key (None for
+        a key only in `pending`, registered by an earlier chunk of the batch being planned).
+        Keys are made as the walk goes, so a miss at the first block costs one key."""
+        m, cap = self.map, self.cap_blocks(i)
+        ks: list[int] = []
+        for j in range(cap):
+            if j >= len(ks):
+                ks = self.keys(i, min(cap, 2 * j + 8), keep)
+            k = ks[j]
+            b = m.get(k)
+            if b is not None:
+                yield b
+            elif pending is not None and k in pending:
+                yield None
+            else:
+                return
+
+    # ----- the replica's operations ----------------------------------------------------
+    def hit(self, i: int, chunk: int) -> int:
+        """Request i's first chunk after admission: take its cached prefix, as far as the
+        chunk leaves room before the prefill target (a policy that plans the chunk without the
+        cache computes it from 0), and return the hit tokens. Free cached blocks it takes
+        leave the free queue and count as used."""
+        bs, target = self.bs, self.reqs.target[i]
+        room = (target - chunk) // bs
+        taken: list[Block] = []
+        looked = self.cap_blocks(i)
+        if room > 0:
+            for b in self.walk(i):
+                taken.append(b)
+                if len(taken) >= room:
+                    break
+        for b in taken:
+            if b.ref == 0:
+                del self.free_q[b]
+                self.kv.used += 1
+            b.ref += 1
+        self.held[i] = taken
+        h = len(taken) * bs
+        self.query_tokens += target
+        self.hit_tokens += h
+        self.query_blocks += looked
+        self.hit_blocks += len(taken)
+        return h
+
+    def register(self, i: int, start: int, chunk: int) -> None:
+        """The blocks request i's chunk [start, start + chunk) fills are cached (by reference)."""
+        held = self.held.setdefault(i, [])
+        lo, hi = len(held), (start + chunk) // self.bs
+        if hi > lo:
+            blocks = [Block(k, 1) for k in self.keys(i, hi)[lo:hi]]
+            held.extend(blocks)
+            self._insert(blocks)
+
+    def _insert(self, blocks: list[Block]) -> None:
+        """Cache blocks under their keys; a key already cached keeps its block first."""
+        m = self.map
+        keys = [b.key for b in blocks]
+        if m.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            m.update(zip(keys, blocks))
+            return
+        for b in blocks:
+            if b.key in m:
+                self.dups.setdefault(b.key, []).append(b)
+            else:
+                m[b.key] = b
+
+    def candidates(self, k: int) -> list[Block]:
+        """The cached blocks of key k, first the one a hit takes."""
+        b = self.map.get(k)
+        return [] if b is None else [b, *self.dups.get(k, ())]
+
+    def allocate(self, n: int) -> None:
+        """n new blocks: uncached free blocks first, then the oldest cached ones are evicted."""
+        kv = self.kv
+        evict = n - (kv.capacity_blocks - kv.used - len(self.free_q))
+        if evict > 0:
+            q, m, dups = self.free_q, self.map, self.dups
+            for _ in range(evict):
+                b, _ = q.popitem(last=False)
+                k = b.key
+                if k in dups:
+                    rest = dups[k]
+                    if m[k] is b:
+                        m[k] = rest.pop(0)
+                    else:
+                        rest.remove(b)
+                    if not rest:
+                        del dups[k]
+                else:
+                    del m[k]
+            self.evictions += evict
+        kv.used += n
+
+    def free(self, i: int, kv_tokens: int, done: bool) -> None:
+        """Request i frees its KV (finished, preempted or handed off): its full blocks stay
+        cached, queued tail first; blocks its decode steps filled are registered now."""
+        bs = self.bs
+        held = self.held.pop(i, [])
+        full, total = kv_tokens // bs, -(-kv_tokens // bs)
+        released = total - len(held)                # private blocks, the partial tail included
+        q = self.free_q
+        if full > len(held):
+            blocks = [Block(k, 0) for k in reversed(self.keys(i, full)[len(held):full])]
+            self._insert(blocks)
+            q.update(dict.fromkeys(blocks))
+        for b in reversed(held):
+            b.ref -= 1
+            if b.ref == 0:
+                q[b] = None
+                released += 1
+        self.kv.used -= released
+        if done:
+            self._keys.pop(i, None)
+
+    # ----- what policies and routers read ------------------------------------------------
+    def cached_tokens(self, i: int, keep: bool = True) -> int:
+        """Prompt tokens of request i cached here now (its hit if admitted now)."""
+        n = 0
+        for _ in self.walk(i, keep=keep):
+            n += 1
+        return n * self.bs
+
+    def count_cached(self, keys: list[int]) -> int:
+        """Tokens of the leading `keys` cached here (a router comparing replicas)."""
+        m, n = self.map, 0
+        for k in keys:
+            if k not in m:
+                break
+            n += 1
+        return n * self.bs
+
+    def exclusive_blocks(self, i: int, kv_tokens: int, shared: dict[Block, int] | None = None) -> int:
+        """Blocks freeing request i would return to the free pool: its private blocks and the
+        cached ones no other request holds (`shared`: references already dropped in a plan)."""
+        held = self.held.get(i, ())
+        n = -(-kv_tokens // self.bs) - len(held)
+        for b in held:
+            if b.ref - (shared.get(b, 0) if shared else 0) == 1:
+                n += 1
+        return n
+
+
+class HitPlanner:
+    """What a plan being built will find in the cache (`view.prefix_planner()`), exactly as
+    the replica will apply it: call `preempt(i)` for each request the plan preempts (it
+    returns the blocks that frees), then, in the plan's chunk order, `lookup(i)` for a waiting
+    request (its hit and the free blocks it takes) and `chunk(i, c)` for every chunk placed
+    (it returns where the chunk starts). `decodes(blocks)` declares the decode step's new
+    blocks when not every remaining decoder decodes. The replica allocates the running
+    requests' chunks and the decode step before the first admission's hit, then each
+    admission's hit and blocks in turn, so an admission sees the blocks earlier chunks of the
+    batch cache and the ones earlier allocations evict, as vLLM's scheduler does."""
+
+    def __init__(self, cache: PrefixCache, replica) -> None:
+        self._c, self._r = cache, replica
+        kv = cache.kv
+        self._pending: set[int] = set()             # keys the plan's chunks cache (held, not evictable)
+        self._dropped: dict[Block, int] = {}        # references planned preemptions drop
+        self._taken: dict[Block, int] = {}          # references planned hits add
+        self._start: dict[int, int] = {}
+        self._anon = kv.capacity_blocks - kv.used - len(cache.free_q)    # uncached free blocks
+        self._appended: list[Block] = []            # blocks preemptions queue, in order
+        self._extra: dict[int, Block] = {}          # keys preemptions cache (decode-filled blocks)
+        self._decode: int | None = None
+        self._decoders_gone = 0                     # blocks the preempted decoders would have needed
+        self._alloc = 0                             # blocks allocated so far (running chunks, decodes, admissions)
+        self._settled = False                       # the decode step is allocated (first admission reached)
+        self._evicted: set[Block] = set()
+        self._queue = self._virtual_queue()
+
+    # ----- the plan's operations --------------------------------------------------------
+    def preempt(self, i: int) -> int:
+        """Plan to preempt running request i; returns the blocks that frees."""
+        c, r = self._c, self._r
+        kv_tokens = r.kv_tokens(i)
+        n = c.exclusive_blocks(i, kv_tokens, self._dropped)
+        held = c.held.get(i, ())
+        full = kv_tokens // c.bs
+        self._anon += kv_tokens % c.bs != 0
+        if full > len(held):
+            for k in reversed(c.keys(i, full)[len(held):full]):
+                b = Block(k, 0)
+                self._extra.setdefault(k, b)
+                self._appended.append(b)
+        for b in reversed(held):
+            d = self._dropped.get(b, 0) + 1
+            self._dropped[b] = d
+            if b.ref == d:
+                self._appended.append(b)
+        if r.is_decoding(i):
+            self._decoders_gone += r.needs_block(i)
+        return n
+
+    def decodes(self, blocks: int) -> None:
+        """The decode step of the plan needs `blocks` new blocks (default: one step of every
+        decoder not preempted)."""
+        self._decode = blocks
+
+    def lookup(self, i: int, chunk: int | None = None) -> tuple[int, int]:
+        """(hit tokens, blocks of the hit that are free now) for waiting request i; with
+        `chunk`, the hit as far as that chunk leaves room (as `PrefixCache.hit`)."""
+        hit = self._hit(i, chunk)
+        return len(hit) * self._c.bs, sum(1 for b in hit if b is not None and self._free(b))
+
+    def chunk(self, i: int, tokens: int) -> int:
+        """A chunk of `tokens` for request i is placed in the plan (a waiting request's hit is
+        taken then, as far as the chunk leaves room); returns the token the chunk starts at."""
+        c, r = self._c, self._r
+        bs = c.bs
+        start = self._start.get(i)
+        if start is None and r.awaits_hit(i):
+            hit = self._hit(i, tokens)
+            for b in hit:
+                if b is not None:
+                    self._taken[b] = self._taken.get(b, 0) + 1
+            start = len(hit) * bs
+        elif start is None:
+            start = r._computed[i]
+        self._start[i] = start + tokens
+        lo, hi = start // bs, (start + tokens) // bs
+        if hi > lo:
+            self._pending.update(c.keys(i, hi)[lo:hi])
+        self._alloc += -(-(start + tokens) // bs) - -(-start // bs)
+        return start
+
+    # ----- the cache as the plan leaves it ------------------------------------------------
+    def _hit(self, i: int, chunk: int | None) -> list[Block | None]:
+        """The blocks request i would hit now (None: a block an earlier chunk caches)."""
+        self._settle()
+        c = self._c
+        room = min(c.cap_blocks(i), c.cap_blocks(i) if chunk is None else (c.reqs.target[i] - chunk) // c.bs)
+        pending, extra = self._pending, self._extra
+        self._evict()
+        evicted = self._evicted
+        hit: list[Block | None] = []
+        j = 0
+        ks: list[int] = []
+        while j < room:
+            if j >= len(ks):
+                ks = c.keys(i, min(room, 2 * j + 8))
+            k = ks[j]
+            found: Block | None | bool = False
+            for b in c.candidates(k):
+                if b not in evicted:
+                    found = b
+                    break
+            if found is False:
+                if k in pending:
+                    found = None
+                elif k in extra and extra[k] not in evicted:
+                    found = extra[k]
+                else:
+                    break
+            hit.append(found)
+            j += 1
+        return hit
+
+    def _free(self, b: Block) -> bool:
+        return b.ref - self._dropped.get(b, 0) + self._taken.get(b, 0) == 0
+
+    def _settle(self) -> None:
+        """At the first admission: the decode step is allocated (before any admission's hit)."""
+        if not self._settled:
+            self._settled = True
+            r = self._r
+            self._alloc += self._decode if self._decode is not None else r._decoders.new_blocks - self._decoders_gone
+
+    def _evict(self) -> None:
+        """Evict, in queue order, the cached blocks the allocations so far took."""
+        want = self._alloc - self._anon
+        evicted = self._evicted
+        while len(evicted) < want:
+            b = next(self._queue, None)
+            if b is None:
+                return
+            evicted.add(b)
+
+    def _virtual_queue(self):
+        """The free queue as the plan leaves it: cached free blocks not taken by a planned hit,
+        then the blocks planned preemptions queue."""
+        for b in self._c.free_q:
+            if b not in self._taken:
+                yield b
+        for b in self._appended:
+            if b not in self._taken:
+                yield b
+
+
+def _sources(workload):
+    """request row -> its content: ((kind, id, tokens), ...) segments, then its own source.
+    Kind 0 is shared content (id >= 0), kind 1 a request's own tokens (id = its caller id);
+    the tag keeps ids apart in the hash (hash(-1) == hash(-2) in CPython)."""
+    seg = getattr(workload, "segments", None)
+    ids = workload.ids
+    if seg is None:
+        return lambda i: ((), (1, int(ids[i])))
+    sid, slen = seg.ids, seg.lengths
+
+    def sources(i: int):
+        return (tuple((0, s, n) if s >= 0 else (1, -1 - s, n) for s, n in zip(sid[i].tolist(), slen[i].tolist())),
+                (1, int(ids[i])))
+    return sources
+
+
+def _extend_keys(ks: list[int], n: int, bs: int, source) -> None:
+    """Append keys of blocks len(ks)..n-1: hash(parent key, the block's pieces), each piece
+    (kind, content id, offset in that content, tokens)."""
+    segments, own = source
+    bounds = []                         # (start, end, (kind, id)) of each source, own last
+    start = 0
+    for kind, sid, length in segments:
+        bounds.append((start, start + length, (kind, sid)))
+        start += length
+    bounds.append((start, 1 << 62, own))
+    pos = len(ks) * bs
+    parent = ks[-1] if ks else 0
+    k = 0
+    while len(ks) < n:
+        while bounds[k][1] <= pos:
+            k += 1
+        lo, hi, (kind, sid) = bounds[k]
+        whole = min((hi - pos) // bs, n - len(ks))
+        if whole > 0:                   # blocks inside one source: the common case, one hash each
+            for off in range(pos - lo, pos - lo + whole * bs, bs):
+                parent = hash((parent, ((kind, sid, off, bs),)))
+                ks.append(parent)
+            pos += whole * bs
+            continue
+        end, p, pieces = pos + bs, pos, []
+        while p < end:                  # a block across sources
+            while bounds[k][1] <= p:
+                k += 1
+            lo, hi, (kind, sid) = bounds[k]
+            take = min(hi, end) - p
+            pieces.append((kind, sid, p - lo, take))
+            p += take
+        parent = hash((parent, tuple(pieces)))
+        ks.append(parent)
+        pos = end
