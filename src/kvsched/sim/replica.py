@@ -389,11 +389,9 @@ class Replica:
                     dnew += c.new_blocks
                     dctx += c.ctx
         if chunks:
-            if self.cache is None:
-                new_blocks, pt, pattn, pctx, shape_chunks = self._prefill_shape(plan, chunks)
-            else:                               # allocated as it goes, the decode step included
-                pt, pattn, pctx, shape_chunks = self._prefill_shape_cached(plan, chunks, dnew)
-                new_blocks = dnew = 0
+            new_blocks, pt, pattn, pctx, shape_chunks = self._prefill_shape(plan, chunks, dnew)
+            if self.cache is not None:          # allocated there, the decode step included
+                dnew = 0
         elif chunks is None:
             self._check_fields(plan)
         else:
@@ -458,52 +456,30 @@ class Replica:
                     log.check()
         return True
 
-    def _prefill_shape(self, plan: Plan, chunks) -> tuple[int, int, float, int, list[tuple[int, int]]]:
-        """Check the chunks; (new KV blocks, tokens, query-key pairs, KV touched, per chunk)."""
+    def _prefill_shape(self, plan: Plan, chunks, decode_blocks: int = 0) -> tuple[int, int, float, int, list[tuple[int, int]]]:
+        """Check the chunks; (new KV blocks, tokens, query-key pairs, KV touched, per chunk).
+
+        With prefix caching the blocks are allocated here, as vLLM's scheduler does (new KV
+        blocks returned: 0): the running requests' chunks and the decode step
+        (`decode_blocks`) first, then each admitted request's first chunk takes its cache hit
+        (as far as the chunk leaves room) and its new blocks, in plan order; every chunk's
+        full blocks are cached as it is scheduled, so later chunks of the batch hit them."""
         computed, target, prefilling, bs = self._computed, self._target, self._prefilling, self.block_size
+        cache, fresh = self.cache, self._fresh
         new_blocks = pt = pattn = pctx = 0
+        in_turn = False                         # cached: chunks allocate one by one (an admission came)
         shape_chunks = []
         try:
             for i, c in chunks:
                 if i not in prefilling:         # this replica's prefilling requests only
                     self._bad_chunk(i, c)
-                p = computed[i]
-                if not 0 < c <= target[i] - p or c != int(c):
-                    self._bad_chunk(i, c)
-                new_blocks += -(-(p + c) // bs) - -(-p // bs)
-                pt += c
-                pattn += c * (p + (c + 1) / 2)
-                pctx += p + c
-                shape_chunks.append((p, c))
-        except (TypeError, ValueError, IndexError):
-            self._check_fields(plan)
-            raise self._malformed_chunks(chunks) from None
-        if len(chunks) > 1 and len({i for i, _ in chunks}) != len(chunks):
-            raise PlanError(f"policy {self.name} gave one request two chunks in a batch")
-        return new_blocks, pt, pattn, pctx, shape_chunks
-
-    def _prefill_shape_cached(self, plan: Plan, chunks, decode_blocks: int) -> tuple[int, float, int, list[tuple[int, int]]]:
-        """`_prefill_shape` with prefix caching, allocating as vLLM's scheduler does: the
-        running requests' chunks and the decode step (`decode_blocks`) first, then each
-        admitted request's first chunk takes its cache hit (as far as the chunk leaves room)
-        and its new blocks, in plan order. Every chunk's full blocks are cached as it is
-        scheduled, so later chunks of the batch hit them. (tokens, query-key pairs, KV touched,
-        per chunk)."""
-        computed, target, prefilling, bs = self._computed, self._target, self._prefilling, self.block_size
-        cache, fresh = self.cache, self._fresh
-        pending: int | None = decode_blocks     # allocated at the first admission (None: since then)
-        pt = pattn = pctx = 0
-        shape_chunks = []
-        try:
-            for i, c in chunks:
-                if i not in prefilling:
-                    self._bad_chunk(i, c)
-                if i in fresh:
+                if cache is not None and i in fresh:
                     if not 0 < c <= target[i] or c != int(c):
                         self._bad_chunk(i, c)
-                    if pending is not None:
-                        self._allocate(pending)
-                        pending = None
+                    if not in_turn:
+                        self._allocate(new_blocks + decode_blocks)
+                        new_blocks = decode_blocks = 0
+                        in_turn = True
                     fresh.discard(i)
                     h = cache.hit(i, c)
                     computed[i] = h
@@ -511,12 +487,13 @@ class Replica:
                 p = computed[i]
                 if not 0 < c <= target[i] - p or c != int(c):
                     self._bad_chunk(i, c)
-                cache.register(i, p, c)
                 n = -(-(p + c) // bs) - -(-p // bs)
-                if pending is None:
+                if cache is not None:
+                    cache.register(i, p, c)
+                if in_turn:
                     self._allocate(n)
                 else:
-                    pending += n
+                    new_blocks += n
                 pt += c
                 pattn += c * (p + (c + 1) / 2)
                 pctx += p + c
@@ -526,9 +503,10 @@ class Replica:
             raise self._malformed_chunks(chunks) from None
         if len(chunks) > 1 and len({i for i, _ in chunks}) != len(chunks):
             raise PlanError(f"policy {self.name} gave one request two chunks in a batch")
-        if pending:
-            self._allocate(pending)
-        return pt, pattn, pctx, shape_chunks
+        if cache is not None:
+            self._allocate(new_blocks + decode_blocks)
+            new_blocks = 0
+        return new_blocks, pt, pattn, pctx, shape_chunks
 
     def _allocate(self, n: int) -> None:
         """n new KV blocks from the prefix cache's pool (evicting), or the plan's KV error."""
