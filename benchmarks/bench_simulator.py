@@ -61,7 +61,7 @@ class PauseOddEveryOther:
 
 def scenario(n: int, rate: float, **kw) -> Scenario:
     """Prefix caching off unless asked (the engine's speed targets are for the plain path;
-    `prefix_caching_rows` times it on)."""
+    benchmarks/bench_prefix.py times it on)."""
     if supports("prefix_caching"):
         kw.setdefault("prefix_caching", False)
     return Scenario(load_trace(TRACE, rate=rate, num_requests=n, seed=0), model="qwen2-7b", gpu="a30", **kw)

@@ -187,3 +187,93 @@ def test_kv_within_capacity_and_references_return_to_zero(w, blocks, policy):
     done = np.isfinite(rec.finished)
     assert (done | rec.rejected).all()
     assert cache.hit_tokens <= cache.query_tokens
+
+
+def cache_of(w: Workload, blocks: int = 40):
+    from kvsched.kvcache import PagedKV
+    from kvsched.sim.prefix_cache import PrefixCache
+    from kvsched.sim.requests import RequestTable
+    kv = PagedKV(blocks * BS, BS)
+    return PrefixCache(kv, RequestTable(w, BS, kv.capacity_blocks)), kv
+
+
+def test_freed_blocks_queue_tail_first_decode_filled_ones_included():
+    # request 0 computed a 32-token prompt (2 cached blocks) and decoded to 71 tokens of KV:
+    # blocks 2 and 3 were filled by decode steps; freeing queues 3, 2, 1, 0 (the partial 5th is uncached)
+    cache, kv = cache_of(workload([0.0], [32], [50], [[]]))
+    cache.register(0, 0, 32)
+    kv.used = 5
+    cache.free(0, 71, False)
+    assert [b.key for b in cache.free_q] == list(reversed(cache.keys(0, 4)))
+    assert kv.used == 0
+
+
+def test_a_duplicate_key_hits_its_oldest_copy():
+    # request 1 computes the shared 48 tokens itself (no hit): vLLM keeps both copies and a
+    # later hit takes the first one cached
+    cache, kv = cache_of(workload([0.0, 0.0, 1.0], [49, 49, 49], [1, 1, 1], [[(7, 48)]] * 3))
+    cache.register(0, 0, 48)
+    first = list(cache.held[0])
+    cache.register(1, 0, 48)
+    assert [b for b in cache.walk(2)] == first
+    assert all(len(cache.candidates(b.key)) == 2 for b in first)
+
+
+class PreemptAndReadmit:
+    """Preempts decoding request 0 and readmits it in the same plan, sized by the planner."""
+    name = "preempt-readmit"
+
+    def __init__(self) -> None:
+        self.k = 0
+        self.planned: list[int] = []
+
+    def schedule(self, v) -> Plan:
+        self.k += 1
+        if self.k == 1:
+            return Plan([0], [(0, v.prefill_target(0))])
+        if self.k in (2, 3):
+            return Plan(decode=True)
+        if self.k == 4:
+            hits = v.prefix_planner()
+            hits.preempt(0)
+            hit, _ = hits.lookup(0)
+            c = v.prompt_len(0) + v.generated(0) - hit
+            self.planned.append(hits.chunk(0, c))
+            return Plan([0], [(0, c)], preempt=[0])
+        return Plan(decode=bool(v.num_decoding))
+
+
+def test_planner_knows_a_request_preempted_and_readmitted_in_one_plan():
+    pol = PreemptAndReadmit()
+    r = run(workload([0.0], [80], [30], [[(7, 64)]]), pol)
+    # KV 82 tokens when preempted: 5 full blocks cached; the new target is 83, so the hit is 80
+    assert pol.planned == [80] and prefill_tokens(r)[:2] == [80, 3]
+
+
+def test_requests_with_equal_ids_share_nothing():
+    # caller ids may repeat (Workload.build(ids=...)): a request's own tokens are its row's
+    for ids in ([5, 5], [-1, -2]):
+        w = Workload.build([0.0, 10.0], [160, 160], [2, 2], ids=ids)
+        assert prefill_tokens(run(w)) == [160, 160]
+
+
+def test_prefix_affinity_routes_to_the_replica_holding_the_prefix():
+    from kvsched.sim.routers import PrefixAffinity, ReplicaSummary
+    r = PrefixAffinity()
+    idle = [ReplicaSummary(k, 2, 10, 100, 0, 0) for k in range(3)]
+    hot = idle[:1] + [ReplicaSummary(1, 2, 10, 100, 0, 640)] + idle[2:]
+    assert r.route(0, 0.0, hot, prompt=800) == 1
+    # the load guard: a much busier replica loses its affinity
+    busy = [ReplicaSummary(0, 0, 10, 100, 0, 0), ReplicaSummary(1, 40, 95, 100, 0, 640), ReplicaSummary(2, 1, 10, 100, 0, 0)]
+    assert r.route(0, 0.0, busy, prompt=800) == 0
+    with pytest.raises(KvschedError, match="w_kv"):
+        PrefixAffinity(w_kv=-1)
+    # end to end: requests sharing a prompt follow it with caching on
+    segs = [[(k % 3, 512)] for k in range(40)]          # 3 prompts over 2 replicas
+    w = workload([0.1 * k for k in range(40)], [600] * 40, [5] * 40, segs)
+    res = {}
+    for router in ("least-outstanding", "prefix-affinity"):
+        sc = Scenario(w, cost="constant", kv_capacity=400 * BS, block_size=BS, prefix_caching=True, replicas=2,
+                      router=router)
+        res[router] = simulate(sc, "vllm-v1").summary["prefix_hit_rate"]
+    assert res["prefix-affinity"] > res["least-outstanding"]

@@ -176,7 +176,7 @@ def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_0
             t += step_time                                  # the batch ends before its output is read
             sched.update_from_output(out, v["ModelRunnerOutput"](req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)},
                                                                   sampled_token_ids=sampled))
-            done = n - len(sched.requests)
+            done = nxt - len(sched.requests)
             if len(steps) > max_steps:
                 raise KvschedError(f"replay stopped after {max_steps} vLLM steps")
         sched.shutdown()                                    # the adapter closes its step log

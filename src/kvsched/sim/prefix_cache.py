@@ -18,11 +18,9 @@ a later chunk of the same batch, or a later request, hits them); blocks its deco
 fill are registered when it frees them (no other request can hit a request's own tokens
 while it runs), which keeps a decode step O(1).
 
-Departures from vLLM, for the batch as a unit (docs/prefix-caching.md): a batch's hits are
-taken before its new blocks are allocated (vLLM allocates request by request, so an earlier
-admission can evict a block a later one would hit), and a plan's preemptions free their
-blocks before the batch allocates (vLLM frees victims when a running request's allocation
-first fails). Both change which cached block is evicted only under KV pressure.
+Within a step the running requests' chunks and the decode step allocate first, then each
+admission takes its hit and new blocks in plan order, and the requests the step finishes
+free their blocks in vLLM's scheduled order. Departures from vLLM: docs/prefix-caching.md.
 """
 from __future__ import annotations
 
@@ -252,6 +250,8 @@ class HitPlanner:
         self._dropped: dict[Block, int] = {}        # references planned preemptions drop
         self._taken: dict[Block, int] = {}          # references planned hits add
         self._start: dict[int, int] = {}
+        self._preempted: set[int] = set()           # re-admitted in the same plan: they take a hit
+        self._target: dict[int, int] = {}           # their prefill targets after the preemption
         self._anon = kv.capacity_blocks - kv.used - len(cache.free_q)    # uncached free blocks
         self._appended: list[Block] = []            # blocks preemptions queue, in order
         self._extra: dict[int, Block] = {}          # keys preemptions cache (decode-filled blocks)
@@ -283,6 +283,9 @@ class HitPlanner:
                 self._appended.append(b)
         if r.is_decoding(i):
             self._decoders_gone += r.needs_block(i)
+        self._preempted.add(i)
+        if r.is_decoding(i):                        # it will recompute its generated tokens too
+            self._target[i] = r.prompt_len(i) + r.generated(i)
         return n
 
     def decodes(self, blocks: int) -> None:
@@ -302,7 +305,7 @@ class HitPlanner:
         c, r = self._c, self._r
         bs = c.bs
         start = self._start.get(i)
-        if start is None and r.awaits_hit(i):
+        if start is None and (r.awaits_hit(i) or i in self._preempted):
             hit = self._hit(i, tokens)
             for b in hit:
                 if b is not None:
@@ -322,7 +325,9 @@ class HitPlanner:
         """The blocks request i would hit now (None: a block an earlier chunk caches)."""
         self._settle()
         c = self._c
-        room = min(c.cap_blocks(i), c.cap_blocks(i) if chunk is None else (c.reqs.target[i] - chunk) // c.bs)
+        target = self._target.get(i, c.reqs.target[i])
+        cap = (target - 1) // c.bs
+        room = cap if chunk is None else min(cap, (target - chunk) // c.bs)
         pending, extra = self._pending, self._extra
         self._evict()
         evicted = self._evicted
@@ -382,17 +387,21 @@ class HitPlanner:
 
 def _sources(workload):
     """request row -> its content: ((kind, id, tokens), ...) segments, then its own source.
-    Kind 0 is shared content (id >= 0), kind 1 a request's own tokens (id = its caller id);
-    the tag keeps ids apart in the hash (hash(-1) == hash(-2) in CPython)."""
+    Kind 0 is shared content (id >= 0), kind 1 a request's own tokens, named by its row (caller
+    ids may repeat; a segment naming an earlier turn by caller id is mapped to that turn's row,
+    unique when the workload has sessions). The kind tag keeps ids apart in the hash
+    (hash(-1) == hash(-2) in CPython)."""
     seg = getattr(workload, "segments", None)
-    ids = workload.ids
     if seg is None:
-        return lambda i: ((), (1, int(ids[i])))
+        return lambda i: ((), (1, i))
     sid, slen = seg.ids, seg.lengths
+    row: dict[int, int] = {}
+    if (seg.ids.values < 0).any():
+        row = {int(c): k for k, c in enumerate(workload.ids.tolist())}
 
     def sources(i: int):
-        return (tuple((0, s, n) if s >= 0 else (1, -1 - s, n) for s, n in zip(sid[i].tolist(), slen[i].tolist())),
-                (1, int(ids[i])))
+        return (tuple((0, s, n) if s >= 0 else (1, row[-1 - s], n) for s, n in zip(sid[i].tolist(), slen[i].tolist())),
+                (1, i))
     return sources
 
 

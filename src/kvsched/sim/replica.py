@@ -83,6 +83,9 @@ class Replica:
         # prefix caching (sim/prefix_cache.py): admitted requests whose hit is taken at their first chunk
         self.cache = PrefixCache(kv, reqs) if prefix_caching else None
         self._fresh: set[int] = set()
+        self._order: dict[int, int] = {}        # cached: admission sequence (vLLM's running order)
+        self._admissions = 0
+        self._finishing: list[tuple[int, int]] | None = None    # cached: frees of the batch, deferred
         self._where = self._decoders.where
         # the table's per-request lists, aliased for the view's hot reads (mutated in place only)
         self._arrival, self._prompt, self._output, self._known = reqs.arrival, reqs.prompt, reqs.output, reqs.known
@@ -423,6 +426,8 @@ class Replica:
             self._snap = (self.outstanding, held, self.prefill_backlog - pt)
         kv.used = held
         self.now = end                          # hooks called by the batch's effects see its end
+        if self.cache is not None:
+            self._finishing = []
         if nd:
             self._decode_step(end, cohorts)
             if self._stall:
@@ -440,6 +445,8 @@ class Replica:
                 self._stalled(end)
             elif self._stall:
                 self._stall = 0
+        if self._finishing is not None:
+            self._free_finished()
         self.recent_batch_times.append(dt)
         if self.timeline is not None:
             self.timeline.append((end, len(self._queue), len(self._running), kv.used * bs))
@@ -484,6 +491,8 @@ class Replica:
                     h = cache.hit(i, c)
                     computed[i] = h
                     self.prefill_backlog -= h
+                    if h and self.reqs.preempts[i]:
+                        self.reqs.recomputed[i] -= min(h, self.reqs.recomputed[i])
                 p = computed[i]
                 if not 0 < c <= target[i] - p or c != int(c):
                     self._bad_chunk(i, c)
@@ -521,8 +530,21 @@ class Replica:
         """Request i's KV leaves this replica (finished, preempted or handed off)."""
         if self.cache is None:
             self.kv.used -= -(-kv_tokens // self.block_size)
+        elif self._finishing is not None and done:
+            self._finishing.append((i, kv_tokens))
         else:
             self.cache.free(i, kv_tokens, done)
+
+    def _free_finished(self) -> None:
+        """With prefix caching, the requests a batch finished free their blocks in vLLM's order
+        (its scheduled order: running requests by admission, then the new ones), which decides
+        which cached blocks are evicted first."""
+        done, self._finishing = self._finishing, None
+        if len(done) > 1:
+            done.sort(key=lambda x: self._order.get(x[0], 0))    # landed (disaggregated) ones first
+        for i, kv_tokens in done:
+            self._order.pop(i, None)
+            self.cache.free(i, kv_tokens, True)
 
     def _stalled(self, end: float) -> None:
         """A batch without an output token: stop the policy after `stall_batches` in a row."""
@@ -603,6 +625,8 @@ class Replica:
         self._prefilling[i] = None
         if self.cache is not None:
             self._fresh.add(i)
+            self._admissions += 1
+            self._order[i] = self._admissions
         if r.admitted[i] == INF:
             r.admitted[i] = self.now
 
