@@ -146,7 +146,7 @@ class Cluster:
         caches = [rep.cache for rep in pool]
         if caches[0] is None:
             return [0] * len(pool)
-        keys = caches[0].keys(i, caches[0].cap_blocks(i), keep=False)
+        keys = caches[0].keys(i, caches[0].lookup_cap(i), keep=False)
         return [c.count_cached(keys) for c in caches]
 
     def _arrive(self, i: int, t: float) -> None:

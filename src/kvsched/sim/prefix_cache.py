@@ -28,6 +28,8 @@ import contextlib
 import gc
 from collections import OrderedDict
 
+import numpy as np
+
 
 @contextlib.contextmanager
 def fewer_collections(threshold: int = 200_000):
@@ -50,18 +52,34 @@ class Block:
         self.key, self.ref = key, ref
 
 
+class Run:
+    """Free cached blocks no request can ever hit (a finished request's own tokens), queued as
+    one count: they take their place in the eviction order without a key each."""
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
 class PrefixCache:
-    """The cache over `kv` (a PagedKV whose `used` it keeps) for requests of `reqs`."""
+    """The cache over `kv` (a PagedKV whose `used` it keeps) for requests of `reqs`.
+
+    Only the leading blocks another request could hit (`_share`: those inside the request's
+    segments, all of them when a later session turn starts with them) are keyed while the
+    request runs; its own blocks are keyed when it is preempted (it may hit them again) and
+    queued as a `Run` when it finishes, so a workload without shared content pays no hashing."""
 
     def __init__(self, kv, reqs) -> None:
         self.kv, self.reqs = kv, reqs
         self.bs = kv.block_size
         self.map: dict[int, Block] = {}              # key -> its cached block (the one a hit takes)
         self.dups: dict[int, list[Block]] = {}       # key -> later copies (vLLM keeps duplicates)
-        self.free_q: OrderedDict[Block, None] = OrderedDict()   # cached free blocks, eviction order
+        self.free_q: OrderedDict[Block | Run, None] = OrderedDict()   # cached free blocks, eviction order
+        self.queued = 0                              # blocks in free_q (runs counted whole)
         self.held: dict[int, list[Block]] = {}       # request -> its registered blocks 0..m-1
         self._keys: dict[int, list[int]] = {}
         self._sources = _sources(reqs.workload)
+        self._share = _shareable(reqs.workload, self.bs)
         # statistics (docs/prefix-caching.md, "Metrics")
         self.query_tokens = 0       # prompt tokens (prefill targets) looked up at admission
         self.hit_tokens = 0         # of them, taken from the cache (not computed)
@@ -88,11 +106,17 @@ class PrefixCache:
         prompt token for its logits), whole blocks only."""
         return (self.reqs.target[i] - 1) // self.bs
 
+    def lookup_cap(self, i: int, target: int | None = None, preempted: bool = False) -> int:
+        """Blocks a lookup for request i walks: the hit cap, or only the blocks others could
+        have cached while it has never been preempted (its own blocks are cached only then)."""
+        cap = ((self.reqs.target[i] if target is None else target) - 1) // self.bs
+        return cap if preempted or self.reqs.preempts[i] else min(cap, self._share[i])
+
     def walk(self, i: int, pending: set[int] | None = None, keep: bool = True):
         """Request i's longest cached prefix: yields its first cached block per key (None for
         a key only in `pending`, registered by an earlier chunk of the batch being planned).
         Keys are made as the walk goes, so a miss at the first block costs one key."""
-        m, cap = self.map, self.cap_blocks(i)
+        m, cap = self.map, self.lookup_cap(i)
         ks: list[int] = []
         for j in range(cap):
             if j >= len(ks):
@@ -124,6 +148,7 @@ class PrefixCache:
         for b in taken:
             if b.ref == 0:
                 del self.free_q[b]
+                self.queued -= 1
                 self.kv.used += 1
             b.ref += 1
         self.held[i] = taken
@@ -137,7 +162,7 @@ class PrefixCache:
     def register(self, i: int, start: int, chunk: int) -> None:
         """The blocks request i's chunk [start, start + chunk) fills are cached (by reference)."""
         held = self.held.setdefault(i, [])
-        lo, hi = len(held), (start + chunk) // self.bs
+        lo, hi = len(held), min((start + chunk) // self.bs, self._share[i])
         if hi > lo:
             blocks = [Block(k, 1) for k in self.keys(i, hi)[lo:hi]]
             held.extend(blocks)
@@ -164,11 +189,21 @@ class PrefixCache:
     def allocate(self, n: int) -> None:
         """n new blocks: uncached free blocks first, then the oldest cached ones are evicted."""
         kv = self.kv
-        evict = n - (kv.capacity_blocks - kv.used - len(self.free_q))
+        evict = n - (kv.capacity_blocks - kv.used - self.queued)
         if evict > 0:
             q, m, dups = self.free_q, self.map, self.dups
-            for _ in range(evict):
-                b, _ = q.popitem(last=False)
+            left = evict
+            while left:
+                b = next(iter(q))
+                if type(b) is Run:
+                    k = min(b.n, left)
+                    b.n -= k
+                    left -= k
+                    if not b.n:
+                        del q[b]
+                    continue
+                del q[b]
+                left -= 1
                 k = b.key
                 if k in dups:
                     rest = dups[k]
@@ -181,6 +216,7 @@ class PrefixCache:
                 else:
                     del m[k]
             self.evictions += evict
+            self.queued -= evict
         kv.used += n
 
     def free(self, i: int, kv_tokens: int, done: bool) -> None:
@@ -191,14 +227,20 @@ class PrefixCache:
         full, total = kv_tokens // bs, -(-kv_tokens // bs)
         released = total - len(held)                # private blocks, the partial tail included
         q = self.free_q
-        if full > len(held):
-            blocks = [Block(k, 0) for k in reversed(self.keys(i, full)[len(held):full])]
-            self._insert(blocks)
-            q.update(dict.fromkeys(blocks))
+        own = full - len(held)
+        if own > 0:
+            if done and len(held) >= self._share[i]:        # nobody can hit these: no keys
+                q[Run(own)] = None
+            else:
+                blocks = [Block(k, 0) for k in reversed(self.keys(i, full)[len(held):full])]
+                self._insert(blocks)
+                q.update(dict.fromkeys(blocks))
+            self.queued += own
         for b in reversed(held):
             b.ref -= 1
             if b.ref == 0:
                 q[b] = None
+                self.queued += 1
                 released += 1
         self.kv.used -= released
         if done:
@@ -252,7 +294,7 @@ class HitPlanner:
         self._start: dict[int, int] = {}
         self._preempted: set[int] = set()           # re-admitted in the same plan: they take a hit
         self._target: dict[int, int] = {}           # their prefill targets after the preemption
-        self._anon = kv.capacity_blocks - kv.used - len(cache.free_q)    # uncached free blocks
+        self._anon = kv.capacity_blocks - kv.used - cache.queued    # uncached free blocks
         self._appended: list[Block] = []            # blocks preemptions queue, in order
         self._extra: dict[int, Block] = {}          # keys preemptions cache (decode-filled blocks)
         self._decode: int | None = None
@@ -260,7 +302,8 @@ class HitPlanner:
         self._alloc = 0                             # blocks allocated so far (running chunks, decodes, admissions)
         self._settled = False                       # the decode step is allocated (first admission reached)
         self._evicted: set[Block] = set()
-        self._queue = self._virtual_queue()
+        self._n_evicted = 0                         # blocks evicted, runs' included
+        self._queue = None                          # the virtual free queue, made when first evicting
 
     # ----- the plan's operations --------------------------------------------------------
     def preempt(self, i: int) -> int:
@@ -314,7 +357,7 @@ class HitPlanner:
         elif start is None:
             start = r._computed[i]
         self._start[i] = start + tokens
-        lo, hi = start // bs, (start + tokens) // bs
+        lo, hi = start // bs, min((start + tokens) // bs, c._share[i])   # as `PrefixCache.register`
         if hi > lo:
             self._pending.update(c.keys(i, hi)[lo:hi])
         self._alloc += -(-(start + tokens) // bs) - -(-start // bs)
@@ -326,7 +369,7 @@ class HitPlanner:
         self._settle()
         c = self._c
         target = self._target.get(i, c.reqs.target[i])
-        cap = (target - 1) // c.bs
+        cap = c.lookup_cap(i, target, i in self._preempted)
         room = cap if chunk is None else min(cap, (target - chunk) // c.bs)
         pending, extra = self._pending, self._extra
         self._evict()
@@ -367,22 +410,39 @@ class HitPlanner:
     def _evict(self) -> None:
         """Evict, in queue order, the cached blocks the allocations so far took."""
         want = self._alloc - self._anon
-        evicted = self._evicted
-        while len(evicted) < want:
-            b = next(self._queue, None)
-            if b is None:
+        if self._n_evicted < want and self._queue is None:
+            self._queue = self._virtual_queue()
+        while self._n_evicted < want:
+            b = next(self._queue, False)
+            if b is False:
                 return
-            evicted.add(b)
+            self._n_evicted += 1
+            if b is not None:
+                self._evicted.add(b)
 
     def _virtual_queue(self):
         """The free queue as the plan leaves it: cached free blocks not taken by a planned hit,
         then the blocks planned preemptions queue."""
         for b in self._c.free_q:
-            if b not in self._taken:
+            if type(b) is Run:
+                for _ in range(b.n):
+                    yield None
+            elif b not in self._taken:
                 yield b
         for b in self._appended:
             if b not in self._taken:
                 yield b
+
+
+def _shareable(workload, bs: int) -> list[int]:
+    """Per request, the leading blocks another request could hit: those inside its segments,
+    or all of them when a later session turn begins with its tokens."""
+    seg = getattr(workload, "segments", None)
+    share = np.zeros(len(workload), np.int64) if seg is None else seg.tokens() // bs
+    if getattr(workload, "has_sessions", False):
+        prev = workload.previous_turn()
+        share[prev[prev >= 0]] = 1 << 62
+    return share.tolist()
 
 
 def _sources(workload):
