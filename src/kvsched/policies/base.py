@@ -85,7 +85,14 @@ class Policy(Protocol):
     on_finish(i, view) when request i finishes, on_preempt(i, view) after the replica
     preempted i for the policy's plan, on_batch_end(view) after every batch. A policy that
     raises, returns something other than a `Plan`, names an unknown request or makes no
-    progress stops the run with one error naming it."""
+    progress stops the run with one error naming it.
+
+    `decodes_when_idle = True` (optional, a class attribute) promises: whenever no request
+    waits or prefills on the replica and one decode step of every decoder fits in free KV,
+    `schedule` returns Plan([], [], True, []) and changes nothing. The replica then runs such
+    batches without calling `schedule` (back to back until something happens), exactly as
+    if it had. A policy that may pause decoders, preempt early or keep per-step state in
+    `schedule` must leave it False (the default)."""
     name: str
 
     def schedule(self, view: ServerView) -> Plan: ...

@@ -228,18 +228,24 @@ class Cluster:
         else:
             self._set_next(0, 0.0)
         single = reps[0] if len(reps) == 1 else None
+        # a replica may run several decode-only batches in one step() until the next thing that
+        # happens elsewhere; a closed loop and sessions react to each batch's finishes
+        chain = closed is None and turns is None
         nxt, steps = 0, 0
         while reqs.done < reqs.remaining:
             t_arr = arrival[nxt] if closed is None and nxt < n else INF
             if single is not None:                  # next_event_time(), inline: this is the hot loop
                 rep = single
                 t_rep = INF if rep._blocked or not (rep._queue or rep._running or rep._landing) else rep.now
+                t_other = INF
             else:
-                rep, t_rep = None, INF
+                rep, t_rep, t_other = None, INF, INF
                 for r in reps:
                     t = r.next_event_time()
                     if t < t_rep:
-                        rep, t_rep = r, t
+                        rep, t_rep, t_other = r, t, t_rep
+                    elif t < t_other:
+                        t_other = t
             if t_arr <= t_rep or events:           # else the common case: the replica runs a batch
                 t_ev = events[0][0] if events else INF
                 if t_arr <= t_rep and t_arr <= t_ev and t_arr < INF:
@@ -255,7 +261,8 @@ class Cluster:
                 if t_rep == INF:
                     self._deadlock(closed is not None)
             before = reqs.done
-            if rep.step():
+            until = min(t_arr, events[0][0] if events else INF, t_other) if chain else 0.0
+            if rep.step(until):
                 steps += 1
                 if progress is not None and steps % 4096 == 0:
                     progress(reqs.done, reqs.remaining)

@@ -22,6 +22,7 @@ from collections import deque
 from typing import Callable
 
 import numpy as np
+from math import log as _log
 
 from kvsched.cost.shape import BatchShape
 from kvsched.errors import KvschedError, PlanError
@@ -85,7 +86,7 @@ class Replica:
         self._fresh: set[int] = set()
         self._order: dict[int, int] = {}        # cached: admission sequence (vLLM's running order)
         self._admissions = 0
-        self._finishing: list[tuple[int, int]] | None = None    # cached: frees of the batch, deferred
+        self._finishing: list[tuple[int, int]] = []     # cached: the batch's finished requests, freed at its end
         self._where = self._decoders.where
         # the table's per-request lists, aliased for the view's hot reads (mutated in place only)
         self._arrival, self._prompt, self._output, self._known = reqs.arrival, reqs.prompt, reqs.output, reqs.known
@@ -121,6 +122,11 @@ class Replica:
         self._on_finish = self._hook("on_finish")
         self._on_preempt = self._hook("on_preempt")
         self._on_batch_end = self._hook("on_batch_end")
+        # the policy promises Plan([], [], True, []) while nothing waits or prefills and the
+        # decoders fit (policies/base.py, `decodes_when_idle`): such batches skip `schedule`
+        self._steady = getattr(policy, "decodes_when_idle", False) is True
+        self._decode_time = getattr(cost, "decode_time", None) or (
+            lambda n, ctx, switch: cost.time(BatchShape(0, 0, 0, 0, n, ctx, (), switch)))
         self.view = ReplicaView(self, {
             "index": index, "role": role, "block_size": bs, "kv_capacity_blocks": kv.capacity_blocks,
             "cost_model": cost, "waiting": ReadOnlySeq(self._queue), "running": self._running.keys(),
@@ -298,11 +304,16 @@ class Replica:
             if t > self.now:
                 self.now = t
 
-    def step(self) -> bool:
+    def step(self, until: float = 0.0) -> bool:
         """Plan and run one batch at the replica's clock. Returns False if the policy planned
-        nothing (the replica then waits for the next event routed to it)."""
+        nothing (the replica then waits for the next event routed to it). With a policy that
+        `decodes_when_idle`, decode-only batches run back to back while the clock is before
+        `until` (the caller's next event: nothing else may happen before it)."""
         if self._landing:
             self._land_ready()
+        if self._steady and self._idle_fits():
+            self._decode_run(until)
+            return True
         q = len(self._queue)
         if q > self.peak_queue:
             self.peak_queue = q
@@ -325,6 +336,196 @@ class Replica:
         if self._on_batch_end is not None:
             self._call(self._on_batch_end, "on_batch_end", None)
         return True
+
+    # ----- decode-only batches without the policy -----------------------------------
+    def _idle_fits(self) -> bool:
+        """Nothing waits or prefills here, the decoders are one cohort and one decode step of
+        them all fits in free KV: the state where a steady policy decodes everyone."""
+        ds = self._decoders
+        if self._queue or self._prefilling or not ds.n or len(ds.cohorts) != 1:
+            return False
+        c = ds.cohorts[0]
+        kv = self.kv
+        return kv.used + c.residue[-c.clock % self.block_size] <= kv.capacity_blocks
+
+    def _decode_run(self, until: float) -> None:
+        """The batches `_execute` runs for Plan([], [], True, []), bit for bit, while the
+        state stays idle (`_idle_fits`) and the clock is before `until`; at least one.
+        Without tiers or an `on_batch_end` hook they take the inlined `_plain_decodes`."""
+        if self.pulls:                          # the cluster pulls KV here after every batch
+            until = 0.0
+        if self._on_batch_end is None and self.tier_itl is None:
+            self._plain_decodes(self._decoders.cohorts[0], until)
+            return
+        ds, kv, bs, cache = self._decoders, self.kv, self.block_size, self.cache
+        while True:
+            c = ds.cohorts[0]
+            nd = c.n
+            dnew = c.residue[-c.clock % bs]
+            if cache is not None:
+                if dnew:
+                    cache.allocate(dnew)        # checked by _idle_fits
+                held = kv.used
+            else:
+                held = kv.used + dnew
+            last = self._last_kind
+            self._last_kind = 2
+            dt = self._decode_time(nd, c.ctx + nd, last != 2 and last != 0)
+            start = self.now
+            end = self._batch_end(start, dt)
+            if self.track_start:
+                self._snap = (self.outstanding, held, self.prefill_backlog)
+            kv.used = held
+            self.now = end
+            self._decode_step(end, ds.cohorts)
+            if self._stall:
+                self._stall = 0
+            if self._finishing:
+                self._free_finished()
+            self._record(start, end, dt, 0, 0, nd, held)
+            if self._on_batch_end is not None:
+                self._call(self._on_batch_end, "on_batch_end", None)
+            if not (end < until and self._idle_fits()):
+                return
+
+    def _plain_decodes(self, c: Cohort, until: float) -> None:
+        """`_decode_run`'s batches inlined (the bulk of a run): what `_decode_step` and
+        `_record` do, in the same order of float operations. The batch's figures are kept in
+        locals and written back before anything outside can look (a finish's hooks, the end)."""
+        bs, kv, cap, cache, r = self.block_size, self.kv, self.kv.capacity_blocks, self.cache, self.reqs
+        residue, fresh, heap = c.residue, c.fresh, c._heap
+        n, clock, ctx, used = c.n, c.clock, c.ctx, kv.used
+        f = heap[0][0] if heap else 1 << 62    # the next finish (maybe stale: due() sorts it out)
+        decode_time = self._decode_time
+        last_kind = self._last_kind
+        switch = last_kind != 2 and last_kind != 0
+        now, last = self.now, c.last_time
+        itl = self.itl
+        counts, log_low, scale, top, low = itl.counts, itl._log_low, itl._scale, itl._top, itl.low
+        total, total_sq, gmax, hn = itl.total, itl.total_sq, itl.max, itl.n
+        kv_integral, busy, peak, k = self.kv_integral, self.busy, self.peak_kv, self.iterations
+        k0 = k
+        recent = self.recent_batch_times.append
+        timeline = self.timeline.append if self.timeline is not None else None
+        batches = self.batches.append if self.batches is not None else None
+        running = len(self._running)
+        base, gaps = c._base, c._gaps
+        allocated = 0
+        track = self.track_start
+        while True:
+            dnew = residue[-clock % bs]
+            held = used + dnew
+            nb = n
+            if track:                           # the router summary at the batch's start
+                self._snap = (self.outstanding, held, self.prefill_backlog)
+            dt = decode_time(n, ctx + n, switch)
+            switch = False
+            if not 0 < dt < INF or not now + dt > now:
+                self._batch_end(now, dt)        # raises the error
+            start, now = now, now + dt
+            clock += 1
+            if clock - base >= len(gaps):
+                c.clock = clock                 # as Cohort.step: _trim reads the new clock
+                c._trim()
+                base, gaps = c._base, c._gaps
+            gap = now - last
+            gaps[clock - base] = gap
+            last = now
+            ctx += n
+            allocated += dnew
+            used = held
+            m = n - len(fresh)
+            if m > 0:                           # GapHistogram.add(gap, m), inline
+                if gap > low:
+                    b = int((_log(gap) - log_low) * scale) + 1
+                    if b >= top:
+                        b = top
+                else:
+                    b = 0
+                counts[b] += m
+                hn += m
+                total += gap * m
+                total_sq += gap * gap * m
+                if gap > gmax:
+                    gmax = gap
+            if fresh or clock >= f:             # first gaps, finishes: the general code, state written back
+                c.clock, c.ctx, c.last_time = clock, ctx, now
+                itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
+                self.kv_integral, self.busy, self.peak_kv, self.iterations = kv_integral, busy, peak, k
+                self.now = now
+                if cache is not None:
+                    if allocated:
+                        cache.allocate(allocated)   # one call: the same blocks, in the same order
+                    allocated = 0
+                else:
+                    kv.used = used
+                self._last_kind = 2
+                if fresh:
+                    self._first_gaps(c, now)
+                if clock >= f:
+                    for i in c.due():
+                        self._finish(i, now, self._leave_decode(i))
+                    if self._finishing:
+                        self._free_finished()
+                    f = heap[0][0] if heap else 1 << 62
+                    n, ctx, used, running = c.n, c.ctx, kv.used, len(self._running)
+                    base, gaps = c._base, c._gaps
+                total, total_sq, gmax, hn = itl.total, itl.total_sq, itl.max, itl.n
+            recent(dt)
+            if timeline is not None:
+                timeline((now, 0, running, used * bs))
+            if batches is not None:
+                batches((start, dt, 0, 0, nb, held * bs))
+            kv_integral += held * dt
+            busy += dt
+            if held > peak:
+                peak = held
+            k += 1
+            if not now < until or not n or used + residue[-clock % bs] > cap:
+                break
+        c.clock, c.ctx, c.last_time = clock, ctx, now
+        if cache is not None:
+            if allocated:
+                cache.allocate(allocated)
+        else:
+            kv.used = used
+        itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
+        self.kv_integral, self.busy, self.peak_kv, self.now = kv_integral, busy, peak, now
+        self._last_kind = 2
+        if self._stall:
+            self._stall = 0
+        self.iterations = k
+        if k0 // CHUNK != k // CHUNK:
+            for log in (self.timeline, self.batches):
+                if log is not None:
+                    log.check()
+
+    def _batch_end(self, start: float, dt: float) -> float:
+        """The clock after a batch of `dt` seconds from `start` (checked)."""
+        if not 0 < dt < INF:
+            raise KvschedError(f"cost model gave batch time {dt!r}; it must be positive and finite")
+        end = start + dt
+        if not end > start:
+            raise KvschedError(f"batch time {dt!r} s vanishes at t={start!r} s (below the clock's "
+                               "resolution): rescale the workload's times or the cost model")
+        return end
+
+    def _record(self, start: float, end: float, dt: float, pt: int, np_: int, nd: int, held: int) -> None:
+        """A batch's figures: recent times, timeline and batch rows, KV and busy time."""
+        self.recent_batch_times.append(dt)
+        if self.timeline is not None:
+            self.timeline.append((end, len(self._queue), len(self._running), self.kv.used * self.block_size))
+        if self.batches is not None:
+            self.batches.append((start, dt, pt, np_, nd, held * self.block_size))
+        self.kv_integral += held * dt
+        self.busy += dt
+        if held > self.peak_kv:
+            self.peak_kv = held
+        self.iterations += 1
+        if not self.iterations % CHUNK:
+            for log in (self.timeline, self.batches):
+                if log is not None:
+                    log.check()
 
     # ----- policy safety ---------------------------------------------------------------
     def _named(self, exc: KvschedError) -> KvschedError:
@@ -415,19 +616,12 @@ class Replica:
         switch = kind != self._last_kind and self._last_kind != 0
         self._last_kind = kind
         dt = self.cost.time(BatchShape(pt, len(chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
-        if not 0 < dt < INF:
-            raise KvschedError(f"cost model gave batch time {dt!r}; it must be positive and finite")
         start = self.now
-        end = start + dt
-        if not end > start:
-            raise KvschedError(f"batch time {dt!r} s vanishes at t={start!r} s (below the clock's "
-                               "resolution): rescale the workload's times or the cost model")
+        end = self._batch_end(start, dt)
         if self.track_start:
             self._snap = (self.outstanding, held, self.prefill_backlog - pt)
         kv.used = held
         self.now = end                          # hooks called by the batch's effects see its end
-        if self.cache is not None:
-            self._finishing = []
         if nd:
             self._decode_step(end, cohorts)
             if self._stall:
@@ -445,22 +639,9 @@ class Replica:
                 self._stalled(end)
             elif self._stall:
                 self._stall = 0
-        if self._finishing is not None:
+        if self._finishing:
             self._free_finished()
-        self.recent_batch_times.append(dt)
-        if self.timeline is not None:
-            self.timeline.append((end, len(self._queue), len(self._running), kv.used * bs))
-        if self.batches is not None:
-            self.batches.append((start, dt, pt, len(chunks), nd, held * bs))
-        self.kv_integral += held * dt
-        self.busy += dt
-        if held > self.peak_kv:
-            self.peak_kv = held
-        self.iterations += 1
-        if not self.iterations % CHUNK:
-            for log in (self.timeline, self.batches):
-                if log is not None:
-                    log.check()
+        self._record(start, end, dt, pt, len(chunks), nd, held)
         return True
 
     def _prefill_shape(self, plan: Plan, chunks, decode_blocks: int = 0) -> tuple[int, int, float, int, list[tuple[int, int]]]:
@@ -530,8 +711,6 @@ class Replica:
         """Request i's KV leaves this replica (finished, preempted or handed off)."""
         if self.cache is None:
             self.kv.used -= -(-kv_tokens // self.block_size)
-        elif self._finishing is not None and done:
-            self._finishing.append((i, kv_tokens))
         else:
             self.cache.free(i, kv_tokens, done)
 
@@ -539,12 +718,13 @@ class Replica:
         """With prefix caching, the requests a batch finished free their blocks in vLLM's order
         (its scheduled order: running requests by admission, then the new ones), which decides
         which cached blocks are evicted first."""
-        done, self._finishing = self._finishing, None
+        done = self._finishing
         if len(done) > 1:
             done.sort(key=lambda x: self._order.get(x[0], 0))    # landed (disaggregated) ones first
         for i, kv_tokens in done:
             self._order.pop(i, None)
             self.cache.free(i, kv_tokens, True)
+        done.clear()
 
     def _stalled(self, end: float) -> None:
         """A batch without an output token: stop the policy after `stall_batches` in a row."""
@@ -635,23 +815,27 @@ class Replica:
         for ch in cohorts:
             if not ch.n:
                 continue
-            fresh = ch.fresh
             gap = ch.step(end)
-            add(gap, ch.n - len(fresh))
-            if fresh:
-                r = self.reqs
-                itl_max, viol, tbt, last = r.itl_max, r.viol, r.tbt, r.last_tok
-                for i in fresh:
-                    g = end - last[i]
-                    add(g)
-                    if g > itl_max[i]:
-                        itl_max[i] = g
-                    if g > tbt[i]:
-                        viol[i] += 1
-                fresh.clear()
+            add(gap, ch.n - len(ch.fresh))
+            if ch.fresh:
+                self._first_gaps(ch, end)
             for i in ch.due():
                 kv_tokens = self._leave_decode(i)
                 self._finish(i, end, kv_tokens)
+
+    def _first_gaps(self, ch: Cohort, end: float) -> None:
+        """The first decode step of the cohort's fresh members: each gap is from its own last
+        token (its first token, or one before it moved cohorts)."""
+        add, r = self.itl.add, self.reqs
+        itl_max, viol, tbt, last = r.itl_max, r.viol, r.tbt, r.last_tok
+        for i in ch.fresh:
+            g = end - last[i]
+            add(g)
+            if g > itl_max[i]:
+                itl_max[i] = g
+            if g > tbt[i]:
+                viol[i] += 1
+        ch.fresh.clear()
 
     def _decode_step_tiered(self, end: float, cohorts) -> None:
         """`_decode_step`, after putting each fresh decoder's first gap (end - its last token,
@@ -756,7 +940,10 @@ class Replica:
         r.status[i] = DONE
         r.finished[i] = t
         del self._running[i]
-        self._free(i, kv_tokens, True)
+        if self.cache is None:
+            self._free(i, kv_tokens, True)
+        else:                                   # freed at the batch's end, in vLLM's order
+            self._finishing.append((i, kv_tokens))
         r.done += 1
         r.in_flight -= 1
         self.outstanding -= 1

@@ -1,0 +1,115 @@
+"""The engine's fast paths give the results of the general path, bit for bit: decode-only
+batches that skip the policy (`decodes_when_idle`, inlined in `Replica._plain_decodes`), and
+several of them in one `step` (docs/architecture.md, "Speed")."""
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvsched.hardware import get_gpu
+from kvsched.policies import make_policy
+from kvsched.run import Scenario, simulate
+from kvsched.workload.request import Tier, Workload
+
+STEADY = ("vllm-v1", "sarathi", "vllm-v0", "orca", "request-level")
+
+
+def workload(n: int, rate: float, seed: int, tiers: bool = False) -> Workload:
+    g = np.random.default_rng(seed)
+    arrivals = np.cumsum(g.exponential(1 / rate, n))
+    prompts = g.integers(1, 700, n)
+    outputs = g.integers(1, 300, n)
+    if not tiers:
+        return Workload.build(arrivals, prompts, outputs)
+    return Workload.build(arrivals, prompts, outputs, tier_index=g.integers(0, 2, n),
+                          tiers=(Tier("paying", tbt_slo=0.03), Tier("free", tbt_slo=0.08)))
+
+
+class Counting:
+    """A built-in policy whose `schedule` calls are counted; `steady=False` turns its fast
+    path off (the general path: every batch planned by `schedule`)."""
+
+    def __init__(self, name: str, steady: bool, hook: bool = False) -> None:
+        self.inner = make_policy(name, {}, get_gpu("a100-80gb"))
+        self.name = name
+        self.decodes_when_idle = steady and self.inner.decodes_when_idle
+        self.calls = 0
+        if hook:
+            self.on_batch_end = lambda v: None
+
+    def schedule(self, v):
+        self.calls += 1
+        return self.inner.schedule(v)
+
+    def on_finish(self, i, v):
+        self.inner.on_finish(i, v)
+
+
+def fingerprint(w: Workload, name: str, steady: bool, hook: bool = False, **kw) -> tuple[str, int, int]:
+    """(hash of everything a run reports, schedule calls, iterations)."""
+    p = Counting(name, steady, hook)
+    kw.setdefault("model", "llama-2-7b")
+    r = simulate(Scenario(w, gpu="a100-80gb", **kw), p, record_timeline=True, record_batches=True)
+    summary = {k: v for k, v in r.summary.items() if k != "wall_seconds"}
+    rec = r.records
+    per_request = [getattr(rec, k).tolist() for k in
+                   ("first_token", "finished", "admitted", "itl_max", "tbt_violations", "preemptions", "recomputed")]
+    blob = pickle.dumps((sorted(summary.items(), key=str), per_request, list(r.timeline), list(r.batches)))
+    return hashlib.sha256(blob).hexdigest(), p.calls, r.summary["iterations"]
+
+
+@pytest.mark.parametrize("name", STEADY)
+@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("kv_capacity", [None, 12_000])
+def test_fast_path_is_the_general_path(name, caching, kv_capacity):
+    w = workload(400, 20.0, 1)
+    kw = dict(prefix_caching=caching, kv_capacity=kv_capacity)
+    fast, fast_calls, iters = fingerprint(w, name, True, **kw)
+    slow, slow_calls, _ = fingerprint(w, name, False, **kw)
+    assert fast == slow
+    assert slow_calls == iters                  # the general path plans every batch
+    assert fast_calls < slow_calls              # the fast path skipped some
+
+
+@pytest.mark.parametrize("name", ["vllm-v1", "sarathi", "vllm-v0", "orca"])   # request-level decodes with a queue
+def test_a_light_load_skips_most_plans(name):
+    _, calls, iters = fingerprint(workload(200, 2.0, 6), name, True)
+    assert calls < iters / 3
+
+
+@pytest.mark.parametrize("router", ["round-robin", "least-outstanding", "least-kv"])
+def test_fast_path_in_a_cluster(router):
+    w = workload(600, 60.0, 2)
+    kw = dict(replicas=3, router=router, kv_capacity=15_000)
+    assert fingerprint(w, "vllm-v1", True, **kw)[0] == fingerprint(w, "vllm-v1", False, **kw)[0]
+
+
+def test_fast_path_with_tiers_and_a_batch_hook():
+    w = workload(300, 15.0, 3, tiers=True)
+    base = fingerprint(w, "sarathi", False)[0]
+    assert fingerprint(w, "sarathi", True)[0] == base
+    assert fingerprint(w, "sarathi", True, hook=True)[0] == base
+
+
+def test_fast_path_in_a_closed_loop_and_disaggregated():
+    g = np.random.default_rng(4)
+    closed = Workload.build(np.zeros(200), g.integers(1, 600, 200), g.integers(1, 200, 200),
+                            concurrency=np.full(200, 8))
+    assert fingerprint(closed, "vllm-v1", True)[0] == fingerprint(closed, "vllm-v1", False)[0]
+    w = workload(300, 10.0, 5)
+    kw = dict(prefill_replicas=1, decode_replicas=2)
+    assert fingerprint(w, "vllm-v1", True, **kw)[0] == fingerprint(w, "vllm-v1", False, **kw)[0]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), rate=st.floats(0.5, 80.0), caching=st.booleans(),
+       name=st.sampled_from(STEADY), kv=st.sampled_from([None, 3_000, 8_000]), bs=st.sampled_from([1, 16]))
+def test_fast_path_is_exact_on_random_workloads(seed, rate, caching, name, kv, bs):
+    w = workload(120, rate, seed)
+    kw = dict(prefix_caching=caching, kv_capacity=kv, block_size=bs)
+    assert fingerprint(w, name, True, **kw)[0] == fingerprint(w, name, False, **kw)[0]
