@@ -700,6 +700,8 @@ class Replica:
 
     def _allocate(self, n: int) -> None:
         """n new KV blocks from the prefix cache's pool (evicting), or the plan's KV error."""
+        if not n:
+            return
         kv = self.kv
         if kv.used + n > kv.capacity_blocks:
             raise PlanError(
