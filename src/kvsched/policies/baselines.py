@@ -102,6 +102,7 @@ class _Base:
 
     def on_finish(self, i: int, view: ServerView) -> None:
         """Baselines keep no per-request state."""
+    on_finish.noop = True                   # the replica need not call it
 
 
 @dataclass

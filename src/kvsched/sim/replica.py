@@ -138,8 +138,9 @@ class Replica:
             "prefix_caching": prefix_caching})
 
     def _hook(self, name: str):
+        """The policy's hook, or None (absent, or marked `noop`: nothing to call)."""
         fn = getattr(self.policy, name, None)
-        return fn if callable(fn) else None
+        return fn if callable(fn) and getattr(fn, "noop", False) is not True else None
 
     # ----- the view policies read (ReplicaView binds these; its scalars read our fields) ----
     @property
@@ -410,31 +411,34 @@ class Replica:
         batches = self.batches.append if self.batches is not None else None
         running = len(self._running)
         base, gaps = c._base, c._gaps
+        glen = len(gaps)
         allocated = 0
         track = self.track_start
+        nf = len(fresh)                         # fresh members only before the first batch
+        dnew = residue[-clock % bs]
         while True:
-            dnew = residue[-clock % bs]
             held = used + dnew
             nb = n
             if track:                           # the router summary at the batch's start
                 self._snap = (self.outstanding, held, self.prefill_backlog)
             dt = decode_time(n, ctx + n, switch)
             switch = False
-            if not 0 < dt < INF or not now + dt > now:
-                self._batch_end(now, dt)        # raises the error
             start, now = now, now + dt
+            if not start < now < INF:
+                self._batch_end(start, dt)      # the error, if dt is one
             clock += 1
-            if clock - base >= len(gaps):
+            if clock - base >= glen:
                 c.clock = clock                 # as Cohort.step: _trim reads the new clock
                 c._trim()
                 base, gaps = c._base, c._gaps
+                glen = len(gaps)
             gap = now - last
             gaps[clock - base] = gap
             last = now
             ctx += n
             allocated += dnew
             used = held
-            m = n - len(fresh)
+            m = n - nf
             if m > 0:                           # GapHistogram.add(gap, m), inline
                 if gap > low:
                     b = int((_log(gap) - log_low) * scale) + 1
@@ -462,6 +466,7 @@ class Replica:
                 self._last_kind = 2
                 if fresh:
                     self._first_gaps(c, now)
+                    nf = 0
                 if clock >= f:
                     for i in c.due():
                         self._finish(i, now, self._leave_decode(i))
@@ -470,6 +475,7 @@ class Replica:
                     f = heap[0][0] if heap else 1 << 62
                     n, ctx, used, running = c.n, c.ctx, kv.used, len(self._running)
                     base, gaps = c._base, c._gaps
+                    glen = len(gaps)
                 total, total_sq, gmax, hn = itl.total, itl.total_sq, itl.max, itl.n
             recent(dt)
             if timeline is not None:
@@ -481,7 +487,8 @@ class Replica:
             if held > peak:
                 peak = held
             k += 1
-            if not now < until or not n or used + residue[-clock % bs] > cap:
+            dnew = residue[-clock % bs]
+            if not now < until or not n or used + dnew > cap:
                 break
         c.clock, c.ctx, c.last_time = clock, ctx, now
         if cache is not None:
