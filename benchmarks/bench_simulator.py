@@ -1,154 +1,136 @@
-"""Simulator speed on the workload Vidur was timed on: Vidur's ShareGPT sample
-(../shared/traces/sharegpt-vidur-10k-lengths.csv, resampled), Qwen2-7B on A30 with the
-roofline model, Poisson arrivals at 7 req/s per replica.
+"""Simulator speed from start-up to the last request, on the workload of the side-by-side
+with Vidur (issue "Speed"): Vidur's ShareGPT sample (../shared/traces/sharegpt-vidur-10k-lengths.csv,
+resampled), `--model llama-2-7b --gpu a100-80gb --cap-len 4096`, roofline, Poisson arrivals
+at 7 req/s per replica.
 
-Prints, for every policy at 50,000 requests, simulated requests per wall second, iterations
-per request (relative to vllm-v1) and iterations per second; the same for a policy that
-pauses half of the decoders (the odd ids) every other batch; and for 8 replicas behind
-`round-robin` with 400,000 requests (56 req/s). Then memory (traced Python + numpy
-allocations after the workload is loaded) sampled as requests finish.
+For every policy, and for vllm-v1 on 8 replicas behind round-robin (56 req/s), at each size:
+whole-process wall seconds of `kvsched simulate ... --json` in a fresh interpreter, the
+simulation loop's seconds (the summary's wall_seconds) and iterations per second, and the
+process's peak memory (max RSS). Runs at the largest size also write `--out` (a temporary
+folder). Then start-up: `kvsched --help`, and the whole process at 20 requests.
 
-Targets (issue "Engine v2"): every single-replica policy and the 8-replica cluster at
->= 13,000 simulated requests per wall second, memory flat as requests finish; a policy
-running over 5x the iterations per request of vllm-v1 must instead keep its iterations per
-second at or above the figure measured before the change (pass it with --before-iter-s).
+The child processes write and use bytecode caches, as an installed package does (an unset
+PYTHONDONTWRITEBYTECODE; one warm-up run first). `--python` and PYTHONPATH=old/src give the
+"before" figures of an older checkout with the same script; `--before old/src` runs both and
+prints the ratio of iterations per second (after / before).
 
-    python benchmarks/bench_simulator.py [--requests 50000] [--cluster-requests 400000]
-        [--policies vllm-v1,sarathi,...] [--no-memory] [--before-iter-s orca=140000,...]
+Targets (issue "Speed"): vllm-v1 and sarathi at 50,000 requests in 1.5 s or less whole
+process; `kvsched --help` in 0.3 s or less; 1,000,000 requests under 15 s with --out, memory
+flat; no policy slower per iteration than before.
 
-It runs on engines without decode selection or clusters too (those rows print n/a), so the
-same script gives the "before" figures on an older checkout (PYTHONPATH=old/src).
+    python benchmarks/bench_simulator.py [--sizes 2000,10000,50000,1000000] [--policies vllm-v1,...]
+        [--no-cluster] [--before OLD_SRC] [--runs 3]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
-import tracemalloc
 from pathlib import Path
-
-from kvsched.policies import POLICIES, Plan, make_policy
-from kvsched.hardware import get_gpu
-from kvsched.run import Scenario, simulate
-from kvsched.workload import load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "sharegpt-vidur-10k-lengths.csv"
 RATE = 7.0
-TARGET = 13_000
+HARDWARE = ["--model", "llama-2-7b", "--gpu", "a100-80gb", "--cap-len", "4096"]
+KNOWN_OUTPUTS = {"wait", "nested-wait"}     # they schedule on output lengths: --output-known
+TARGETS = {"whole_50k": 1.5, "help": 0.3, "whole_1m": 15.0}
 
 
-class PauseOddEveryOther:
-    """vllm-v1, except that every other batch the odd-id decoders sit out (KV held)."""
-    name = "pause-half"
-
-    def __init__(self) -> None:
-        self.inner = make_policy("vllm-v1", {}, get_gpu("a30"))
-        self.k = 0
-
-    def schedule(self, v) -> Plan:
-        plan = self.inner.schedule(v)
-        self.k += 1
-        if self.k % 2 and plan.decode is True and v.num_decoding:
-            gone = set(plan.preempt)
-            even = {i for i in v.decoding if not i & 1 and i not in gone}
-            if even or plan.chunks:             # an empty batch would wait for an arrival
-                plan.decode = even
-        return plan
-
-    def on_finish(self, i: int, v) -> None:
-        self.inner.on_finish(i, v)
+def child_env(src: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    if src:
+        env["PYTHONPATH"] = src
+    return env
 
 
-def scenario(n: int, rate: float, **kw) -> Scenario:
-    """Prefix caching off unless asked (the engine's speed targets are for the plain path;
-    benchmarks/bench_prefix.py times it on)."""
-    if supports("prefix_caching"):
-        kw.setdefault("prefix_caching", False)
-    return Scenario(load_trace(TRACE, rate=rate, num_requests=n, seed=0), model="qwen2-7b", gpu="a30", **kw)
+def run(cmd: list[str], env: dict[str, str]) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS in KiB, stdout) of one child process."""
+    with tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, text=True)
+        out = p.stdout.read()
+        _, status, usage = os.wait4(p.pid, 0)       # this child's own peak memory
+        wall = time.perf_counter() - t0
+        p.stdout.close()
+        p.returncode = os.waitstatus_to_exitcode(status)
+        if p.returncode:
+            err.seek(0)
+            raise RuntimeError(f"{' '.join(cmd[2:6])} ...: exit {p.returncode}: {err.read().strip()[-300:]}")
+    return wall, usage.ru_maxrss, out
 
 
-def supports(field: str) -> bool:
-    return field in Scenario.__dataclass_fields__
+def simulate_cmd(py: str, policy: str, n: int, replicas: int, out: str | None) -> list[str]:
+    cmd = [py, "-m", "kvsched", "simulate", "--policy", policy, "--trace", str(TRACE),
+           "--rate", f"{RATE * replicas:g}", "--num-requests", str(n), *HARDWARE, "--json"]
+    if replicas > 1:
+        cmd += ["--replicas", str(replicas), "--router", "round-robin"]
+    if policy in KNOWN_OUTPUTS:
+        cmd.append("--output-known")
+    if out:
+        cmd += ["--out", out]
+    return cmd
 
 
-def timed(sc: Scenario, policy, progress=None) -> tuple[float, dict]:
-    t0 = time.perf_counter()
-    r = simulate(sc, policy, progress=progress)
-    return time.perf_counter() - t0, r.summary
+def measure(py: str, env: dict, policy: str, n: int, replicas: int, with_out: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        wall, rss, stdout = run(simulate_cmd(py, policy, n, replicas, str(Path(tmp) / "run") if with_out else None), env)
+    s = json.loads(stdout)
+    return {"wall": wall, "loop": s["wall_seconds"], "iterations": s["iterations"], "rss_mib": rss / 1024}
 
 
-def memory(sc: Scenario, policy, n: int) -> str:
-    """Traced MiB at five points as requests finish, and the peak."""
-    samples: list[tuple[int, float]] = []
-    step = max(1, n // 5)
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
-
-    def probe(done: int, total: int) -> None:
-        if not samples or done - samples[-1][0] >= step:
-            samples.append((done, (tracemalloc.get_traced_memory()[0] - base) / 2**20))
-
-    simulate(sc, policy, progress=probe)
-    peak = (tracemalloc.get_traced_memory()[1] - base) / 2**20
-    tracemalloc.stop()
-    return "  ".join(f"{d:,}:{m:.1f}" for d, m in samples) + f"  peak {peak:.1f} MiB ({peak * 2**20 / n:.0f} B/request)"
+def median_wall(cmd: list[str], env: dict, runs: int) -> float:
+    return statistics.median(run(cmd, env)[0] for _ in range(runs))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=50_000)
-    ap.add_argument("--cluster-requests", type=int, default=400_000)
-    ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--no-memory", action="store_true")
-    ap.add_argument("--before-iter-s", default="", help="policy=iter/s measured before, for the 5x rule")
+    ap.add_argument("--sizes", default="2000,10000,50000,1000000")
+    ap.add_argument("--policies", default=None, help="default: every policy (kvsched policies)")
+    ap.add_argument("--no-cluster", action="store_true")
+    ap.add_argument("--before", default=None, help="src folder of an older checkout: also run it, print after/before iter/s")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--runs", type=int, default=5, help="runs of each start-up figure (median)")
     args = ap.parse_args()
     if not TRACE.exists():
         print(f"trace not found: {TRACE}", file=sys.stderr)
         return 2
-    before = {k: float(v) for k, v in (x.split("=") for x in args.before_iter_s.split(",") if x)}
-    n = args.requests
-    sc = scenario(n, RATE)
-    print(f"workload: {TRACE.name} resampled to {n:,}; qwen2-7b on a30, roofline; Poisson {RATE:g} req/s per replica")
-    print(f"{'run':24} {'wall s':>7} {'sim req/s':>10} {'iterations':>11} {'iter/req':>9} {'x v1':>5} "
-          f"{'iter/s':>9} {'thr/s':>6} {'preempt':>8}  target")
-    base_ipr = None
-    rows = [(p, p) for p in args.policies.split(",")]
-    rows.append(("pause-half (vllm-v1)", None))
-    for label, policy in rows:
-        if label.startswith("pause") and not supports("replicas"):
-            print(f"{label:24} n/a (this engine has no decode selection)")
-            continue
-        if label.startswith("pause"):
-            policy = PauseOddEveryOther()
-        wall, s = timed(sc, policy)
-        it = s["iterations"]
-        ipr = it / n
-        base_ipr = ipr if label == "vllm-v1" else base_ipr
-        ratio = ipr / base_ipr if base_ipr else float("nan")
-        rps, ips = n / wall, it / wall
-        if ratio > 5:
-            ref = before.get(label)
-            verdict = (f"iter/s >= {ref:,.0f} before: {'ok' if ips >= ref else 'MISSED'}" if ref
-                       else "over 5x vllm-v1's iterations: compare iter/s with before")
-        else:
-            verdict = f">= {TARGET:,} req/s: {'ok' if rps >= TARGET else 'MISSED'}"
-        print(f"{label:24} {wall:>7.2f} {rps:>10,.0f} {it:>11,} {ipr:>9.2f} {ratio:>5.2f} {ips:>9,.0f} "
-              f"{s['request_throughput']:>6.2f} {s['preemptions']:>8,}  {verdict}")
-    m = args.cluster_requests
-    if supports("replicas"):
-        csc = scenario(m, 8 * RATE, replicas=8, router="round-robin")
-        wall, s = timed(csc, "vllm-v1")
-        print(f"{'8 replicas round-robin':24} {wall:>7.2f} {m / wall:>10,.0f} {s['iterations']:>11,} "
-              f"{s['iterations'] / m:>9.2f} {'':>5} {s['iterations'] / wall:>9,.0f} {s['request_throughput']:>6.2f} "
-              f"{s['preemptions']:>8,}  >= {TARGET:,} req/s: {'ok' if m / wall >= TARGET else 'MISSED'}")
+    py, env = args.python, child_env(os.environ.get("PYTHONPATH"))
+    sizes = [int(x) for x in args.sizes.split(",")]
+    if args.policies:
+        policies = args.policies.split(",")
     else:
-        print(f"{'8 replicas round-robin':24} n/a (this engine has no clusters)")
-    if not args.no_memory:
-        print("\nmemory during the run (traced allocations after the workload is loaded; finished:MiB):")
-        print(f"  vllm-v1, {n:,} requests:   {memory(sc, 'vllm-v1', n)}")
-        if supports("replicas"):
-            print(f"  pause-half, {n:,}:          {memory(sc, PauseOddEveryOther(), n)}")
-            print(f"  8 replicas, {m:,}: {memory(scenario(m, 8 * RATE, replicas=8), 'vllm-v1', m)}")
+        from kvsched.policies import POLICIES
+        policies = list(POLICIES)
+    rows = [(p, p, 1) for p in policies] + ([] if args.no_cluster else [("8 replicas (vllm-v1)", "vllm-v1", 8)])
+    run([py, "-m", "kvsched", "simulate", "--num-requests", "20", "--json"], env)     # warm the bytecode caches
+    print(f"workload: {TRACE.name} resampled; {' '.join(HARDWARE)}; roofline; Poisson {RATE:g} req/s per replica")
+    print(f"whole: the process, start-up to exit; loop: the simulation; runs at {max(sizes):,} write --out")
+    head = f"{'run':22} {'requests':>9} {'whole s':>8} {'loop s':>7} {'iterations':>11} {'iter/s':>9} {'peak MiB':>9}"
+    print(head + ("  after/before iter/s" if args.before else "") + "  target")
+    before_env = child_env(args.before) if args.before else None
+    for label, policy, replicas in rows:
+        for n in sizes:
+            m = measure(py, env, policy, n, replicas, n == max(sizes))
+            ips = m["iterations"] / m["loop"]
+            line = (f"{label:22} {n:>9,} {m['wall']:>8.2f} {m['loop']:>7.2f} {m['iterations']:>11,} {ips:>9,.0f} "
+                    f"{m['rss_mib']:>9.0f}")
+            if before_env is not None:
+                b = measure(py, before_env, policy, n, replicas, False)
+                line += f"  {ips / (b['iterations'] / b['loop']):>8.2f} (before {b['iterations'] / b['loop']:,.0f})"
+            if replicas == 1 and policy in ("vllm-v1", "sarathi") and n == 50_000:
+                line += f"  <= {TARGETS['whole_50k']} s: {'ok' if m['wall'] <= TARGETS['whole_50k'] else 'MISSED'}"
+            if n == 1_000_000:
+                line += f"  < {TARGETS['whole_1m']:g} s: {'ok' if m['wall'] < TARGETS['whole_1m'] else 'MISSED'}"
+            print(line, flush=True)
+    helps = median_wall([py, "-m", "kvsched", "--help"], env, args.runs)
+    small = median_wall(simulate_cmd(py, "vllm-v1", 20, 1, None), env, args.runs)
+    print(f"\nstart-up (median of {args.runs}): kvsched --help {helps:.3f} s "
+          f"(<= {TARGETS['help']} s: {'ok' if helps <= TARGETS['help'] else 'MISSED'}); "
+          f"simulate, 20 requests, whole process {small:.3f} s")
     return 0
 
 
