@@ -261,7 +261,7 @@ class Cluster:
                 if t_rep == INF:
                     self._deadlock(closed is not None)
             before = reqs.done
-            until = min(t_arr, events[0][0] if events else INF, t_other) if chain else 0.0
+            until = min(t_arr, events[0][0] if events else INF, t_other) if chain and rep._steady and not rep._queue else 0.0
             if rep.step(until):
                 steps += 1
                 if progress is not None and steps % 4096 == 0:

@@ -36,6 +36,7 @@ from kvsched.sim.rowlog import CHUNK, RowLog
 from kvsched.sim.view import ReadOnlySeq, ReplicaView
 
 DEFAULT_STALL_BATCHES = 100_000
+IDLE_PLAN = Plan([], [], True, [])      # what a `decodes_when_idle` policy plans when idle (read only)
 
 
 def _short(x, limit: int = 60) -> str:
@@ -312,7 +313,7 @@ class Replica:
         `until` (the caller's next event: nothing else may happen before it)."""
         if self._landing:
             self._land_ready()
-        if self._steady and self._idle_fits():
+        if self._steady and not self._queue and self._idle_fits():
             self._decode_run(until)
             return True
         q = len(self._queue)
@@ -358,40 +359,16 @@ class Replica:
         if self._on_batch_end is None and self.tier_itl is None:
             self._plain_decodes(self._decoders.cohorts[0], until)
             return
-        ds, kv, bs, cache = self._decoders, self.kv, self.block_size, self.cache
-        while True:
-            c = ds.cohorts[0]
-            nd = c.n
-            dnew = c.residue[-c.clock % bs]
-            if cache is not None:
-                if dnew:
-                    cache.allocate(dnew)        # checked by _idle_fits
-                held = kv.used
-            else:
-                held = kv.used + dnew
-            last = self._last_kind
-            self._last_kind = 2
-            dt = self._decode_time(nd, c.ctx + nd, last != 2 and last != 0)
-            start = self.now
-            end = self._batch_end(start, dt)
-            if self.track_start:
-                self._snap = (self.outstanding, held, self.prefill_backlog)
-            kv.used = held
-            self.now = end
-            self._decode_step(end, ds.cohorts)
-            if self._stall:
-                self._stall = 0
-            if self._finishing:
-                self._free_finished()
-            self._record(start, end, dt, 0, 0, nd, held)
+        while True:                             # tiers or a batch hook: the general batch
+            self._execute(IDLE_PLAN)
             if self._on_batch_end is not None:
                 self._call(self._on_batch_end, "on_batch_end", None)
-            if not (end < until and self._idle_fits()):
+            if not (self.now < until and self._idle_fits()):
                 return
 
     def _plain_decodes(self, c: Cohort, until: float) -> None:
         """`_decode_run`'s batches inlined (the bulk of a run): what `_decode_step` and
-        `_record` do, in the same order of float operations. The batch's figures are kept in
+        `_execute` do, in the same order of float operations. The batch's figures are kept in
         locals and written back before anything outside can look (a finish's hooks, the end)."""
         bs, kv, cap, cache, r = self.block_size, self.kv, self.kv.capacity_blocks, self.cache, self.reqs
         residue, fresh, heap = c.residue, c.fresh, c._heap
@@ -517,23 +494,6 @@ class Replica:
                                "resolution): rescale the workload's times or the cost model")
         return end
 
-    def _record(self, start: float, end: float, dt: float, pt: int, np_: int, nd: int, held: int) -> None:
-        """A batch's figures: recent times, timeline and batch rows, KV and busy time."""
-        self.recent_batch_times.append(dt)
-        if self.timeline is not None:
-            self.timeline.append((end, len(self._queue), len(self._running), self.kv.used * self.block_size))
-        if self.batches is not None:
-            self.batches.append((start, dt, pt, np_, nd, held * self.block_size))
-        self.kv_integral += held * dt
-        self.busy += dt
-        if held > self.peak_kv:
-            self.peak_kv = held
-        self.iterations += 1
-        if not self.iterations % CHUNK:
-            for log in (self.timeline, self.batches):
-                if log is not None:
-                    log.check()
-
     # ----- policy safety ---------------------------------------------------------------
     def _named(self, exc: KvschedError) -> KvschedError:
         """A KvschedError a policy raised, with the policy's name in front if it lacks it."""
@@ -624,7 +584,9 @@ class Replica:
         self._last_kind = kind
         dt = self.cost.time(BatchShape(pt, len(chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
         start = self.now
-        end = self._batch_end(start, dt)
+        end = start + dt
+        if not start < end < INF:
+            end = self._batch_end(start, dt)    # the error, if dt is one
         if self.track_start:
             self._snap = (self.outstanding, held, self.prefill_backlog - pt)
         kv.used = held
@@ -648,7 +610,20 @@ class Replica:
                 self._stall = 0
         if self._finishing:
             self._free_finished()
-        self._record(start, end, dt, pt, len(chunks), nd, held)
+        self.recent_batch_times.append(dt)
+        if self.timeline is not None:
+            self.timeline.append((end, len(self._queue), len(self._running), kv.used * bs))
+        if self.batches is not None:
+            self.batches.append((start, dt, pt, len(chunks), nd, held * bs))
+        self.kv_integral += held * dt
+        self.busy += dt
+        if held > self.peak_kv:
+            self.peak_kv = held
+        self.iterations += 1
+        if not self.iterations % CHUNK:
+            for log in (self.timeline, self.batches):
+                if log is not None:
+                    log.check()
         return True
 
     def _prefill_shape(self, plan: Plan, chunks, decode_blocks: int = 0) -> tuple[int, int, float, int, list[tuple[int, int]]]:
