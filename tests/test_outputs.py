@@ -175,3 +175,16 @@ def test_early_out_check_before_simulating(tmp_path):
 def test_tier_names_with_outer_spaces_refused():
     r = runner.invoke(app, ["workload", "export", "--num-requests", "3", "--tier", " a :1", "--out", "x.csv"])
     assert r.exit_code == 2 and "without spaces at either end" in r.output
+
+
+def test_requests_csv_is_the_same_whatever_the_write_chunk(tmp_path, monkeypatch):
+    import kvsched.run as run_module
+    from kvsched.run import Scenario, simulate
+    from kvsched.workload.source import WorkloadOptions, load
+    r = simulate(Scenario(load(WorkloadOptions(num_requests=900, rate=30, seed=2)), kv_capacity=20000,
+                          replicas=2, router="least-kv"), "vllm-v1")
+    r.write(tmp_path / "a")
+    monkeypatch.setattr(run_module, "ROWS_PER_WRITE", 97)
+    r.write(tmp_path / "b")
+    a, b = (tmp_path / "a" / "requests.csv").read_bytes(), (tmp_path / "b" / "requests.csv").read_bytes()
+    assert a == b and a.count(b"\n") == 901

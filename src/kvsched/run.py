@@ -106,7 +106,8 @@ class Result:
                         "first_token", "finished", "ttft", "e2el", "preemptions",
                         "recomputed_tokens", "itl_count", "itl_max", "itl_sum", "tbt_violations",
                         "replica"] + (["decode_replica", "transfer_s"] if r.decode_replica is not None else []))
-            w.writerows(zip(*_request_columns(r)))
+            for lo in range(0, len(r.arrival), ROWS_PER_WRITE):     # bounded memory for any run
+                w.writerows(zip(*_request_columns(r, slice(lo, lo + ROWS_PER_WRITE))))
         per_replica = ["replica"] if r.replica_stats is not None else []
         if self.timeline is not None:
             _write_rows(d / "timeline.csv", ["time", "queue_length", "running", "kv_used_tokens"] + per_replica,
@@ -118,11 +119,15 @@ class Result:
 
 
 
-def _request_columns(r: RunRecords) -> list[list]:
-    """requests.csv's columns, built a column at a time (a row at a time costs seconds per
-    million requests); a time that did not happen is an empty cell."""
+ROWS_PER_WRITE = 1 << 16
+
+
+def _request_columns(records: RunRecords, rows: slice) -> list[list]:
+    """requests.csv's columns for `rows`, built a column at a time (a row at a time costs
+    seconds per million requests); a time that did not happen is an empty cell."""
     def where(ok: np.ndarray, values: np.ndarray) -> list:
         return [v if o else "" for v, o in zip(values.tolist(), ok.tolist())]
+    r = _Rows(records, rows)
     done, first_ok = np.isfinite(r.finished), np.isfinite(r.first_token)
     with np.errstate(invalid="ignore"):
         ttft, e2el, itl_sum = r.first_token - r.arrival, r.finished - r.arrival, r.finished - r.first_token
@@ -138,6 +143,17 @@ def _request_columns(r: RunRecords) -> list[list]:
         dr = r.decode_replica.astype(np.int64)
         cols += [where(dr >= 0, dr), where(np.isfinite(r.transfer), r.transfer.astype(np.float64))]
     return cols
+
+
+class _Rows:
+    """The per-request arrays of `records`, sliced to `rows` (None stays None)."""
+
+    def __init__(self, records: RunRecords, rows: slice) -> None:
+        self._r, self._rows = records, rows
+
+    def __getattr__(self, name: str):
+        a = getattr(self._r, name)
+        return None if a is None else a[self._rows]
 
 
 def _write_rows(path: Path, header: list[str], rows) -> None:
