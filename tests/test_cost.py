@@ -66,3 +66,19 @@ def test_vectorised_equals_scalar(name):
 def test_bad_parameters(name, params):
     with pytest.raises(KvschedError):
         model(name, **params)
+
+
+def test_roofline_decode_time_is_time_bit_for_bit():
+    """The decode fast path's batch time (a closure for dense models) equals `time` exactly."""
+    import random
+
+    from kvsched.cost.roofline import RooflineCost
+    from kvsched.cost.shape import BatchShape
+    from kvsched.hardware import MODELS, get_gpu, get_model
+    rng = random.Random(0)
+    for name in MODELS:
+        c = RooflineCost(get_model(name), get_gpu("h100-sxm"))
+        for _ in range(300):
+            n = rng.randint(1, 2048)
+            ctx = rng.randint(n, 8_000_000)
+            assert c.decode_time(n, ctx) == c.time(BatchShape(0, 0, 0, 0, n, ctx, (), False))
