@@ -391,6 +391,7 @@ class Replica:
         glen = len(gaps)
         allocated = 0
         track = self.track_start
+        hooks = self._on_finish is not None or self._on_done is not None
         nf = len(fresh)                         # fresh members only before the first batch
         dnew = residue[-clock % bs]
         while True:
@@ -429,31 +430,31 @@ class Replica:
                 total_sq += gap * gap * m
                 if gap > gmax:
                     gmax = gap
-            if fresh or clock >= f:             # first gaps, finishes: the general code, state written back
-                c.clock, c.ctx, c.last_time = clock, ctx, now
+            if nf:                              # fresh decoders' first gaps, into the histogram
                 itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
-                self.kv_integral, self.busy, self.peak_kv, self.iterations = kv_integral, busy, peak, k
-                self.now = now
+                self._first_gaps(c, now)
+                total, total_sq, gmax, hn = itl.total, itl.total_sq, itl.max, itl.n
+                nf = 0
+            if clock >= f:                      # finishes: the general code, on the state written back
+                c.clock, c.ctx, c.last_time = clock, ctx, now
                 if cache is not None:
                     if allocated:
                         cache.allocate(allocated)   # one call: the same blocks, in the same order
                     allocated = 0
                 else:
                     kv.used = used
-                self._last_kind = 2
-                if fresh:
-                    self._first_gaps(c, now)
-                    nf = 0
-                if clock >= f:
-                    for i in c.due():
-                        self._finish(i, now, self._leave_decode(i))
-                    if self._finishing:
-                        self._free_finished()
-                    f = heap[0][0] if heap else 1 << 62
-                    n, ctx, used, running = c.n, c.ctx, kv.used, len(self._running)
-                    base, gaps = c._base, c._gaps
-                    glen = len(gaps)
-                total, total_sq, gmax, hn = itl.total, itl.total_sq, itl.max, itl.n
+                if hooks:                       # what a hook may look at: the figures so far
+                    self.kv_integral, self.busy, self.peak_kv, self.iterations = kv_integral, busy, peak, k
+                    self.now, self._last_kind = now, 2
+                    itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
+                for i in c.due():
+                    self._finish(i, now, self._leave_decode(i))
+                if self._finishing:
+                    self._free_finished()
+                f = heap[0][0] if heap else 1 << 62
+                n, ctx, used, running = c.n, c.ctx, kv.used, len(self._running)
+                base, gaps = c._base, c._gaps
+                glen = len(gaps)
             recent(dt)
             if timeline is not None:
                 timeline((now, 0, running, used * bs))
