@@ -7,8 +7,8 @@ simulator's speed with it on.
    `least-outstanding` with caching off and on, and `prefix-affinity` with caching on.
    Prints hit rates, evictions, throughput, TTFT and TPOT.
 2. Speed: simulated requests per wall second for vllm-v1 with caching off and on, on the
-   speed benchmark's workload (bench_simulator.py: Vidur's ShareGPT sample, 50,000 requests,
-   qwen2-7b on A30; no shared prefixes, so only preempted requests hit) and on the Mooncake
+   Vidur's ShareGPT sample (50,000 requests, qwen2-7b on A30, 7 req/s; no shared prefixes,
+   so only preempted requests hit) and on the Mooncake
    runs above.
 
     python benchmarks/bench_prefix.py [--traces conversation,synthetic] [--replicas 4]
