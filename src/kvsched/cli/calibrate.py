@@ -3,7 +3,7 @@ file for `--cost` (kvsched.cost.calibrate, docs/calibration.md)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Group
@@ -11,16 +11,18 @@ from rich.table import Table
 from rich.text import Text
 
 from kvsched.cli.common import JsonOpt, app, emit, guard
-from kvsched.cost.calibrate import MODELS, Calibration, calibrate, read_step_log, write_cost_file
+from kvsched.cli.names import CALIBRATION_MODELS
 from kvsched.errors import KvschedError
-from kvsched.hardware import get_gpu, get_model
+
+if TYPE_CHECKING:       # the engine is imported when the command runs (fast `kvsched --help`)
+    from kvsched.cost.calibrate import Calibration
 
 KIND_LABELS = {"prefill": "prefill-only", "decode": "decode-only", "mixed": "mixed", "all": "all steps"}
 
 
 @app.command("calibrate")
 def calibrate_cmd(steplog: Path = typer.Argument(..., help="step log CSV (KVSCHED_STEP_LOG of kvsched's vLLM adapter)"),
-                  models: str = typer.Option(",".join(MODELS), "--models", help=f"comma-separated models to fit: {', '.join(MODELS)}"),
+                  models: str = typer.Option(",".join(CALIBRATION_MODELS), "--models", help=f"comma-separated models to fit: {', '.join(CALIBRATION_MODELS)}"),
                   model: Optional[str] = typer.Option(None, "--model", help="catalogue model the log ran (roofline and tiled need it)"),
                   gpu: Optional[str] = typer.Option(None, "--gpu", help="catalogue GPU the log ran on (roofline and tiled need it)"),
                   skip: int = typer.Option(0, "--skip", help="drop the first N steps (warm-up)"),
@@ -33,6 +35,8 @@ def calibrate_cmd(steplog: Path = typer.Argument(..., help="step log CSV (KVSCHE
     model, gpu, best, use, out, models (per model: params, fallbacks, fixed, notes, errors; or
     skipped: the reason)."""
     def body() -> None:
+        from kvsched.cost.calibrate import calibrate, read_step_log, write_cost_file
+        from kvsched.hardware import get_gpu, get_model
         names = _names(models)
         if use is not None and use not in names:
             raise KvschedError(f"--use {use}: not among --models ({', '.join(names)})")
@@ -53,6 +57,7 @@ def calibrate_cmd(steplog: Path = typer.Argument(..., help="step log CSV (KVSCHE
 
 
 def _names(models: str) -> list[str]:
+    from kvsched.cost.calibrate import MODELS
     names = list(dict.fromkeys(m.strip() for m in models.split(",") if m.strip()))
     unknown = [m for m in names if m not in MODELS]
     if unknown or not names:

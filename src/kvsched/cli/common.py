@@ -11,23 +11,20 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import typer
 from typer.core import TyperGroup
 from rich.console import Console
 
-from kvsched.cost import COST_MODELS
+# Only typer, rich and tiny modules at import time, so `kvsched --help` stays fast: the engine
+# (numpy, kvsched.run, .sim, .workload, .cost) is imported by the code that runs a command.
+from kvsched.cli.names import COST_MODELS, DEFAULT_LENGTH, DEFAULT_RATE, DEFAULT_STALL_BATCHES, FORMATS, ROUTERS
 from kvsched.errors import KvschedError
-from kvsched.metrics import Goodput
-from kvsched.params import parse_assignments
-from kvsched.hardware import get_gpu, get_model
-from kvsched.run import Scenario, jsonable
-from kvsched.sim.replica import DEFAULT_STALL_BATCHES
-from kvsched.sim.routers import ROUTERS
-from kvsched.sim.transfer import KVLink
-from kvsched.workload.readers import FORMATS
-from kvsched.workload.source import DEFAULT_LENGTH, DEFAULT_RATE, WorkloadOptions
+
+if TYPE_CHECKING:
+    from kvsched.run import Scenario
+    from kvsched.workload.source import WorkloadOptions
 
 class OneLineErrors(TyperGroup):
     """Usage errors (a bad value, a missing or unknown option) as one line, exit code 2."""
@@ -68,6 +65,7 @@ def fail(message: str) -> None:
 def emit(payload, as_json: bool, render: Callable[[], object]) -> None:
     """`--json`: the payload as one JSON line on stdout; else the rendered table."""
     if as_json:
+        from kvsched.run import jsonable
         typer.echo(json.dumps(jsonable(payload), allow_nan=False, default=str))
     else:
         Console().print(render())
@@ -144,11 +142,19 @@ def _flags(table: dict, make: Callable, arg: str) -> Callable[[Callable], Callab
         def command(**kwargs):
             return fn(**{arg: make(**{name: kwargs.pop(name) for name in table})}, **kwargs)
         command.__signature__ = sig.replace(parameters=own + extra)
+        # typer resolves the annotations (typing.get_type_hints): drop `arg`'s, whose class
+        # (e.g. WorkloadOptions) is imported only when the command runs.
+        command.__annotations__ = {k: v for k, v in fn.__annotations__.items() if k != arg}
         return command
     return decorate
 
 
-workload_flags = _flags(WORKLOAD_FLAGS, WorkloadOptions, "wopts")
+def _workload_options(**values) -> WorkloadOptions:
+    from kvsched.workload.source import WorkloadOptions
+    return WorkloadOptions(**values)
+
+
+workload_flags = _flags(WORKLOAD_FLAGS, _workload_options, "wopts")
 
 # Hardware and batch-time flags of simulate, compare and plan (names are a contract; see README).
 ModelOpt = typer.Option("llama-3-8b", "--model")
@@ -182,6 +188,10 @@ class HardwareOptions:
 
     def scenario(self, workload, goodput: list[str] = (), trim: int = 0, strict: bool = False,
                  tbt_first_zero: bool = False) -> Scenario:
+        from kvsched.hardware import get_gpu, get_model
+        from kvsched.metrics import Goodput
+        from kvsched.params import parse_assignments
+        from kvsched.run import Scenario
         get_model(self.model), get_gpu(self.gpu)
         if self.prefix_caching not in (None, "on", "off"):
             raise KvschedError(f"--prefix-caching must be on or off, got {self.prefix_caching!r}")
@@ -249,6 +259,8 @@ class ClusterOptions:
 
     def apply(self, sc: Scenario, seed: int) -> Scenario:
         """The scenario with these replicas, router (seeded by the workload --seed) and link."""
+        from kvsched.sim.routers import ROUTERS
+        from kvsched.sim.transfer import KVLink
         if self.router not in ROUTERS:
             raise KvschedError(f"--router: unknown router {self.router!r}; known: {', '.join(ROUTERS)}")
         if self.stall_batches < 1:
@@ -266,6 +278,7 @@ class ClusterOptions:
 
     def decode_args(self) -> dict:
         """simulate()'s decode_policy / decode_params."""
+        from kvsched.params import parse_assignments
         if self.decode_policy is None:
             return {"decode_params": parse_assignments(self.decode_set, "--decode-set")} if self.decode_set else {}
         return {"decode_policy": self.decode_policy, "decode_params": parse_assignments(self.decode_set, "--decode-set")}

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.table import Table
 
 from kvsched.cli.common import JsonOpt, app, emit, guard, workload_flags
 from kvsched.errors import KvschedError
-from kvsched.params import parse_assignments
-from kvsched.run import check_out, jsonable, write_atomically
-from kvsched.workload.source import WorkloadOptions, load
+
+if TYPE_CHECKING:       # the engine is imported when the command runs (fast `kvsched --help`)
+    from kvsched.workload.source import WorkloadOptions
 
 
 @app.command("replay")
@@ -48,6 +48,9 @@ def replay_cmd(wopts: WorkloadOptions,
         if kv_capacity < 2 * block_size:
             raise KvschedError(f"--kv-capacity {kv_capacity} holds fewer than two blocks of {block_size}")
         from kvsched.engines.vllm_replay import Limits, replay, vllm_version
+        from kvsched.params import parse_assignments
+        from kvsched.run import check_out, jsonable, write_atomically
+        from kvsched.workload.source import load
         if out is not None:
             check_out(out)
         params = parse_assignments(set_, "--set")
@@ -68,6 +71,7 @@ def replay_cmd(wopts: WorkloadOptions,
 
 def _write(folder: Path, summary: dict, rows: list[dict]) -> None:
     import json
+    from kvsched.run import jsonable
     (folder / "agreement.json").write_text(json.dumps(jsonable(summary), indent=2, sort_keys=True) + "\n")
     with open(folder / "steps.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["step"])

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
@@ -11,13 +11,12 @@ from rich.table import Table
 
 from kvsched.cli.common import (ClusterOptions, HardwareOptions, MemUtil, OutputOptions, Progress, app, cluster_flags,
                                 emit, guard, hardware_flags, output_flags, workload_flags)
+from kvsched.cli.names import POLICIES as POLICY_NAMES
 from kvsched.errors import KvschedError
-from kvsched.hardware import GPUS, MODELS, get_gpu, get_model, kv_capacity_tokens, usable_kv_tokens
-from kvsched.params import describe, parse_assignments
-from kvsched.policies import POLICIES, SOURCES, engine_defaults
-from kvsched.report.table import comparison_table, summary_table
-from kvsched.run import RUN_ENVIRONMENT, Result, Scenario, check_out, jsonable, simulate, write_atomically
-from kvsched.workload.source import WorkloadOptions, load
+
+if TYPE_CHECKING:       # the engine is imported when a command runs (fast `kvsched --help`)
+    from kvsched.run import Result, Scenario
+    from kvsched.workload.source import WorkloadOptions
 
 
 @app.command("simulate")
@@ -30,6 +29,8 @@ def simulate_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOpti
                  set_: list[str] = typer.Option([], "--set", help="policy parameter key=value (repeatable)")) -> None:
     """Simulate one policy on a workload (one replica, a cluster, or prefill/decode pools)."""
     def body() -> None:
+        from kvsched.params import parse_assignments
+        from kvsched.workload.source import load
         sc = copts.apply(hw.scenario(load(wopts), outs.goodput, outs.trim, outs.strict, outs.tbt_first_zero), wopts.seed)
         _run_policies(sc, {policy: parse_assignments(set_, "--set")}, outs, keyed=False, decode=copts.decode_args())
     guard(body)
@@ -41,10 +42,13 @@ def simulate_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOpti
 @cluster_flags
 @output_flags
 def compare_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOptions, outs: OutputOptions,
-                policies: str = typer.Option(",".join(POLICIES), "--policies", help="comma-separated policy names"),
+                policies: str = typer.Option(",".join(POLICY_NAMES), "--policies", help="comma-separated policy names"),
                 set_: list[str] = typer.Option([], "--set", help="POLICY.key=value, or key=value for every policy that has key")) -> None:
     """Run several policies on one workload and show them side by side."""
     def body() -> None:
+        from kvsched.params import parse_assignments
+        from kvsched.policies import POLICIES
+        from kvsched.workload.source import load
         names = [p.strip() for p in policies.split(",") if p.strip()]
         unknown = [p for p in names if p not in POLICIES]
         if unknown or not names:
@@ -59,6 +63,7 @@ def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], outs: OutputOpt
                   decode: dict | None = None) -> None:
     """Simulate each policy on the scenario, write --out (one folder per policy when keyed)
     only once all have run, and print the table or JSON."""
+    from kvsched.run import RUN_ENVIRONMENT, check_out, jsonable, simulate, write_atomically
     json_, out, record_batches = outs.json_, outs.out, outs.record_batches
     if out is not None:
         check_out(out)                  # before the runs, not after them
@@ -87,6 +92,8 @@ def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], outs: OutputOpt
 
 def _scoped_params(params: dict[str, str], names: list[str]) -> dict[str, dict[str, str]]:
     """'sarathi.chunk_size=256' goes to sarathi; 'max_num_seqs=64' to every policy having it."""
+    from kvsched.params import describe
+    from kvsched.policies import POLICIES
     out: dict[str, dict[str, str]] = {n: {} for n in names}
     for key, value in params.items():
         scope, dot, field = key.rpartition(".")
@@ -104,6 +111,7 @@ def _scoped_params(params: dict[str, str], names: list[str]) -> dict[str, dict[s
 
 
 def _emit(results: list[Result], as_json: bool, keyed: bool) -> None:
+    from kvsched.report.table import comparison_table, summary_table
     summaries = [r.summary for r in results]
     payload = {r.policy: r.summary for r in results} if keyed else summaries[0]
     emit(payload, as_json, lambda: comparison_table(summaries) if keyed else summary_table(summaries[0]))
@@ -112,6 +120,9 @@ def _emit(results: list[Result], as_json: bool, keyed: bool) -> None:
 @app.command("policies")
 def policies_cmd() -> None:
     """List the scheduling policies with their parameters, defaults and sources."""
+    from kvsched.hardware import GPUS
+    from kvsched.params import describe
+    from kvsched.policies import POLICIES, SOURCES, engine_defaults
     console = Console()
     for name, cls in POLICIES.items():
         table = Table(title=f"{name} — {SOURCES[name]}", title_justify="left", show_edge=False)
@@ -134,6 +145,7 @@ def info_cmd(model: Optional[str] = typer.Option(None, "--model"), gpu: Optional
              memory_utilization: float = MemUtil) -> None:
     """The GPU and model catalogue; with --model and --gpu, the KV capacity they give."""
     def body() -> None:
+        from kvsched.hardware import GPUS, MODELS, get_gpu, get_model, kv_capacity_tokens, usable_kv_tokens
         console = Console()
         gpus = [get_gpu(gpu)] if gpu else list(GPUS.values())
         models = [get_model(model)] if model else list(MODELS.values())

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.table import Table
 
 from kvsched.cli.common import HardwareOptions, JsonOpt, app, emit, guard, hardware_flags, workload_flags
 from kvsched.errors import KvschedError
-from kvsched.report.table import plan_report
-from kvsched.theory import eb, fluid, rad, stability, wait
-from kvsched.theory.plan import PlanInputs, plan
-from kvsched.workload.source import WorkloadOptions, load, resolve
+
+if TYPE_CHECKING:       # the engine and the closed forms are imported when a command runs (fast `kvsched --help`)
+    from kvsched.theory.fluid import FluidType
+    from kvsched.workload.source import WorkloadOptions
 
 theory_app = typer.Typer(no_args_is_help=True, help="The papers' closed forms, one command each (--json for scripts).")
 app.add_typer(theory_app, name="theory")
@@ -43,8 +43,9 @@ def _text(v) -> str:
     return str(v)
 
 
-def _types(specs: list[str]) -> list[fluid.FluidType]:
+def _types(specs: list[str]) -> list[FluidType]:
     """--type RATE:PROMPT:OUTPUT, OUTPUT being the paper's l'_j (decode stages)."""
+    from kvsched.theory.fluid import FluidType
     if not specs:
         raise KvschedError("give at least one --type RATE:PROMPT:OUTPUT")
     out = []
@@ -54,7 +55,7 @@ def _types(specs: list[str]) -> list[fluid.FluidType]:
             rate, prompt, decode = (float(p) for p in parts)
         except ValueError:
             raise KvschedError(f"--type {spec!r}: expected RATE:PROMPT:OUTPUT numbers") from None
-        out.append(fluid.FluidType(rate, prompt, decode))
+        out.append(FluidType(rate, prompt, decode))
     return out
 
 
@@ -91,6 +92,10 @@ def plan_cmd(wopts: WorkloadOptions, hw: HardwareOptions,
     (E[g(s,o)]), batch_time (b), fluid.{M_star, iteration_time, throughput_star, stable}
     (fluid-wait-nested-wait.txt eqs. 6-8, at the per-GPU rate), eb.{theta0, delta_theta,
     n_star, k_star, crossover.favours} (exclusive-batching-eb.txt eqs. 3, 5, 6, 7)."""
+    from kvsched.report.table import plan_report
+    from kvsched.theory.plan import PlanInputs, plan
+    from kvsched.workload.source import load
+
     def body() -> None:
         rate = wopts.rate
         wopts.rate, wopts.untimed_ok = None, True     # --rate is the planned arrival rate
@@ -115,6 +120,9 @@ def stability_cmd(wopts: WorkloadOptions,
     (fixed, uniform, empirical) and joint tables, else over the workload's requests. For
     several phases also mu_mix = (sum_l q_l / mu_l)^-1 (section 5.2), q_l the phases'
     shares of requests, and phase_mu."""
+    from kvsched.theory import stability
+    from kvsched.workload.source import resolve
+
     def body() -> None:
         if joint_table is not None:
             s, o, w = stability.load_joint_table(joint_table)
@@ -138,6 +146,8 @@ def fluid_cmd(types: list[str] = TypeOpt, d0: float = D0, d1: float = D1,
     n_star (requests of each type per batch), load (sum lambda (l'+1)(l + l'/2)). With
     --kv-capacity C: fits (M_star <= C) and max_load = C / (d0 + d1 C), the largest load
     whose M* fits in C (M* <= C <=> load <= C / (d0 + d1 C): d0 matters, not only d1)."""
+    from kvsched.theory import fluid
+
     def body() -> None:
         out = fluid.summary(_types(types), d0, d1)
         if kv_capacity is not None:
@@ -154,6 +164,8 @@ def wait_cmd(types: list[str] = TypeOpt, d0: float = D0, d1: float = D1,
              json_: bool = JsonOpt) -> None:
     """WAIT thresholds (fluid-wait-nested-wait.txt eq. 9): thresholds n_j, satisfied,
     iteration_time (Delta T = d0 + d1 M^pi), memory (M^pi), slack (n_j / lambda_j - Delta T)."""
+    from kvsched.theory import wait
+
     def body() -> None:
         ts = _types(types)
         n = _ints(thresholds, "--thresholds") or wait.solve_wait(ts, d0, d1, strict)
@@ -173,6 +185,8 @@ def nested_cmd(types: list[str] = TypeOpt, d0: float = D0, d1: float = D1,
                json_: bool = JsonOpt) -> None:
     """Nested WAIT (eqs. 10, 14, 12/15, 16): thresholds, satisfied, iteration_time,
     memory (M^pi), p (p_i), theta (theta_j of eq. 16) and memory_bound (eq. 12)."""
+    from kvsched.theory import wait
+
     def body() -> None:
         ts = sorted(_types(types), key=lambda t: t.decode)
         if len({t.prompt for t in ts}) != 1:
@@ -199,6 +213,8 @@ def eb_threshold_cmd(p0: float = typer.Option(..., "--p0", help="completion haza
                      json_: bool = JsonOpt) -> None:
     """theta0 (eq. 3: theta0/(1-theta0) + ln(1-theta0) = p0 alpha_p / alpha_d), delta_theta
     (IFR correction, eq. 5), theta_star = theta0 + delta_theta, zeta = -ln(1 - theta0)."""
+    from kvsched.theory import eb
+
     def body() -> None:
         if not 0 <= eta < float("inf"):
             raise KvschedError(f"--eta must be a finite slope >= 0 (h(t) = p0 + eta t is a hazard), got {eta}")
@@ -219,6 +235,7 @@ def eb_batch_cmd(kv_capacity: float = typer.Option(..., "--kv-capacity", help="C
                  eps: float = typer.Option(0.01, "--eps", help="allowed overflow probability"),
                  json_: bool = JsonOpt) -> None:
     """n_star (eq. 6), n_expected and n_static (appendix D.5), v_bar = 1/(p0^2 mu_L)."""
+    from kvsched.theory import eb
     guard(lambda: _emit(eb.batch_sizes(kv_capacity, p0, mu_l, theta, eps), json_, "EB memory-safe batch size"))
 
 
@@ -232,6 +249,8 @@ def eb_crossover_cmd(batch_size: float = typer.Option(..., "--batch-size", help=
                      json_: bool = JsonOpt) -> None:
     """Eq. (7): lhs = beta_MB^e - beta_EB^w, rhs, favours (MB if lhs < rhs), k0_star,
     throughput_eb (eq. 4) and throughput_mb (section 3.5), requests/s."""
+    from kvsched.theory import eb
+
     def body() -> None:
         th = eb.theta0(p0, alpha_p, alpha_d)
         _emit({"theta0": th, **eb.crossover(batch_size, th, alpha_p, alpha_d, beta_p, beta_d, alpha_mb,
@@ -244,6 +263,9 @@ def eb_crossover_cmd(batch_size: float = typer.Option(..., "--batch-size", help=
 def hazard_cmd(wopts: WorkloadOptions, json_: bool = JsonOpt) -> None:
     """Fit h(t) = p0 + eta t to the workload's output lengths over [1, t95] (section 3.4):
     p0, eta, t95, points."""
+    from kvsched.theory import eb
+    from kvsched.workload.source import load
+
     def body() -> None:
         wopts.untimed_ok = True
         w = load(wopts)
@@ -274,6 +296,8 @@ def rad_capacity_cmd(wopts: WorkloadOptions,
     from kvsched.cost.tiled import TiledCost
     from kvsched.hardware import get_gpu, get_model
     from kvsched.params import parse_assignments
+    from kvsched.theory import rad
+    from kvsched.workload.source import load
 
     def body() -> None:
         cm = make_cost_model(cost, parse_assignments(cost_set, "--cost-set"), get_model(model), get_gpu(gpu))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
@@ -10,11 +10,9 @@ from rich.table import Table
 
 from kvsched.cli.common import JsonOpt, app, emit, guard, say, workload_flags
 from kvsched.errors import KvschedError
-from kvsched.report.table import workload_table
-from kvsched.workload.presets import PRESETS
-from kvsched.workload.source import WorkloadOptions, load
-from kvsched.workload.stats import describe as workload_stats
-from kvsched.workload.traces import export_csv
+
+if TYPE_CHECKING:       # the engine is imported when a command runs (fast `kvsched --help`)
+    from kvsched.workload.source import WorkloadOptions
 
 workload_app = typer.Typer(no_args_is_help=True, help="Describe and export workloads.")
 app.add_typer(workload_app, name="workload")
@@ -23,6 +21,7 @@ app.add_typer(workload_app, name="workload")
 @app.command("workloads")
 def workloads_cmd() -> None:
     """List the workload presets with their sources."""
+    from kvsched.workload.presets import PRESETS
     t = Table(title="Workload presets (use with --workload NAME)", title_justify="left")
     for c in ("name", "source", "what"):
         t.add_column(c)
@@ -46,6 +45,9 @@ def workload_stats_cmd(wopts: WorkloadOptions,
                        json_: bool = JsonOpt) -> None:
     """Count, span, mean rate, CV of gaps, token percentiles, prefix reuse, phases and tiers."""
     def body() -> None:
+        from kvsched.report.table import workload_table
+        from kvsched.workload.source import load
+        from kvsched.workload.stats import describe as workload_stats
         wopts.keep_hashes = wopts.untimed_ok = True
         stats = workload_stats(load(_with_source(source, wopts)))
         emit(stats, json_, lambda: workload_table(stats))
@@ -59,6 +61,8 @@ def workload_export_cmd(wopts: WorkloadOptions,
                         out: Path = typer.Option(..., "--out", help="CSV file to write")) -> None:
     """Write a workload as the generic CSV arrival_time,prompt_tokens,output_tokens[,tier]."""
     def body() -> None:
+        from kvsched.workload.source import load
+        from kvsched.workload.traces import export_csv
         w = load(_with_source(source, wopts))
         export_csv(w, out)
         say("info", f"wrote {len(w)} requests to {out}")

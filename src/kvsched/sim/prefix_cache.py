@@ -81,6 +81,7 @@ class PrefixCache:
         self._keys: dict[int, list[int]] = {}
         self._sources = _sources(reqs.workload)
         self._share = _shareable(reqs.workload, self.bs)
+        self._shared = any(self._share)              # some request has blocks another could hit
         # statistics (docs/prefix-caching.md, "Metrics")
         self.query_tokens = 0       # prompt tokens (prefill targets) looked up at admission
         self.hit_tokens = 0         # of them, taken from the cache (not computed)
@@ -132,6 +133,17 @@ class PrefixCache:
                 return
 
     # ----- the replica's operations ----------------------------------------------------
+    @property
+    def inert(self) -> bool:
+        """No block is keyed and none will be until a preemption: every lookup misses, and
+        the free queue holds keyless blocks only (their order cannot matter)."""
+        return not self.map and not self._shared
+
+    def miss(self, i: int) -> None:
+        """`hit` of request i while the cache is inert: the lookup counted, nothing taken."""
+        self.query_tokens += self.reqs.target[i]
+        self.query_blocks += self.cap_blocks(i)
+
     def hit(self, i: int, chunk: int) -> int:
         """Request i's first chunk after admission: take its cached prefix, as far as the
         chunk leaves room before the prefill target (a policy that plans the chunk without the

@@ -637,6 +637,8 @@ class Replica:
         full blocks are cached as it is scheduled, so later chunks of the batch hit them."""
         computed, target, prefilling, bs = self._computed, self._target, self._prefilling, self.block_size
         cache, fresh = self.cache, self._fresh
+        # an inert cache (nothing keyed, nothing to key) misses every lookup: one allocation
+        inert = cache is not None and cache.inert
         new_blocks = pt = pattn = pctx = 0
         in_turn = False                         # cached: chunks allocate one by one (an admission came)
         shape_chunks = []
@@ -644,7 +646,10 @@ class Replica:
             for i, c in chunks:
                 if i not in prefilling:         # this replica's prefilling requests only
                     self._bad_chunk(i, c)
-                if cache is not None and i in fresh:
+                if inert and i in fresh:
+                    fresh.discard(i)
+                    cache.miss(i)
+                elif cache is not None and i in fresh:
                     if not 0 < c <= target[i] or c != int(c):
                         self._bad_chunk(i, c)
                     if not in_turn:
@@ -661,7 +666,7 @@ class Replica:
                 if not 0 < c <= target[i] - p or c != int(c):
                     self._bad_chunk(i, c)
                 n = -(-(p + c) // bs) - -(-p // bs)
-                if cache is not None:
+                if cache is not None and not inert:
                     cache.register(i, p, c)
                 if in_turn:
                     self._allocate(n)
@@ -704,7 +709,7 @@ class Replica:
         (its scheduled order: running requests by admission, then the new ones), which decides
         which cached blocks are evicted first."""
         done = self._finishing
-        if len(done) > 1:
+        if len(done) > 1 and not self.cache.inert:
             done.sort(key=lambda x: self._order.get(x[0], 0))    # landed (disaggregated) ones first
         for i, kv_tokens in done:
             self._order.pop(i, None)
