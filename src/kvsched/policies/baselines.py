@@ -219,7 +219,7 @@ class Sarathi(_Base):
 
     def schedule(self, v: ServerView) -> Plan:
         blocks, target = v.blocks_for, v.prefill_target
-        reserve = sum(blocks(target(i)) - v.kv_blocks(i) for i in v.prefilling)
+        reserve = sum(blocks(target(i)) - v.kv_blocks(i) for i in v.prefilling) if v.prefilling else 0
 
         def release(i: int) -> int:
             return blocks(target(i)) if not v.is_decoding(i) else v.kv_blocks(i)

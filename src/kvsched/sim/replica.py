@@ -663,7 +663,7 @@ class Replica:
                     if h and self.reqs.preempts[i]:
                         self.reqs.recomputed[i] -= min(h, self.reqs.recomputed[i])
                 p = computed[i]
-                if not 0 < c <= target[i] - p or c != int(c):
+                if not 0 < c <= target[i] - p or type(c) is not int and c != int(c):
                     self._bad_chunk(i, c)
                 n = -(-(p + c) // bs) - -(-p // bs)
                 if cache is not None and not inert:
