@@ -1,0 +1,56 @@
+"""`kvsched --help` stays fast: the command-line layer imports typer, rich and tiny modules
+only; the engine loads when a command runs (timings: benchmarks/bench_startup.py)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kvsched.cli import names
+
+HEAVY = ("kvsched.run", "kvsched.sim", "kvsched.sim.replica", "kvsched.policies", "kvsched.workload", "kvsched.cost",
+         "kvsched.theory", "numpy", "scipy")
+
+
+def _loaded(code: str) -> list[str]:
+    """The HEAVY modules in sys.modules after running `code` in a fresh interpreter."""
+    script = f"import sys\n{code}\nprint(' '.join(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)"
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True).stderr.split()      # stderr: stdout carries --help's text
+
+
+def test_cli_import_leaves_the_engine_unloaded():
+    assert _loaded("import kvsched.cli") == []
+
+
+def test_help_leaves_the_engine_unloaded():
+    code = ("from kvsched.cli import app\n"
+            "try:\n    app(['--help'])\nexcept SystemExit:\n    pass")
+    assert _loaded(code) == []
+
+
+def test_package_exports_load_lazily():
+    assert _loaded("import kvsched") == []
+    assert "kvsched.run" in _loaded("from kvsched import Result, Scenario, simulate")
+    import kvsched
+    import kvsched.run
+    assert (kvsched.simulate, kvsched.Scenario, kvsched.Result) == (kvsched.run.simulate, kvsched.run.Scenario,
+                                                                    kvsched.run.Result)
+    assert set(kvsched.__all__) <= set(dir(kvsched))
+
+
+def test_names_equal_the_registries():
+    """The help texts' copies (kvsched.cli.names) cannot drift from the real registries."""
+    from kvsched.cost import COST_MODELS
+    from kvsched.cost.calibrate import MODELS
+    from kvsched.policies import POLICIES
+    from kvsched.sim.replica import DEFAULT_STALL_BATCHES
+    from kvsched.sim.routers import ROUTERS
+    from kvsched.workload.readers import FORMATS
+    from kvsched.workload.source import DEFAULT_LENGTH, DEFAULT_RATE
+    assert names.COST_MODELS == tuple(COST_MODELS)
+    assert names.CALIBRATION_MODELS == tuple(MODELS)
+    assert names.POLICIES == tuple(POLICIES)
+    assert names.ROUTERS == tuple(ROUTERS)
+    assert names.FORMATS == tuple(FORMATS)
+    assert (names.DEFAULT_RATE, names.DEFAULT_LENGTH) == (DEFAULT_RATE, DEFAULT_LENGTH)
+    assert names.DEFAULT_STALL_BATCHES == DEFAULT_STALL_BATCHES
