@@ -1,4 +1,4 @@
-"""Start-up time of the `kvsched` command (issue "Hardening", E: target under 0.4 s for
+"""Start-up time of the `kvsched` command (issue "Hardening", E: under 0.4 s; issue "Speed": 0.3 s or less, for
 `kvsched --help`): the median wall time of N runs of `kvsched --help`, of `kvsched policies`
 and of importing the package, each in a fresh interpreter; then the slowest imports.
 
@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-TARGET = 0.4
+TARGET = 0.3
 
 
 def wall(cmd: list[str], runs: int) -> float:
@@ -36,7 +36,7 @@ def main() -> int:
     print(f"median of {args.runs} runs, wall seconds")
     for label, cmd in rows:
         t = wall(cmd, args.runs)
-        mark = f"  (target < {TARGET} s: {'ok' if t < TARGET else 'MISSED'})" if label == "kvsched --help" else ""
+        mark = f"  (target <= {TARGET} s: {'ok' if t <= TARGET else 'MISSED'})" if label == "kvsched --help" else ""
         print(f"  {label:38} {t:6.3f}{mark}")
     out = subprocess.run([py, "-X", "importtime", "-c", "import kvsched.cli"], capture_output=True, text=True).stderr
     rows = [line.split("|") for line in out.splitlines() if line.startswith("import time:") and "cumulative" not in line]
