@@ -31,28 +31,35 @@ def workload(n: int, rate: float, seed: int, tiers: bool = False) -> Workload:
 
 
 class Counting:
-    """A built-in policy whose `schedule` calls are counted; `steady=False` turns its fast
-    path off (the general path: every batch planned by `schedule`)."""
+    """A built-in policy whose `schedule` calls are counted, planning every batch (the general
+    path); `Fast` declares `decodes_when_idle` (the fast path). No `on_finish` hook, so the
+    runs take the branch without hooks; `Hooked` adds hooks."""
 
-    def __init__(self, name: str, steady: bool, hook: bool = False) -> None:
+    def __init__(self, name: str) -> None:
         self.inner = make_policy(name, {}, get_gpu("a100-80gb"))
         self.name = name
-        self.decodes_when_idle = steady and self.inner.decodes_when_idle
         self.calls = 0
-        if hook:
-            self.on_batch_end = lambda v: None
 
     def schedule(self, v):
         self.calls += 1
         return self.inner.schedule(v)
 
+
+class Fast(Counting):
+    decodes_when_idle = True
+
+
+class Hooked(Fast):
     def on_finish(self, i, v):
         self.inner.on_finish(i, v)
+
+    def on_batch_end(self, v):
+        pass
 
 
 def fingerprint(w: Workload, name: str, steady: bool, hook: bool = False, **kw) -> tuple[str, int, int]:
     """(hash of everything a run reports, schedule calls, iterations)."""
-    p = Counting(name, steady, hook)
+    p = (Hooked if hook else Fast if steady else Counting)(name)
     kw.setdefault("model", "llama-2-7b")
     r = simulate(Scenario(w, gpu="a100-80gb", **kw), p, record_timeline=True, record_batches=True)
     summary = {k: v for k, v in r.summary.items() if k != "wall_seconds"}
@@ -113,3 +120,88 @@ def test_fast_path_is_exact_on_random_workloads(seed, rate, caching, name, kv, b
     w = workload(120, rate, seed)
     kw = dict(prefix_caching=caching, kv_capacity=kv, block_size=bs)
     assert fingerprint(w, name, True, **kw)[0] == fingerprint(w, name, False, **kw)[0]
+
+
+def test_the_flag_is_the_class_s_and_goes_with_its_schedule():
+    from kvsched.engines.vllm_replay import _Recorder
+    from kvsched.policies.base import decodes_when_idle
+    from kvsched.policies.baselines import VllmV1
+    v1 = make_policy("vllm-v1", {}, get_gpu("a100-80gb"))
+    assert decodes_when_idle(v1) and decodes_when_idle(Fast("vllm-v1"))
+    assert not decodes_when_idle(Counting("vllm-v1"))
+    assert not decodes_when_idle(_Recorder(v1))            # it forwards attributes, not the flag
+
+    class Pausing(VllmV1):                                  # a new schedule: the promise is not inherited
+        def schedule(self, v):
+            return super().schedule(v)
+
+    class Declared(Pausing):
+        decodes_when_idle = True
+    limits = dict(max_num_batched_tokens=2048, max_num_seqs=256)
+    assert not decodes_when_idle(Pausing(**limits)) and decodes_when_idle(Declared(**limits))
+    instance = Counting("vllm-v1")
+    instance.decodes_when_idle = True                       # an instance attribute is not a declaration
+    assert not decodes_when_idle(instance)
+
+
+def test_a_wrapped_noop_hook_is_called():
+    import functools
+    calls = []
+
+    class Traced(Fast):
+        pass
+    p = Traced("vllm-v1")
+    inner_hook = p.inner.on_finish
+
+    @functools.wraps(inner_hook)
+    def traced(i, v):
+        calls.append(i)
+        return inner_hook(i, v)
+    p.on_finish = traced
+    simulate(Scenario(workload(50, 5.0, 7), model="llama-2-7b", gpu="a100-80gb"), p)
+    assert len(calls) == 50
+
+
+def test_decode_time_of_a_subclass_that_redefines_time():
+    from kvsched.cost.roofline import RooflineCost
+    from kvsched.hardware import get_model
+    from kvsched.sim.replica import _decode_time
+
+    class Doubled(RooflineCost):
+        def time(self, shape):
+            return 2 * super().time(shape)
+    c = Doubled(get_model("llama-2-7b"), get_gpu("a100-80gb"))
+    plain = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"))
+    assert _decode_time(c)(8, 4000, False) == 2 * plain.decode_time(8, 4000)
+
+    class Field:
+        decode_time = 0.5                                   # not a method: ignored
+        def time(self, shape):
+            return 0.01
+    assert _decode_time(Field())(8, 4000, False) == 0.01
+
+
+class FinishHook(Fast):
+    def on_finish(self, i, v):
+        self.inner.on_finish(i, v)
+
+
+def test_fast_path_with_a_finish_hook():
+    w = workload(300, 20.0, 8)
+    for caching in (False, True):
+        p, q = FinishHook("vllm-v1"), Counting("vllm-v1")
+        runs = [simulate(Scenario(w, model="llama-2-7b", gpu="a100-80gb", prefix_caching=caching, kv_capacity=9000),
+                         x, record_timeline=True) for x in (p, q)]
+        assert [r.summary["mean_itl_ms"] for r in runs][0] == runs[1].summary["mean_itl_ms"]
+        assert list(runs[0].timeline) == list(runs[1].timeline)
+        assert p.calls < q.calls
+
+
+def test_replay_records_every_batch():
+    """`kvsched replay` wraps the policy to record its plans: every batch must be planned."""
+    from kvsched.engines.vllm_replay import Limits, kvsched_steps
+    g = np.random.default_rng(9)
+    w = Workload.build(np.cumsum(g.exponential(0.2, 50)), g.integers(2, 700, 50), g.integers(1, 300, 50))
+    steps = kvsched_steps(w, "vllm-v1", {}, Limits(2048, 64, num_gpu_blocks=2000), 0.01)
+    decode_tokens = sum(sum(1 for c in s.tokens.values() if c == 1) for s in steps)
+    assert decode_tokens == int(w.output.sum()) - len(w.output)    # o - 1 decode steps each (chunks >= 2)

@@ -188,3 +188,19 @@ def test_requests_csv_is_the_same_whatever_the_write_chunk(tmp_path, monkeypatch
     r.write(tmp_path / "b")
     a, b = (tmp_path / "a" / "requests.csv").read_bytes(), (tmp_path / "b" / "requests.csv").read_bytes()
     assert a == b and a.count(b"\n") == 901
+
+
+def test_row_log_spills_whole_chunks_whenever_checked():
+    """What a RowLog reads back does not depend on when it was checked (the decode fast path
+    checks once per run of batches): an int in a float column reads back the same."""
+    from kvsched.sim.rowlog import CHUNK, RowLog
+    logs = [RowLog("fi"), RowLog("fi")]
+    for k in range(CHUNK + 5000):
+        for log in logs:
+            log.append((1, k))
+        if not (k + 1) % CHUNK:
+            logs[0].check()                     # every CHUNK rows, as the general path
+        if not (k + 1) % 7777:
+            logs[1].check()                     # at other times, as a run of batches
+    logs[1].check()
+    assert repr(list(logs[0])) == repr(list(logs[1])) and len(logs[1]) == CHUNK + 5000   # 1 vs 1.0 matters

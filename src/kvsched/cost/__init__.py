@@ -21,6 +21,9 @@ from kvsched.params import build
 
 
 class CostModel(Protocol):
+    """`time(shape)` is required. A model may add `decode_time(n, ctx, phase_switch)`: the time
+    of a decode-only batch of n requests over ctx KV tokens, equal bit for bit to `time` of
+    that shape (the replica's decode fast path; docs/architecture.md, "Batch-time models")."""
     def time(self, shape: BatchShape) -> float: ...
 
 

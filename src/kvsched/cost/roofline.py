@@ -39,10 +39,6 @@ class RooflineCost:
         object.__setattr__(self, "_gemm_flops", 2.0 * m.active)     # per computed token
         object.__setattr__(self, "_dense", m.active_params is None)
         object.__setattr__(self, "_weights", m.weight_bytes)
-        if self._dense:                         # one call a batch on the decode fast path
-            object.__setattr__(self, "decode_time", _dense_decode_time(
-                self._gemm_flops, self._attn_flops, self._weights, self._kv_bytes, self._flop_rate,
-                self._byte_rate, self.overhead))
 
     def time(self, shape: BatchShape):
         return self._time(shape.prefill_tokens + shape.decode_seqs, shape.prefill_attn + shape.decode_ctx,
@@ -66,13 +62,3 @@ class RooflineCost:
         memory = (weights + kv) / self._byte_rate
         return self.overhead + (compute + memory + abs(compute - memory)) / 2
 
-
-def _dense_decode_time(gemm: float, attn: float, weights: float, kv_bytes: float, flop_rate: float,
-                       byte_rate: float, overhead: float):
-    """`RooflineCost._time(n, ctx, ctx)` of a dense model as a closure over its constants: the
-    same operations in the same order (tests/test_cost.py checks it bit for bit)."""
-    def decode_time(n: int, ctx: int, phase_switch: bool = False) -> float:
-        compute = (gemm * n + attn * ctx) / flop_rate
-        memory = (weights + 0 * n + kv_bytes * ctx) / byte_rate
-        return overhead + (compute + memory + abs(compute - memory)) / 2
-    return decode_time

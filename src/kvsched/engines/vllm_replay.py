@@ -184,7 +184,8 @@ def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_0
 
 
 class _Recorder:
-    """Wraps a kvsched policy and writes down each batch it plans, as a Step."""
+    """Wraps a kvsched policy and writes down each batch it plans, as a Step (so every batch
+    is planned: the replica's idle-decode fast path is off, `decodes_when_idle` unset)."""
 
     def __init__(self, inner) -> None:
         self.inner, self.name = inner, inner.name

@@ -92,7 +92,30 @@ class Policy(Protocol):
     `schedule` returns Plan([], [], True, []) and changes nothing. The replica then runs such
     batches without calling `schedule` (back to back until something happens), exactly as
     if it had. A policy that may pause decoders, preempt early or keep per-step state in
-    `schedule` must leave it False (the default)."""
+    `schedule` must not declare it. The promise is about `schedule`: a subclass that
+    overrides `schedule` loses an inherited flag unless it declares it again
+    (`decodes_when_idle(policy)`)."""
     name: str
 
     def schedule(self, view: ServerView) -> Plan: ...
+
+
+def decodes_when_idle(policy) -> bool:
+    """Whether the replica may skip `policy.schedule` for idle decode batches: its class (not an
+    instance or a wrapper's forwarding) declares `decodes_when_idle = True`, and `schedule` is
+    the one of the class that declared it (a subclass overriding it must declare it again)."""
+    cls = type(policy)
+    owner = next((k for k in cls.__mro__ if "decodes_when_idle" in k.__dict__), None)
+    return (owner is not None and owner.__dict__["decodes_when_idle"] is True
+            and "schedule" not in getattr(policy, "__dict__", {})
+            and getattr(cls, "schedule", None) is getattr(owner, "schedule", None))
+
+
+NOOP_HOOKS: set = set()
+
+
+def noop_hook(fn):
+    """Mark a hook that does nothing: the replica need not call it (a wrapper around it, even
+    one made by functools.wraps, is another function and is called)."""
+    NOOP_HOOKS.add(fn)
+    return fn

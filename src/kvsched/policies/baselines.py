@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from kvsched.policies.base import Plan, ServerView
+from kvsched.policies.base import Plan, ServerView, noop_hook
 
 
 def make_room(v: ServerView, reserve: int = 0,
@@ -100,9 +100,9 @@ def admit_reserving(v: ServerView, queue: Iterable[int], free: int, budget: int,
 class _Base:
     name = "base"
 
+    @noop_hook
     def on_finish(self, i: int, view: ServerView) -> None:
         """Baselines keep no per-request state."""
-    on_finish.noop = True                   # the replica need not call it
 
 
 @dataclass

@@ -386,10 +386,10 @@ class HitPlanner:
     # ----- the cache as the plan leaves it ------------------------------------------------
     def _hit(self, i: int, chunk: int | None) -> list[Block | None]:
         """The blocks request i would hit now (None: a block an earlier chunk caches)."""
+        self._settle()
         c = self._c
         if not c.map and not self._pending and not self._extra:
             return []                           # nothing cached, nothing the plan caches
-        self._settle()
         target = self._target.get(i, c.reqs.target[i])
         cap = c.lookup_cap(i, target, i in self._preempted)
         room = cap if chunk is None else min(cap, (target - chunk) // c.bs)

@@ -28,7 +28,7 @@ from kvsched.cost.shape import BatchShape
 from kvsched.errors import KvschedError, PlanError
 from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram
-from kvsched.policies.base import Plan
+from kvsched.policies.base import NOOP_HOOKS, Plan, decodes_when_idle
 from kvsched.sim.decode_set import Cohort, DecodeSet
 from kvsched.sim.prefix_cache import HitPlanner, PrefixCache
 from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING, RequestTable
@@ -125,9 +125,8 @@ class Replica:
         self._on_batch_end = self._hook("on_batch_end")
         # the policy promises Plan([], [], True, []) while nothing waits or prefills and the
         # decoders fit (policies/base.py, `decodes_when_idle`): such batches skip `schedule`
-        self._steady = getattr(policy, "decodes_when_idle", False) is True
-        self._decode_time = getattr(cost, "decode_time", None) or (
-            lambda n, ctx, switch: cost.time(BatchShape(0, 0, 0, 0, n, ctx, (), switch)))
+        self._steady = decodes_when_idle(policy)
+        self._decode_time = _decode_time(cost)
         self.view = ReplicaView(self, {
             "index": index, "role": role, "block_size": bs, "kv_capacity_blocks": kv.capacity_blocks,
             "cost_model": cost, "waiting": ReadOnlySeq(self._queue), "running": self._running.keys(),
@@ -139,9 +138,9 @@ class Replica:
             "prefix_caching": prefix_caching})
 
     def _hook(self, name: str):
-        """The policy's hook, or None (absent, or marked `noop`: nothing to call)."""
+        """The policy's hook, or None (absent, or marked `noop_hook`: nothing to call)."""
         fn = getattr(self.policy, name, None)
-        return fn if callable(fn) and getattr(fn, "noop", False) is not True else None
+        return fn if callable(fn) and getattr(fn, "__func__", fn) not in NOOP_HOOKS else None
 
     # ----- the view policies read (ReplicaView binds these; its scalars read our fields) ----
     @property
@@ -976,6 +975,19 @@ class Replica:
         self.preemptions += 1
         if self._on_preempt is not None:
             self._call(self._on_preempt, "on_preempt", i)
+
+
+def _decode_time(cost) -> Callable[[int, int, bool], float]:
+    """The time of a decode-only batch (n requests over ctx KV tokens): the cost model's
+    `decode_time` when the class that defines `time` defines it too (a subclass that
+    redefines `time` alone is not bypassed), else `time` of that BatchShape."""
+    cls = type(cost)
+    fn = getattr(cost, "decode_time", None)
+    owner = next((k for k in cls.__mro__ if "decode_time" in k.__dict__), None)
+    timer = next((k for k in cls.__mro__ if "time" in k.__dict__), None)
+    if callable(fn) and owner is not None and timer is not None and issubclass(owner, timer):
+        return fn
+    return lambda n, ctx, switch: cost.time(BatchShape(0, 0, 0, 0, n, ctx, (), switch))
 
 
 def _declared(types, share: float):

@@ -34,9 +34,10 @@ class RowLog(Sequence):
         if self._file is None:
             self._file = tempfile.TemporaryFile()
         self._file.seek(0, 2)
-        np.array(self._rows, dtype=self.dtype).tofile(self._file)
-        self._spilled += len(self._rows)
-        self._rows.clear()
+        k = len(self._rows) // CHUNK * CHUNK    # whole chunks: the same rows spill whenever it is called
+        np.array(self._rows[:k], dtype=self.dtype).tofile(self._file)
+        self._spilled += k
+        del self._rows[:k]
 
     def check(self) -> None:
         """Move full chunks to disk (the replica calls it every few thousand batches)."""
