@@ -41,15 +41,8 @@ class RooflineCost:
         object.__setattr__(self, "_weights", m.weight_bytes)
 
     def time(self, shape: BatchShape):
-        return self._time(shape.prefill_tokens + shape.decode_seqs, shape.prefill_attn + shape.decode_ctx,
-                          shape.prefill_ctx + shape.decode_ctx)
-
-    def decode_time(self, n: int, ctx: int, phase_switch: bool = False) -> float:
-        """A decode-only batch of n requests over ctx KV tokens: `time` of that BatchShape, bit
-        for bit, without building it (the replica's decode-only fast path)."""
-        return self._time(n, ctx, ctx)
-
-    def _time(self, tokens, pairs, kv_tokens):
+        tokens = shape.prefill_tokens + shape.decode_seqs
+        pairs = shape.prefill_attn + shape.decode_ctx
         flops = self._gemm_flops * tokens + self._attn_flops * pairs
         if self._dense:
             weights = self._weights + 0 * tokens
@@ -57,8 +50,17 @@ class RooflineCost:
             m = self.model
             touched = m.active * tokens
             weights = m.dtype_bytes * (touched + m.params - abs(touched - m.params)) / 2
-        kv = self._kv_bytes * kv_tokens
+        kv = self._kv_bytes * (shape.prefill_ctx + shape.decode_ctx)
         compute = flops / self._flop_rate
         memory = (weights + kv) / self._byte_rate
         return self.overhead + (compute + memory + abs(compute - memory)) / 2
 
+    def decode_time(self, n: int, ctx: int, phase_switch: bool = False) -> float:
+        """A decode-only batch of n requests over ctx KV tokens: `time` of that BatchShape, bit
+        for bit (the same operations in the same order; tests/test_cost.py checks it), without
+        building it (the replica's decode fast path)."""
+        if not self._dense:
+            return self.time(BatchShape(0, 0, 0, 0, n, ctx, (), phase_switch))
+        compute = (self._gemm_flops * n + self._attn_flops * ctx) / self._flop_rate
+        memory = (self._weights + 0 * n + self._kv_bytes * ctx) / self._byte_rate
+        return self.overhead + (compute + memory + abs(compute - memory)) / 2

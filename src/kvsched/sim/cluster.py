@@ -231,6 +231,8 @@ class Cluster:
         # a replica may run several decode-only batches in one step() until the next thing that
         # happens elsewhere; a closed loop and sessions react to each batch's finishes
         chain = closed is None and turns is None
+        for r in reps:                          # replicas whose steady batches may run ahead
+            r.runs_ahead = chain and r._steady
         nxt, steps = 0, 0
         while reqs.done < reqs.remaining:
             t_arr = arrival[nxt] if closed is None and nxt < n else INF
@@ -261,7 +263,7 @@ class Cluster:
                 if t_rep == INF:
                     self._deadlock(closed is not None)
             before = reqs.done
-            until = min(t_arr, events[0][0] if events else INF, t_other) if chain and rep._steady and not rep._queue else 0.0
+            until = min(t_arr, events[0][0] if events else INF, t_other) if rep.runs_ahead and not rep._queue else 0.0
             if rep.step(until):
                 steps += 1
                 if progress is not None and steps % 4096 == 0:

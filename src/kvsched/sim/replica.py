@@ -126,6 +126,7 @@ class Replica:
         # the policy promises Plan([], [], True, []) while nothing waits or prefills and the
         # decoders fit (policies/base.py, `decodes_when_idle`): such batches skip `schedule`
         self._steady = decodes_when_idle(policy)
+        self.runs_ahead = False                 # the cluster loop lets steady batches run to its next event
         self._decode_time = _decode_time(cost)
         self.view = ReplicaView(self, {
             "index": index, "role": role, "block_size": bs, "kv_capacity_blocks": kv.capacity_blocks,
@@ -804,9 +805,10 @@ class Replica:
         for ch in cohorts:
             if not ch.n:
                 continue
+            fresh = ch.fresh
             gap = ch.step(end)
-            add(gap, ch.n - len(ch.fresh))
-            if ch.fresh:
+            add(gap, ch.n - len(fresh))
+            if fresh:
                 self._first_gaps(ch, end)
             for i in ch.due():
                 kv_tokens = self._leave_decode(i)
