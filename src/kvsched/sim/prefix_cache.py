@@ -75,8 +75,7 @@ class PrefixCache:
         self.map: dict[int, Block] = {}              # key -> its cached block (the one a hit takes)
         self.dups: dict[int, list[Block]] = {}       # key -> later copies (vLLM keeps duplicates)
         self.free_q: OrderedDict[Block | Run, None] = OrderedDict()   # cached free blocks, eviction order
-        self.queued = 0                              # free cached blocks: free_q's (runs counted whole) + loose
-        self.loose = 0          # keyless free blocks ahead of free_q: runs queued while free_q was empty
+        self.queued = 0                              # blocks in free_q (runs counted whole)
         self.held: dict[int, list[Block]] = {}       # request -> its registered blocks 0..m-1
         self._keys: dict[int, list[int]] = {}
         self._sources = _sources(reqs.workload)
@@ -206,10 +205,6 @@ class PrefixCache:
         if evict > 0:
             q, m, dups = self.free_q, self.map, self.dups
             left = evict
-            if self.loose:                      # the head of the queue: keyless, counted
-                k = min(self.loose, left)
-                self.loose -= k
-                left -= k
             while left:
                 b = next(iter(q))
                 if type(b) is Run:
@@ -247,10 +242,7 @@ class PrefixCache:
         own = full - len(held)
         if own > 0:
             if done and len(held) >= self._share[i]:        # nobody can hit these: no keys
-                if q:
-                    q[Run(own)] = None
-                else:                           # nothing keyed queued: one count, no object
-                    self.loose += own
+                q[Run(own)] = None
             else:
                 blocks = [Block(k, 0) for k in reversed(self.keys(i, full)[len(held):full])]
                 self._insert(blocks)
@@ -445,8 +437,6 @@ class HitPlanner:
     def _virtual_queue(self):
         """The free queue as the plan leaves it: cached free blocks not taken by a planned hit,
         then the blocks planned preemptions queue."""
-        for _ in range(self._c.loose):
-            yield None
         for b in self._c.free_q:
             if type(b) is Run:
                 for _ in range(b.n):
