@@ -117,8 +117,6 @@ class Result:
                                             "decode_requests", "kv_used_tokens"] + per_replica, self.batches)
 
 
-
-
 ROWS_PER_WRITE = 1 << 16
 
 

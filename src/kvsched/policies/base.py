@@ -105,10 +105,15 @@ def decodes_when_idle(policy) -> bool:
     instance or a wrapper's forwarding) declares `decodes_when_idle = True`, and `schedule` is
     the one of the class that declared it (a subclass overriding it must declare it again)."""
     cls = type(policy)
-    owner = next((k for k in cls.__mro__ if "decodes_when_idle" in k.__dict__), None)
+    owner = defined_in(cls, "decodes_when_idle")
     return (owner is not None and owner.__dict__["decodes_when_idle"] is True
             and "schedule" not in getattr(policy, "__dict__", {})
             and getattr(cls, "schedule", None) is getattr(owner, "schedule", None))
+
+
+def defined_in(cls: type, name: str) -> type | None:
+    """The class of `cls`'s MRO whose own body defines `name` (None: none does)."""
+    return next((k for k in cls.__mro__ if name in k.__dict__), None)
 
 
 NOOP_HOOKS: set = set()

@@ -28,7 +28,7 @@ from kvsched.cost.shape import BatchShape
 from kvsched.errors import KvschedError, PlanError
 from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram
-from kvsched.policies.base import NOOP_HOOKS, Plan, decodes_when_idle
+from kvsched.policies.base import NOOP_HOOKS, Plan, decodes_when_idle, defined_in
 from kvsched.sim.decode_set import Cohort, DecodeSet
 from kvsched.sim.prefix_cache import HitPlanner, PrefixCache
 from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING, RequestTable
@@ -370,7 +370,7 @@ class Replica:
         """`_decode_run`'s batches inlined (the bulk of a run): what `_decode_step` and
         `_execute` do, in the same order of float operations. The batch's figures are kept in
         locals and written back before anything outside can look (a finish's hooks, the end)."""
-        bs, kv, cap, cache, r = self.block_size, self.kv, self.kv.capacity_blocks, self.cache, self.reqs
+        bs, kv, cap = self.block_size, self.kv, self.kv.capacity_blocks
         residue, fresh, heap = c.residue, c.fresh, c._heap
         n, clock, ctx, used = c.n, c.clock, c.ctx, kv.used
         f = heap[0][0] if heap else 1 << 62    # the next finish (maybe stale: due() sorts it out)
@@ -436,13 +436,8 @@ class Replica:
                 total, total_sq, gmax, hn = itl.total, itl.total_sq, itl.max, itl.n
                 nf = 0
             if clock >= f:                      # finishes: the general code, on the state written back
-                c.clock, c.ctx, c.last_time = clock, ctx, now
-                if cache is not None:
-                    if allocated:
-                        cache.allocate(allocated)   # one call: the same blocks, in the same order
-                    allocated = 0
-                else:
-                    kv.used = used
+                self._write_back(c, clock, ctx, now, allocated, used)
+                allocated = 0
                 if hooks:                       # what a hook may look at: the figures so far
                     self.kv_integral, self.busy, self.peak_kv, self.iterations = kv_integral, busy, peak, k
                     self.now, self._last_kind = now, 2
@@ -468,12 +463,7 @@ class Replica:
             dnew = residue[-clock % bs]
             if not now < until or not n or used + dnew > cap:
                 break
-        c.clock, c.ctx, c.last_time = clock, ctx, now
-        if cache is not None:
-            if allocated:
-                cache.allocate(allocated)
-        else:
-            kv.used = used
+        self._write_back(c, clock, ctx, now, allocated, used)
         itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
         self.kv_integral, self.busy, self.peak_kv, self.now = kv_integral, busy, peak, now
         self._last_kind = 2
@@ -484,6 +474,16 @@ class Replica:
             for log in (self.timeline, self.batches):
                 if log is not None:
                     log.check()
+
+    def _write_back(self, c: Cohort, clock: int, ctx: int, now: float, allocated: int, used: int) -> None:
+        """A run's cohort and KV state, from `_plain_decodes`' locals: the blocks its batches
+        took are allocated in one call (the same blocks, in the same order: nothing was freed
+        in between)."""
+        c.clock, c.ctx, c.last_time = clock, ctx, now
+        if self.cache is None:
+            self.kv.used = used
+        elif allocated:
+            self.cache.allocate(allocated)
 
     def _batch_end(self, start: float, dt: float) -> float:
         """The clock after a batch of `dt` seconds from `start` (checked)."""
@@ -983,10 +983,8 @@ def _decode_time(cost) -> Callable[[int, int, bool], float]:
     """The time of a decode-only batch (n requests over ctx KV tokens): the cost model's
     `decode_time` when the class that defines `time` defines it too (a subclass that
     redefines `time` alone is not bypassed), else `time` of that BatchShape."""
-    cls = type(cost)
     fn = getattr(cost, "decode_time", None)
-    owner = next((k for k in cls.__mro__ if "decode_time" in k.__dict__), None)
-    timer = next((k for k in cls.__mro__ if "time" in k.__dict__), None)
+    owner, timer = defined_in(type(cost), "decode_time"), defined_in(type(cost), "time")
     if callable(fn) and owner is not None and timer is not None and issubclass(owner, timer):
         return fn
     return lambda n, ctx, switch: cost.time(BatchShape(0, 0, 0, 0, n, ctx, (), switch))
