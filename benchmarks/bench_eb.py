@@ -10,7 +10,7 @@
 
 Qwen3-8B KV capacity of each GPU at 90% memory (kvsched's catalogue); batch times from the
 `eb-h200-qwen3-8b` and `eb-rtx-pro-6000-qwen3-8b` phase presets. Prints tables; with
-matplotlib installed (`pip install '.[plots]'`) also writes the sweep plots to --out.
+matplotlib (a dependency) also writes the sweep plots to --out.
 
     python benchmarks/bench_eb.py [--requests 4000] [--out eb-reproduction]
 """
@@ -238,13 +238,13 @@ def section_d(n: int) -> None:
 
 
 def pyplot(out: Path):
-    """matplotlib's pyplot (headless) with `out` created, or None (said) without the plots extra."""
+    """matplotlib's pyplot (headless) with `out` created, or None (said) when it is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("\n(matplotlib not installed: no plots; pip install '.[plots]')")
+        print("\n(matplotlib not installed: no plots)")
         return None
     out.mkdir(parents=True, exist_ok=True)
     return plt

@@ -1,0 +1,1 @@
+"""`kvsched report DIR`: a self-contained HTML page from a sweep, compare or capacity folder."""
