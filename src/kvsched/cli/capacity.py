@@ -1,1 +1,162 @@
 """`kvsched capacity`: the largest arrival rate at which a configuration meets its SLOs."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import typer
+from rich.console import Group
+from rich.table import Table
+
+from kvsched.cli.common import (ClusterOptions, HardwareOptions, JsonOpt, Progress, app, cluster_flags, emit, guard,
+                                hardware_flags, workload_flags)
+from kvsched.cli.theory import ChunkOpt
+from kvsched.errors import KvschedError
+
+if TYPE_CHECKING:       # the engine is imported when the command runs (fast `kvsched --help`)
+    from kvsched.workload.source import WorkloadOptions
+
+
+@app.command("capacity")
+@workload_flags
+@hardware_flags
+@cluster_flags
+def capacity_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOptions,
+                 policies: str = typer.Option("vllm-v1", "--policies", help="comma-separated policy names"),
+                 set_: list[str] = typer.Option([], "--set", help="POLICY.key=value, or key=value for every policy that has key"),
+                 slo: list[str] = typer.Option([], "--slo", help="METRIC:STAT:MS (repeatable): METRIC ttft, tpot, itl or e2el; STAT mean, p50, p90 or p99; e.g. ttft:p99:2000"),
+                 goodput: list[str] = typer.Option([], "--goodput", help="with --attainment: SLOs of a good request, ttft:MS tpot:MS e2el:MS"),
+                 attainment: Optional[float] = typer.Option(None, "--attainment", help="least share of requests meeting every --goodput SLO, e.g. 0.9"),
+                 seeds: int = typer.Option(3, "--seeds", help="seeds searched (--seed, --seed + 1, ...); max_rate is their median"),
+                 tolerance: float = typer.Option(0.02, "--tolerance", help="stop when the bracket is narrower than this share of mu"),
+                 jobs: int = typer.Option(0, "--jobs", help="worker processes (0: all cores)"),
+                 batch_time: Optional[float] = typer.Option(None, "--batch-time", help="b for mu, seconds (default: measured on a saturated simulated replica)"),
+                 chunk_size: int = ChunkOpt,
+                 utilization: float = typer.Option(0.9, "--utilization", help="with --rate: rho of the closed form ceil(rate / (mu rho))"),
+                 out: Optional[Path] = typer.Option(None, "--out", help="write capacity.json (every evaluation, the runs at max_rate) here"),
+                 json_: bool = JsonOpt) -> None:
+    """Largest arrival rate meeting the SLOs, by bisection in simulation below the stability
+    service rate mu (the upper bracket); with --rate, the replicas that rate needs, closed form
+    beside simulated (docs/capacity.md).
+
+    JSON keys: max_rate (req/s, median over seeds), max_rate_min, max_rate_max, max_rate_seeds,
+    mu, max_rate_over_mu, bounded_by (slo, stability or bracket), at_max_rate (the SLO figures
+    there, seed means; met, met_seeds), evaluations, gpus (with --rate: closed_form_stability,
+    closed_form_slo, simulated). Several --policies: one such object per policy under
+    "policies"."""
+    def body() -> None:
+        from kvsched.run import check_out, jsonable, write_atomically
+        if out is not None:
+            check_out(out)
+        payload = _capacity(wopts, hw, copts, policies, set_, slo, goodput, attainment, seeds, tolerance, jobs,
+                            batch_time, chunk_size, utilization, json_)
+        if out is not None:
+            text = json.dumps(jsonable(payload), indent=2, allow_nan=False, default=str) + "\n"
+            write_atomically(out, lambda d: (d / "capacity.json").write_text(text))
+        names = list(payload["policies"])
+        shown = {k: v for k, v in payload.items() if k != "policies"}
+        for res in payload["policies"].values():
+            res.pop("at_max_rate_runs", None)
+        printed = {**shown, "policy": names[0], **payload["policies"][names[0]]} if len(names) == 1 else payload
+        emit(printed, json_, lambda: _tables(payload))
+    guard(body)
+
+
+def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], goodput: list[str],
+              attainment: float | None, seeds: int, tolerance: float, jobs: int, batch_time: float | None,
+              chunk: int, utilization: float, quiet: bool) -> dict[str, Any]:
+    """Everything checked before any simulation; then mu, then one search per policy."""
+    from kvsched.capacity import Attainment, Criteria, Search, Slo, process_pool, replicas_needed
+    from kvsched.cli.run import _scoped_params
+    from kvsched.metrics import Goodput
+    from kvsched.params import parse_assignments
+    from kvsched.point import Point, check_rate
+    from kvsched.policies import POLICIES
+    from kvsched.theory.plan import PlanInputs, service_rate
+    from kvsched.workload.arrivals import Closed
+    from kvsched.workload.source import load, resolve
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown or not names:
+        raise KvschedError(f"unknown policy {unknown[0] if unknown else policies!r}; known: {', '.join(POLICIES)}")
+    if attainment is None and goodput:
+        raise KvschedError("--goodput in capacity sets the SLOs of --attainment; give --attainment too")
+    criteria = Criteria([Slo.parse(s) for s in slo],
+                        Attainment(attainment, Goodput.parse(goodput)) if attainment is not None else None)
+    if seeds < 1:
+        raise KvschedError(f"--seeds must be >= 1, got {seeds}")
+    if jobs < 0:
+        raise KvschedError(f"--jobs must be >= 0, got {jobs}")
+    target = check_rate(wopts.rate, "--rate") if wopts.rate is not None else None
+    if target is not None and (copts.replicas != 1 or copts.prefill_replicas or copts.decode_replicas):
+        raise KvschedError("--rate sizes a cluster of one-replica configurations: drop --replicas and the "
+                           "prefill/decode pools, or drop --rate")
+    wopts = dataclasses.replace(wopts, rate=None)
+    if any(isinstance(ph.arrivals, Closed) for ph in resolve(wopts).phases):
+        raise KvschedError("capacity searches over the arrival rate: the workload must be open loop, "
+                           "not --arrivals closed:C")
+    params = _scoped_params(parse_assignments(set_, "--set"), names)
+    template = copts.apply(hw.scenario(None, goodput if attainment is not None else ()), wopts.seed)
+    workload = load(dataclasses.replace(wopts, rate=1.0))
+    st, b_source, _, _ = service_rate(PlanInputs(dataclasses.replace(template, workload=workload, replicas=1,
+                                                                     prefill_replicas=0, decode_replicas=0),
+                                                 batch_time=batch_time, chunk=chunk, seed=wopts.seed))
+    replicas, _ = template.pools()
+    seed_list = [wopts.seed + k for k in range(seeds)]
+    payload: dict[str, Any] = {
+        "kind": "capacity", "slos": [s.as_dict() for s in criteria.slos],
+        "attainment": criteria.attainment.as_dict() if criteria.attainment else None,
+        "tolerance": tolerance, "seeds": seed_list, "requests": len(workload), "replicas": replicas,
+        "mu_per_replica": st.mu, "batch_time": st.batch_time, "batch_time_source": b_source, "chunk_size": chunk,
+        "policies": {}}
+    run, ex = process_pool(jobs)
+    try:
+        for name in names:
+            point = Point(wopts, template, name, params[name], decode=copts.decode_args())
+            bar = Progress(not quiet, f"capacity {name}")
+            try:
+                res = Search(point, criteria, st.mu * replicas, seed_list, tolerance, progress=bar).run(run)
+            finally:
+                bar.close()
+            if target is not None:
+                res["gpus"] = replicas_needed(point, criteria, target, st.mu, res["max_rate"], utilization,
+                                              seed_list, run, len(workload))
+            payload["policies"][name] = res
+    finally:
+        if ex is not None:
+            ex.shutdown()
+    return payload
+
+
+def _tables(p: dict[str, Any]) -> Group:
+    slos = ", ".join(f"{s['metric']} {s['stat']} <= {s['ms']:g} ms" for s in p["slos"])
+    if p["attainment"]:
+        slos += (", " if slos else "") + f"goodput attainment >= {p['attainment']['target']:g}"
+    t = Table(title=f"Capacity at SLOs ({slos}); mu = {p['mu_per_replica']:.4g} req/s per replica "
+                    f"(b = {p['batch_time'] * 1000:.2f} ms)", title_justify="left",
+              caption=f"{len(p['seeds'])} seeds of {p['requests']:,} requests; bisection to {p['tolerance']:g} x mu",
+              caption_justify="left")
+    keys = [s["key"] for s in p["slos"]] + (["goodput_attainment"] if p["attainment"] else [])
+    for c in ["policy", "max_rate req/s", "seeds min-max", "x mu", "bounded by", *keys, "seeds met"]:
+        t.add_column(c, justify="left" if c == "policy" else "right")
+    for name, r in p["policies"].items():
+        at = r["at_max_rate"] or {}
+        t.add_row(name, f"{r['max_rate']:.4g}", f"{r['max_rate_min']:.4g}-{r['max_rate_max']:.4g}",
+                  f"{r['max_rate_over_mu']:.2f}", r["bounded_by"],
+                  *(_fig(at.get(k)) for k in keys), f"{at.get('met_seeds', 0)}/{len(p['seeds'])}")
+    out: list = [t]
+    for name, r in p["policies"].items():
+        g = r.get("gpus")
+        if g:
+            gt = Table(title=f"Replicas for {g['rate']:g} req/s ({name})", title_justify="left")
+            for c in ("closed form ceil(rate / (mu rho))", "closed form ceil(rate / max_rate)", "simulated"):
+                gt.add_column(c, justify="right")
+            gt.add_row(str(g["closed_form_stability"]), str(g["closed_form_slo"] or "-"), str(g["simulated"]))
+            out.append(gt)
+    return Group(*out)
+
+
+def _fig(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"

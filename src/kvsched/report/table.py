@@ -7,6 +7,7 @@ from typing import Any, Sequence
 from rich.console import Group
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 ROWS = [
     ("completed", "completed"), ("rejected", "rejected"), ("duration", "duration s"),
@@ -114,6 +115,10 @@ def _num(v: float | None, digits: int = 1) -> str:
     return f"{int(v):,}" if float(v).is_integer() else f"{v:,.{digits}f}"
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1000:.2f} ms"
+
+
 def workload_table(s: dict[str, Any]) -> Group:
     """`kvsched workload stats` as two tables: arrivals and more, then token percentiles."""
     t = Table()
@@ -171,10 +176,14 @@ def plan_report(p: dict[str, Any]) -> Group:
     out = [cap]
     fl = p["fluid"]
     if "M_star" in fl:
-        t = Table(title="Fluid benchmark per GPU (fluid-wait-nested-wait.txt eqs. 6-8)", title_justify="left")
+        t = Table(title="Fluid benchmark per GPU (fluid-wait-nested-wait.txt eqs. 6-8)", title_justify="left",
+                  caption=f"Batch time: {fl['batch_time_model']}. At mu ({p['mu']:.4g} req/s) the fluid "
+                          f"iteration takes {_ms(fl['iteration_time_at_mu'])} against b = {_ms(fl['batch_time_b'])}; "
+                          f"the fluid model is stable up to {_num(fl['max_rate'], 4)} req/s per GPU (compute), "
+                          f"mu bounds memory.", caption_justify="left")
         for c in ("d0 s", "d1 s/token", "M* tokens", "time per iteration", "throughput* tok/s", "fits in M"):
             t.add_column(c, justify="right")
-        t.add_row(f"{fl['d0']:.4g}", f"{fl['d1']:.3g}", _num(fl["M_star"], 0), f"{fl['iteration_time'] * 1000:.2f} ms",
+        t.add_row(f"{fl['d0']:.4g}", f"{fl['d1']:.3g}", _num(fl["M_star"], 0), _ms(fl["iteration_time"]),
                   _num(fl["throughput_star"], 1), "yes" if fl["fits_memory"] else "no")
         out.append(t)
     e = p["eb"]
@@ -188,10 +197,15 @@ def plan_report(p: dict[str, Any]) -> Group:
         out.append(t)
     v = p.get("validation")
     if v:
-        t = Table(title=f"Simulated replica at {v['arrival_rate']:.4g} req/s", title_justify="left")
-        for c in ("offered req/s", "served req/s", "mean queue, 2nd quarter", "mean queue, last quarter", "verdict"):
+        t = Table(title="Simulated replica (vllm-v1): at the plan's load, and at 1.05 mu where it must be unstable",
+                  title_justify="left", caption="the plan agrees with simulation" if v["consistent"] else
+                  "the plan and the simulation DISAGREE", caption_justify="left")
+        for c in ("arrival req/s", "mean queue, 2nd quarter", "mean queue, last quarter", "mean e2e s, 2nd quarter",
+                  "mean e2e s, last quarter", "verdict"):
             t.add_column(c, justify="right")
-        t.add_row(f"{v['offered_rate']:.4g}", f"{v['served_rate']:.4g}", f"{v['mean_queue_q2']:.1f}",
-                  f"{v['mean_queue_q4']:.1f}", "stable" if v["stable"] else "NOT stable")
+        for x in (v, v["above_mu"]):
+            t.add_row(f"{x['arrival_rate']:.4g}", f"{x['mean_queue_q2']:.1f}", f"{x['mean_queue_q4']:.1f}",
+                      _num(x["mean_e2el_q2"], 2), _num(x["mean_e2el_q4"], 2), "stable" if x["stable"] else "NOT stable")
         out.append(t)
+    out.append(Text(f"Next: {p['next_step']}."))
     return Group(*out)

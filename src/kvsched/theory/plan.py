@@ -42,28 +42,41 @@ def plan(inp: PlanInputs, validate: bool = False) -> dict[str, Any]:
     sc = inp.scenario
     w = sc.workload
     model, gpu, kv_tokens, cost = sc.resolve()
-    if inp.chunk < 1:
-        raise KvschedError(f"--chunk-size must be >= 1 token, got {inp.chunk}")
-    s, o = _servable(w, kv_tokens, sc.max_model_len or model.max_len)
     rate = _arrival_rate(w, inp.rate)
-    b, b_source = _batch_time(inp, s, o)
-    st = stability.analyse(s, o, kv_tokens, b, inp.chunk)
+    st, b_source, s, o = service_rate(inp)
     gpus = stability.gpus_needed(rate, st.mu, inp.utilization)
     mu_l, mu_o = float(s.mean()), float(o.mean())
     coef = coefficients(cost, mu_l, mu_o)
     out: dict[str, Any] = {
         "workload": w.source, "requests": int(len(s)), "model": model.name, "gpu": gpu.name,
         "kv_capacity": kv_tokens, "chunk_size": inp.chunk, "rate": rate, "utilization": inp.utilization,
-        "batch_time": b, "batch_time_source": b_source,
+        "batch_time": st.batch_time, "batch_time_source": b_source,
         **{k: v for k, v in st.as_dict().items() if k not in ("kv_capacity", "batch_time", "chunk_size")},
         "gpus_needed": gpus, "per_gpu_rate": rate / gpus, "per_gpu_load": rate / gpus / st.mu,
         "cost_coefficients": coef.as_dict(),
-        "fluid": _fluid(s, o, rate / gpus, coef.d0, coef.d1, kv_tokens),
+        "fluid": _fluid(s, o, rate / gpus, coef.d0, coef.d1, kv_tokens, st, sc.cost),
         "eb": _eb(o, mu_l, mu_o, coef, kv_tokens, inp.eps),
     }
     if validate:
-        out["validation"] = validation(inp, rate / gpus)
+        out["validation"] = validation(inp, rate / gpus, st.mu)
+    out["next_step"] = NEXT_STEP
     return out
+
+
+NEXT_STEP = ("mu ignores latency SLOs: `kvsched capacity` (same flags, plus --slo METRIC:STAT:MS and --rate) "
+             "finds the largest rate per replica that meets them, and the replicas for --rate, by simulation")
+
+
+def service_rate(inp: PlanInputs) -> tuple[stability.Stability, str, np.ndarray, np.ndarray]:
+    """mu of one replica (stability-capacity.txt eq. 1) for the scenario's workload, with b as
+    given or measured, and where b came from; also the servable (prompt, output) lengths."""
+    sc = inp.scenario
+    model, _, kv_tokens, _ = sc.resolve()
+    if inp.chunk < 1:
+        raise KvschedError(f"--chunk-size must be >= 1 token, got {inp.chunk}")
+    s, o = _servable(sc.workload, kv_tokens, sc.max_model_len or model.max_len)
+    b, b_source = _batch_time(inp, s, o)
+    return stability.analyse(s, o, kv_tokens, b, inp.chunk), b_source, s, o
 
 
 def _servable(w: Workload, kv_tokens: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,17 +126,34 @@ def _batch_time(inp: PlanInputs, s: np.ndarray, o: np.ndarray) -> tuple[float, s
                f"(chunk {inp.chunk}, {len(idx)} requests, {inp.scenario.cost} cost)")
 
 
-def _fluid(s: np.ndarray, o: np.ndarray, rate: float, d0: float, d1: float, kv_tokens: int) -> dict[str, Any]:
+def _fluid(s: np.ndarray, o: np.ndarray, rate: float, d0: float, d1: float, kv_tokens: int,
+           st: stability.Stability, cost: str) -> dict[str, Any]:
     """The fluid benchmark at one GPU's rate, with the workload's (s, o) pairs as types (a
-    request with o output tokens has l' = o - 1 decode stages)."""
+    request with o output tokens has l' = o - 1 decode stages).
+
+    Its batch time is another model than mu's b: the linear d0 + d1 x (tokens held)
+    (fluid-wait-nested-wait.txt eq. 1) fitted to the cost model, at the planned load, with no
+    memory limit; b is the batch time of a saturated replica. To reconcile the two, the
+    section also gives the fluid model at mu (iteration_time_at_mu, against b) and its own
+    largest stable rate, max_rate = rate / (d1 A) (the load d1 A is linear in the rate and
+    must stay below 1, eq. 6 and Proposition 1), which bounds compute where mu bounds memory."""
     pairs, counts = np.unique(np.column_stack([s, o]), axis=0, return_counts=True)
-    types = [fluid.FluidType(rate * c / len(s), float(p), float(q - 1)) for (p, q), c in zip(pairs, counts)]
+
+    def types(r: float) -> list:
+        return [fluid.FluidType(r * c / len(s), float(p), float(q - 1)) for (p, q), c in zip(pairs, counts)]
     if d0 <= 0:
         return {"note": "the cost model has no fixed batch overhead d0; the fluid model needs d0 > 0"}
-    out = fluid.summary(types, d0, d1)
+    out = fluid.summary(types(rate), d0, d1)
     out.pop("n_star")
-    out["d0"], out["d1"] = d0, d1
-    out["fits_memory"] = bool(out["stable"] and out["M_star"] <= kv_tokens)
+    at_mu = fluid.summary(types(st.mu), d0, d1)
+    out.update({
+        "d0": d0, "d1": d1, "fits_memory": bool(out["stable"] and out["M_star"] <= kv_tokens),
+        "batch_time_model": f"linear d0 + d1 x tokens held, fitted to the {cost} cost model (eq. 1), no memory "
+                            "limit; mu's b is a saturated replica's batch time",
+        "max_rate": rate / (d1 * out["load"]) if d1 > 0 and out["load"] > 0 else math.inf,
+        "iteration_time_at_mu": at_mu["iteration_time"], "M_star_at_mu": at_mu["M_star"],
+        "batch_time_b": st.batch_time, "mu": st.mu,
+    })
     return out
 
 
@@ -150,38 +180,63 @@ def _eb(o: np.ndarray, mu_l: float, mu_o: float, coef, kv_tokens: int, eps: floa
     return out
 
 
-def validation(inp: PlanInputs, per_gpu_rate: float) -> dict[str, Any]:
+def validation(inp: PlanInputs, per_gpu_rate: float, mu: float) -> dict[str, Any]:
     """Simulate one replica at its share of the traffic (round-robin across identical
-    replicas gives each the same law): the trace's own times rescaled, or Poisson."""
+    replicas gives each the same law), the trace's own times rescaled or Poisson, and again
+    at 1.05 mu, where it must be unstable (`above_mu`). `consistent`: stable at the plan's
+    load and unstable above mu, as the theory says."""
+    planned = _replica_verdict(inp, per_gpu_rate)
+    above = _replica_verdict(inp, ABOVE_MU * mu)
+    return {**planned, "above_mu": above, "consistent": bool(planned["stable"] and not above["stable"])}
+
+
+ABOVE_MU = 1.05
+
+
+def _replica_verdict(inp: PlanInputs, rate: float) -> dict[str, Any]:
     w = inp.scenario.workload
-    times = Replay(rate=per_gpu_rate).apply(w.arrival, np.random.default_rng(inp.seed)) \
+    times = Replay(rate=rate).apply(w.arrival, np.random.default_rng(inp.seed)) \
         if w.timed and not w.closed_loop and len(w) > 1 and w.arrival[-1] > w.arrival[0] else \
-        Poisson(per_gpu_rate).times(np.random.default_rng(inp.seed), len(w))
+        Poisson(rate).times(np.random.default_rng(inp.seed), len(w))
     replica = dataclasses.replace(w, arrival=np.asarray(times) - np.min(times),
                                   concurrency=np.zeros(len(w), np.int32))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # rejections were reported by the plan already
         r = simulate(inp.with_workload(replica), "vllm-v1", {"long_prefill_token_threshold": inp.chunk},
                      record_timeline=True)
-    return {"arrival_rate": per_gpu_rate, **queue_verdict(r, replica)}
+    return {"arrival_rate": rate, **queue_verdict(r)}
 
 
-def queue_verdict(r, w: Workload) -> dict[str, Any]:
-    """Stable when requests complete at the arrival rate and the queue does not trend up:
-    throughput over the arrival window within 5% of the arrival rate, and the waiting queue
-    in the last quarter of the arrival window no longer than in the second quarter plus
-    1% of the requests."""
-    tl = np.array(r.timeline)
-    end = float(w.arrival[-1])
-    done = r.records.finished[np.isfinite(r.records.finished)]
-    served = np.count_nonzero(done <= end) / end if end > 0 else math.nan
-    offered = (len(w) - 1) / end if end > 0 else math.nan
+def queue_verdict(r) -> dict[str, Any]:
+    """Stable when neither the waiting queue nor the time in system trends up over the run:
+    compared between the second and the last quarter of the arrival window (the first
+    quarter is warm-up),
+    - the mean waiting queue may grow by at most 1% of the requests, and
+    - the mean end-to-end latency of the requests arriving in them may grow by at most 10%
+      plus three standard errors of the difference.
+    Above capacity both grow linearly with time; counting completions instead would need the
+    run to be long against the latency (the first requests finish a latency late)."""
+    tl = np.asarray(list(r.timeline), dtype=np.float64)
+    rec = r.records
+    n, end = len(rec.arrival), float(np.max(rec.arrival))
 
     def mean_queue(a: float, b_: float) -> float:
         m = (tl[:, 0] >= a * end) & (tl[:, 0] < b_ * end)
         return float(tl[m, 1].mean()) if m.any() else 0.0
-    q2, q4 = mean_queue(0.25, 0.5), mean_queue(0.75, 1.0)
-    stable = served >= 0.95 * offered and q4 <= q2 + 0.01 * len(w)
-    return {"offered_rate": offered, "served_rate": served, "mean_queue_q2": q2, "mean_queue_q4": q4,
-            "peak_queue": int(r.summary["peak_queue_length"]), "completed": r.summary["completed"],
-            "rejected": r.summary["rejected"], "stable": bool(stable)}
+
+    def e2el(a: float, b_: float) -> np.ndarray:
+        m = (rec.arrival >= a * end) & (rec.arrival < b_ * end) & np.isfinite(rec.finished)
+        return (rec.finished - rec.arrival)[m]
+    q2, q4 = mean_queue(0.25, 0.5), mean_queue(0.75, 1.0001)
+    e2, e4 = e2el(0.25, 0.5), e2el(0.75, 1.0001)
+    if len(e2) > 1 and len(e4) > 1:
+        se = math.sqrt(e2.var(ddof=1) / len(e2) + e4.var(ddof=1) / len(e4))
+        e2m, e4m = float(e2.mean()), float(e4.mean())
+        latency_ok = e4m <= 1.1 * e2m + 3 * se
+    else:
+        e2m = e4m = math.nan
+        latency_ok = True
+    stable = latency_ok and q4 <= q2 + 0.01 * n
+    return {"offered_rate": (n - 1) / end if end > 0 else math.nan, "mean_e2el_q2": e2m, "mean_e2el_q4": e4m,
+            "mean_queue_q2": q2, "mean_queue_q4": q4, "peak_queue": int(r.summary["peak_queue_length"]),
+            "completed": r.summary["completed"], "rejected": r.summary["rejected"], "stable": bool(stable)}
