@@ -215,6 +215,7 @@ OUTPUT_FLAGS = {
     "json_": (bool, JsonOpt),
     "out": (Optional[Path], typer.Option(None, "--out", help="write summary.json, requests.csv, timeline.csv here")),
     "record_batches": (bool, typer.Option(False, "--record-batches", help="with --out: also batches.csv, one row per iteration")),
+    "plot": (bool, typer.Option(False, "--plot", help="with --out: also report.html with the plots of this run")),
 }
 
 
@@ -227,6 +228,7 @@ class OutputOptions:
     json_: bool
     out: Optional[Path]
     record_batches: bool
+    plot: bool = False
 
 
 output_flags = _flags(OUTPUT_FLAGS, OutputOptions, "outs")

@@ -65,6 +65,8 @@ def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], outs: OutputOpt
     only once all have run, and print the table or JSON."""
     from kvsched.run import RUN_ENVIRONMENT, check_out, jsonable, simulate, write_atomically
     json_, out, record_batches = outs.json_, outs.out, outs.record_batches
+    if outs.plot and out is None:
+        raise KvschedError("--plot needs --out (report.html goes into that folder)")
     if out is not None:
         check_out(out)                  # before the runs, not after them
     results = []
@@ -86,6 +88,9 @@ def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], outs: OutputOpt
                 keep = {r.policy: {k: v for k, v in r.summary.items() if k not in RUN_ENVIRONMENT} for r in results}
                 (d / "compare.json").write_text(json.dumps(jsonable(keep), indent=2, allow_nan=False,
                                                            default=str) + "\n")
+            if outs.plot:
+                from kvsched.report.html import write_report
+                write_report(d)
         write_atomically(out, fill)
     _emit(results, json_, keyed)
 

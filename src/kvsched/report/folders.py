@@ -1,0 +1,347 @@
+"""A simulate, compare, sweep or capacity folder read into one shape (`Folder`), so the plots
+and the page know nothing of file layouts. Every malformed file is a one-line error naming it."""
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from kvsched.errors import KvschedError
+
+LATENCY = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+CURVE_KEYS = ("request_throughput",) + LATENCY
+MAX_RUNS = 10           # configurations drawn in the distribution, timeline and tier plots
+
+
+@dataclass
+class Run:
+    """One run: flat scalar figures (tiers as `tier_<name>_<key>`), TTFT and TPOT percentiles
+    0..100 in ms, and the binned timeline rows (time, queue, running, KV fraction)."""
+    label: str
+    figures: dict[str, Any]
+    ttft_q: list[float]
+    tpot_q: list[float]
+    timeline: list[list[float]]
+
+
+@dataclass
+class Curve:
+    """A line of the latency-throughput plot: per rate (ascending), CURVE_KEYS averaged over seeds."""
+    label: str
+    points: list[dict[str, float]]
+
+
+@dataclass
+class Evaluation:
+    seed: int
+    rate: float
+    met: bool
+    figures: dict[str, Any]
+
+
+@dataclass
+class CapacityPolicy:
+    """One policy of a capacity search: the max rate over seeds and every probe it made."""
+    name: str
+    max_rate: float                     # NaN: no probed rate met the SLOs
+    max_rate_min: float
+    max_rate_max: float
+    mu: Optional[float]
+    bounded_by: str
+    met: Optional[bool]
+    evaluations: list[Evaluation]
+    gpus: Optional[dict[str, Any]]
+
+
+@dataclass
+class Limit:
+    """A capacity criterion on one figure: an SLO (at most `bound` ms) or the goodput
+    attainment (at least `bound`, a share)."""
+    key: str
+    bound: float
+    title: str
+    unit: str
+    upper: bool = True
+
+
+@dataclass
+class Capacity:
+    limits: list[Limit]
+    policies: list[CapacityPolicy]
+    seeds: list[int]
+
+
+@dataclass
+class Folder:
+    """What the page shows: `curves` (source described by `curves_from`), `runs` for the
+    distributions, timeline and tiers (`runs_from`), and a capacity search when there is one."""
+    kind: str
+    curves: list[Curve]
+    runs: list[Run]
+    curves_from: str
+    runs_from: str
+    capacity: Optional[Capacity] = None
+    notes: list[str] = field(default_factory=list)
+
+
+def load(path: Path) -> Folder:
+    """The folder's kind is told by the file that names it."""
+    if not path.is_dir():
+        raise KvschedError(f"{path}: no such folder")
+    for name, loader in (("capacity.json", _capacity), ("sweep.json", _sweep), ("compare.json", _compare),
+                         ("summary.json", _simulate)):
+        if (path / name).is_file():
+            return loader(path)
+    raise KvschedError(f"{path} is not a kvsched simulate, compare, sweep or capacity folder "
+                       "(it has no summary.json, compare.json, sweep.json or capacity.json)")
+
+
+@contextlib.contextmanager
+def about(path: Path) -> Iterator[None]:
+    """Unreadable or malformed content becomes one line naming the file."""
+    try:
+        yield
+    except KvschedError:
+        raise
+    except OSError as exc:
+        raise KvschedError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise KvschedError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
+
+
+def read_json(path: Path, kind: type = dict) -> Any:
+    with about(path):
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, kind):
+            raise TypeError(f"expected a JSON {kind.__name__}, got {type(doc).__name__}")
+        return doc
+
+
+# ---- simulate and compare folders: requests.csv, timeline.csv, summary.json ----
+
+def _simulate(d: Path) -> Folder:
+    run = _run_folder(d, None)
+    return Folder("simulate", [_one_point(run)], [run], "summary.json", "requests.csv and timeline.csv")
+
+
+def _compare(d: Path) -> Folder:
+    summaries = read_json(d / "compare.json")
+    runs = [_run_folder(d / name, name) for name in summaries]
+    if not runs:
+        raise KvschedError(f"{d / 'compare.json'}: no policies in it")
+    return Folder("compare", [_one_point(r) for r in runs], runs, "each policy's summary.json",
+                  "each policy's requests.csv and timeline.csv")
+
+
+def _one_point(run: Run) -> Curve:
+    return Curve(run.label, [{k: number(run.figures.get(k)) for k in CURVE_KEYS}])
+
+
+def _run_folder(d: Path, label: Optional[str]) -> Run:
+    from kvsched.point import binned_timeline
+    summary = read_json(d / "summary.json")
+    with about(d / "summary.json"):
+        label, capacity = label or str(summary["policy"]), int(summary["kv_capacity_tokens"])
+        figures = flatten(summary)
+    ttft, tpot = _latencies(d / "requests.csv")
+    timeline = []
+    if (d / "timeline.csv").is_file():
+        with about(d / "timeline.csv"):
+            timeline = binned_timeline(_csv_rows(d / "timeline.csv"), capacity)
+    return Run(label, figures, _percentiles(ttft), _percentiles(tpot), timeline)
+
+
+def _latencies(path: Path) -> tuple[list[float], list[float]]:
+    """TTFT and TPOT in ms of finished requests (TPOT of those with more than one token), as
+    `kvsched.point.figures` counts them."""
+    ttft, tpot = [], []
+    with about(path), open(path, newline="") as f:
+        rows = csv.reader(f)
+        col = {name: k for k, name in enumerate(next(rows))}
+        status, t, n, s = col["status"], col["ttft"], col["itl_count"], col["itl_sum"]
+        for row in rows:
+            if row[status] != "finished":
+                continue
+            ttft.append(float(row[t]) * 1000)
+            if int(row[n]) > 0:
+                tpot.append(float(row[s]) / int(row[n]) * 1000)
+    return ttft, tpot
+
+
+def _csv_rows(path: Path) -> list[list[float]]:
+    with open(path, newline="") as f:
+        rows = csv.reader(f)
+        next(rows)
+        return [[float(v) for v in row] for row in rows]
+
+
+def _percentiles(values: list[float]) -> list[float]:
+    import numpy as np
+    from kvsched.point import QUANTILES
+    return np.percentile(values, QUANTILES).tolist() if values else []
+
+
+def flatten(summary: dict[str, Any]) -> dict[str, Any]:
+    """A summary's scalars, its tiers as `tier_<name>_<key>` (the sweep's and capacity's form)."""
+    flat = {k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool)) or v is None}
+    for tier in summary.get("tiers") or []:
+        flat.update({f"tier_{tier['name']}_{k}": v for k, v in tier.items() if k != "name"})
+    return flat
+
+
+# ---- sweep folders: sweep.json, points/<key>.json ----
+
+def _sweep(d: Path) -> Folder:
+    meta = read_json(d / "sweep.json")
+    files = sorted((d / "points").glob("*.json"))
+    points = [_point(f) for f in files]
+    ok = [p for p in points if p["status"] == "ok"]
+    if not ok:
+        raise KvschedError(f"{d}: no point of the sweep finished ok ({len(points)} of {meta.get('points', '?')} "
+                           "points written)")
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for p, label in sorted(zip(ok, _labels([p["axes"] for p in ok])), key=_order(meta)):
+        groups[label].append(p)
+    curves = [Curve(label, _by_rate([(p["axes"]["rate"], p["figures"]) for p in ps])) for label, ps in groups.items()]
+    rate, runs_from = _shown_rate(groups)
+    shown = list(groups.items())[:MAX_RUNS]
+    runs = [_figures_run(label, _at(ps, rate)) for label, ps in shown]
+    notes = [f"{len(points) - len(ok)} of {len(points)} points did not finish ok and are left out"] \
+        if len(ok) < len(points) else []
+    if len(groups) > MAX_RUNS:
+        notes.append(f"distributions, timelines and tiers show the first {MAX_RUNS} of {len(groups)} configurations")
+    return Folder("sweep", curves, runs, f"{len(ok)} points of points/*.json, seeds averaged per rate",
+                  runs_from, notes=notes)
+
+
+def _point(f: Path) -> dict:
+    p = read_json(f)
+    with about(f):
+        if p["status"] == "ok":
+            axes, figures = p["axes"], p["figures"]
+            if not isinstance(figures, dict) or not isinstance(axes["params"], dict):
+                raise TypeError("figures and axes.params must be objects")
+            _rate_key(axes["rate"]), int(axes["seed"]), str(axes["policy"])
+    return p
+
+
+def _labels(axes: list[dict]) -> list[str]:
+    """Policy, then each other axis (parameters as key=value) that varies across the points."""
+    def parts(a: dict) -> dict[str, str]:
+        out = {k: f"{k}={v}" for k, v in a.items() if k not in ("policy", "rate", "seed", "params")}
+        out.update({f"params.{k}": f"{k}={v}" for k, v in sorted(a["params"].items())})
+        return out
+    each = [parts(a) for a in axes]
+    varying = sorted({k for p in each for k in p if len({q.get(k) for q in each}) > 1})
+    return [" ".join([str(a["policy"])] + [p[k] for k in varying if k in p]) for a, p in zip(axes, each)]
+
+
+def _order(meta: dict) -> Callable[[tuple[dict, str]], tuple]:
+    """Configurations in the order of sweep.json's policy axis, then by label, numbers by value."""
+    axes = meta.get("axes") if isinstance(meta.get("axes"), dict) else {}
+    rank = {str(p): k for k, p in enumerate(axes.get("policy") or [])}
+
+    def key(item: tuple[dict, str]) -> tuple:
+        point, label = item
+        words = [(0, float(w), "") if _is_number(w) else (1, 0.0, w) for w in re.split(r"([-+]?\d+(?:\.\d+)?)", label)]
+        return rank.get(str(point["axes"]["policy"]), len(rank)), words, _rate_key(point["axes"]["rate"])
+    return key
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def _rate_key(rate: Any) -> float:
+    """A point's rate; none (the trace's own rate) sorts first."""
+    return -math.inf if rate is None else float(rate)
+
+
+def _by_rate(pairs: list[tuple[Any, dict]]) -> list[dict[str, float]]:
+    """CURVE_KEYS averaged over the seeds of each rate, rates ascending."""
+    by: dict[float, list[dict]] = defaultdict(list)
+    for rate, figures in pairs:
+        by[_rate_key(rate)].append(figures)
+    return [{"rate": rate, **{k: _mean([f.get(k) for f in fs]) for k in CURVE_KEYS}} for rate, fs in sorted(by.items())]
+
+
+def _mean(values: list[Any]) -> float:
+    xs = [x for x in map(number, values) if math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def number(v: Any) -> float:
+    """A figure as a float; NaN for a missing, null or non-numeric one."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+
+
+def _shown_rate(groups: dict[str, list[dict]]) -> tuple[Optional[float], str]:
+    """The highest rate at which every configuration has an ok point (None: each its own highest)."""
+    common = set.intersection(*({_rate_key(p["axes"]["rate"]) for p in ps} for ps in groups.values()))
+    if not common:
+        return None, "each configuration's highest rate (no rate is common to all), lowest seed"
+    rate = max(common)
+    return rate, f"rate {_rate_text(rate)}, the highest at which every configuration has an ok point; lowest seed"
+
+
+def _rate_text(rate: float) -> str:
+    return "of the trace" if rate == -math.inf else f"{rate:g} req/s"
+
+
+def _at(points: list[dict], rate: Optional[float]) -> dict:
+    """The lowest-seed point at `rate` (None: at the group's highest rate)."""
+    rate = max(_rate_key(p["axes"]["rate"]) for p in points) if rate is None else rate
+    return min((p for p in points if _rate_key(p["axes"]["rate"]) == rate), key=lambda p: int(p["axes"]["seed"]))
+
+
+def _figures_run(label: str, point: dict) -> Run:
+    figures = point.get("figures", point)
+    return Run(label, {k: v for k, v in figures.items() if not isinstance(v, (list, dict))},
+               list(figures.get("ttft_quantiles_ms") or []), list(figures.get("tpot_quantiles_ms") or []),
+               list(figures.get("timeline") or []))
+
+
+# ---- capacity folders: capacity.json ----
+
+def _capacity(d: Path) -> Folder:
+    path = d / "capacity.json"
+    doc = read_json(path)
+    with about(path):
+        cap = Capacity(_limits(doc), [_capacity_policy(n, p) for n, p in doc["policies"].items()],
+                       [int(s) for s in doc.get("seeds") or []])
+        runs = [_figures_run(n, p["at_max_rate_runs"][0]) for n, p in doc["policies"].items()
+                if p.get("at_max_rate_runs")][:MAX_RUNS]
+    if not cap.policies:
+        raise KvschedError(f"{path}: no policies in it")
+    curves = [Curve(p.name, _by_rate([(e.rate, e.figures) for e in p.evaluations])) for p in cap.policies]
+    return Folder("capacity", curves, runs, "capacity.json's evaluations (every probed rate), seeds averaged per rate",
+                  "each policy's first seed's run at its max rate (at_max_rate_runs)", capacity=cap)
+
+
+def _limits(doc: dict) -> list[Limit]:
+    limits = [Limit(str(s["key"]), float(s["ms"]), f"{s.get('stat', '')} {str(s.get('metric', '')).upper()} <= "
+                    f"{float(s['ms']):g} ms ({s['key']})", "ms") for s in doc["slos"]]
+    att = doc.get("attainment")
+    if att:
+        limits.append(Limit("goodput_attainment", float(att["target"]),
+                            f"goodput attainment >= {float(att['target']):g}", "share of requests", upper=False))
+    return limits
+
+
+def _capacity_policy(name: str, p: dict) -> CapacityPolicy:
+    at = p.get("at_max_rate") or {}
+    mu = p.get("mu")
+    return CapacityPolicy(name, number(p["max_rate"]), number(p["max_rate_min"]), number(p["max_rate_max"]),
+                          None if mu is None else float(mu), str(p.get("bounded_by", "")), at.get("met"),
+                          [Evaluation(int(e["seed"]), float(e["rate"]), bool(e["met"]), dict(e["figures"]))
+                           for e in p.get("evaluations") or []], p.get("gpus"))
