@@ -1,0 +1,286 @@
+"""`kvsched sweep`: grid expansion (flags and grid files), the folder and its table, resuming
+after a kill without repeating finished points, failing points recorded while the sweep goes
+on, the same figures whatever --jobs, and the Ray backend."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvsched import sweep as sw
+from kvsched.cli import app
+from kvsched.cli.run import _scoped_params
+
+runner = CliRunner()
+SMALL = ["--num-requests", "40"]
+
+
+def sweep(*args: str):
+    return runner.invoke(app, ["sweep", *args])
+
+
+def rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def figures_only(table: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Rows without `seconds` (wall time, not a figure)."""
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in table]
+
+
+def point_files(out: Path) -> dict[str, tuple[int, int]]:
+    """name -> (inode, mtime_ns) of each stored point."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / "points").glob("*.json")}
+
+
+# ---- the grid ---------------------------------------------------------------------------
+
+def test_flags_expand_with_parameters_scoped_to_the_policies_having_them():
+    raw = sw.from_flags("vllm-v1,sarathi", "2,4", "0-1", ["chunk_size=128,256", "max_num_seqs=8,16"])
+    grid = sw.resolve(raw, _scoped_params)
+    assert grid.params == {"vllm-v1": {"max_num_seqs": ["8", "16"]},
+                           "sarathi": {"chunk_size": ["128", "256"], "max_num_seqs": ["8", "16"]}}
+    points = [axes for _, axes in grid.expand()]
+    assert len(points) == 2 * 2 * 2 + 4 * 2 * 2     # vllm-v1 has no chunk_size: not multiplied by it
+    assert points[0] == {"policy": "vllm-v1", "rate": 2.0, "seed": 0, "params": {"max_num_seqs": 8}}
+    assert points[1]["seed"] == 1 and points[2]["rate"] == 4.0           # seed innermost, then rate
+    assert points[8] == {"policy": "sarathi", "rate": 2.0, "seed": 0, "params": {"chunk_size": 128, "max_num_seqs": 8}}
+
+
+def test_a_scoped_axis_wins_over_the_unscoped_one():
+    raw = sw.from_flags("sarathi,vllm-v1", "1", None, ["sarathi.max_num_seqs=4", "max_num_seqs=8,16"])
+    grid = sw.resolve(raw, _scoped_params)
+    assert grid.params == {"sarathi": {"max_num_seqs": ["4"]}, "vllm-v1": {"max_num_seqs": ["8", "16"]}}
+    assert grid.seeds == [0]
+
+
+@pytest.mark.parametrize("spec, seeds", [("0-3", [0, 1, 2, 3]), ("0,2,5", [0, 2, 5]), ("0-1,7", [0, 1, 7]),
+                                         ("4", [4])])
+def test_seed_forms(spec, seeds):
+    assert sw.parse_seeds(spec, "--seeds") == seeds
+
+
+def test_grid_file_axes_and_settings(tmp_path):
+    path = tmp_path / "grid.toml"
+    path.write_text('policies = ["vllm-v1", "sarathi"]\nrates = [1, 2.5]\nseeds = "0-1"\n'
+                    'gpu = ["a100-80gb", "h100-sxm"]\nnum-requests = 40\n'
+                    '[set]\n"sarathi.chunk_size" = [256, 512]\n')
+    from kvsched.cli.sweep import AXIS_KINDS
+    raw = sw.read_grid_file(path, AXIS_KINDS)
+    assert raw.rates == [1.0, 2.5] and raw.seeds == [0, 1]
+    assert raw.options == {"gpu": ["a100-80gb", "h100-sxm"]} and raw.settings == {"num_requests": 40}
+    grid = sw.resolve(raw, _scoped_params)
+    assert len(list(grid.expand())) == (1 + 2) * 2 * 2 * 2
+    out = tmp_path / "out"
+    r = sweep("--grid", str(path), "--out", str(out), "--jobs", "2")
+    assert r.exit_code == 0, r.output
+    meta = json.loads((out / "sweep.json").read_text())
+    assert meta == {"kind": "sweep", "version": 1, "points": 24,
+                    "axes": {"policy": ["vllm-v1", "sarathi"], "rate": [1.0, 2.5], "seed": [0, 1],
+                             "params": {"sarathi": {"chunk_size": [256, 512]}}, "gpu": ["a100-80gb", "h100-sxm"]}}
+    table = rows(out / "sweep.csv")
+    assert list(table[0])[:8] == ["policy", "rate", "seed", "param.chunk_size", "gpu", "status", "error", "seconds"]
+    assert {r["completed"] for r in table} == {"40"}                      # the setting applies everywhere
+    assert [r["gpu"] for r in table[:8]] == ["a100-80gb"] * 4 + ["h100-sxm"] * 4
+
+
+BAD_FILES = {
+    "unknown-key": ('rates = [1]\nspeed = 3\n', "bad.toml: unknown key 'speed'"),
+    "syntax": ('rates = [1\n', "bad.toml: not valid TOML"),
+    "option-type": ('rates = [1]\nkv_capacity = [1.5]\n', "bad.toml: kv_capacity: 1.5 must be a whole number"),
+    "empty-axis": ('rates = [1]\ngpu = []\n', "bad.toml: gpu: an axis needs at least one value"),
+    "bad-gpu": ('rates = [1]\ngpu = ["a100-80gb", "tpu"]\n', "unknown GPU 'tpu'"),
+    "both": ('rates = [1]\n', "rates are given both by --rates and in"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_FILES)
+def test_bad_grid_files_are_errors_before_any_work(tmp_path, name):
+    text, message = BAD_FILES[name]
+    (tmp_path / "bad.toml").write_text(text)
+    out = tmp_path / "out"
+    r = sweep("--grid", str(tmp_path / "bad.toml"), "--out", str(out), *(["--rates", "2"] if name == "both" else []))
+    assert r.exit_code == 2 and message in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+BAD_FLAGS = {
+    "rate": (["--rates", "1,fast"], "--rates: 'fast' is not a number"),
+    "negative-rate": (["--rates", "1,-2"], "--rates must be a finite number > 0"),
+    "no-rates": ([], "a sweep needs rates"),
+    "policy": (["--rates", "1", "--policies", "vllm-v1,fifo"], "unknown policy 'fifo'"),
+    "seeds": (["--rates", "1", "--seeds", "0-x"], "--seeds: '0-x' is not a seed"),
+    "twice": (["--rates", "1,1"], "--rates: 1.0 is given twice"),
+    "param": (["--rates", "1", "--set", "chunk=1,2"], "no compared policy has parameter 'chunk'"),
+    "scoped-param": (["--rates", "1", "--policies", "sarathi", "--set", "sarathi.chunk=1"],
+                     "sarathi has no parameter 'chunk'"),
+    "rate-flag": (["--rates", "1", "--rate", "3"], "not --rate"),
+    "backend": (["--rates", "1", "--backend", "dask"], "--backend must be one of process, ray"),
+    "workload": (["--rates", "1", "--workload", "no-such-preset"], "unknown workload 'no-such-preset'"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_FLAGS)
+def test_bad_flags_are_errors_before_any_work(tmp_path, name):
+    args, message = BAD_FLAGS[name]
+    out = tmp_path / "out"
+    r = sweep(*args, "--out", str(out))
+    assert r.exit_code == 2 and message in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_a_foreign_folder_is_refused_untouched(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    r = sweep("--rates", "2", *SMALL, "--out", str(tmp_path))
+    assert r.exit_code == 2 and "holds no sweep" in r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+# ---- the folder and the table --------------------------------------------------------------
+
+def test_folder_table_and_parquet(tmp_path):
+    out = tmp_path / "s"
+    r = sweep("--policies", "vllm-v1,orca", "--rates", "2,6", "--seeds", "0-1", "--set", "max_num_seqs=4,64",
+              *SMALL, "--out", str(out), "--json")
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert summary["points"] == summary["done"] == 16 and summary["skipped"] == summary["failed"] == 0
+    assert summary["tables"] == [str(out / "sweep.csv"), str(out / "sweep.parquet")]
+    table = rows(out / "sweep.csv")
+    columns = list(table[0])
+    assert columns[:7] == ["policy", "rate", "seed", "param.max_num_seqs", "status", "error", "seconds"]
+    assert "mean_ttft_ms" in columns and "ttft_quantiles_ms" not in columns and "timeline" not in columns
+    assert [(r["policy"], r["param.max_num_seqs"], r["rate"], r["seed"]) for r in table[:5]] == [
+        ("vllm-v1", "4", "2.0", "0"), ("vllm-v1", "4", "2.0", "1"), ("vllm-v1", "4", "6.0", "0"),
+        ("vllm-v1", "4", "6.0", "1"), ("vllm-v1", "64", "2.0", "0")]
+    stored = [json.loads(p.read_text()) for p in (out / "points").glob("*.json")]
+    assert len(stored) == 16 and {len(s["key"]) for s in stored} == {sw.KEY_LENGTH}
+    one = stored[0]
+    assert set(one) == {"key", "axes", "status", "error", "seconds", "figures"}
+    assert set(one["axes"]) == {"policy", "rate", "seed", "params"}
+    assert len(one["figures"]["ttft_quantiles_ms"]) == 101 and one["figures"]["timeline"]
+    pq = pytest.importorskip("pyarrow.parquet")
+    data = pq.read_table(out / "sweep.parquet").to_pylist()
+    assert [d["mean_ttft_ms"] for d in data] == [float(r["mean_ttft_ms"]) for r in table]
+    assert [d["param.max_num_seqs"] for d in data][:5] == [4, 4, 4, 4, 64]
+
+
+def test_failing_points_are_recorded_and_the_sweep_goes_on(tmp_path):
+    out = tmp_path / "s"
+    # chunk_size=0 is outside sarathi's range; llama-2-13b does not fit an a30: both fail only their points
+    grid = tmp_path / "g.toml"
+    grid.write_text('gpu = ["a100-80gb", "a30"]\n')
+    r = sweep("--policies", "sarathi", "--rates", "2,4", "--set", "chunk_size=256,0", "--model", "llama-2-13b",
+              "--grid", str(grid), *SMALL, "--out", str(out))
+    assert r.exit_code == 1, r.output
+    assert r.stderr.startswith("kvsched: warning: 6 of 8 points failed (first: sarathi at rate 2, seed 0: ")
+    table = rows(out / "sweep.csv")
+    ok = [r for r in table if r["status"] == "ok"]
+    assert [(r["param.chunk_size"], r["gpu"]) for r in ok] == [("256", "a100-80gb")] * 2
+    assert all(float(r["mean_ttft_ms"]) > 0 for r in ok)
+    errors = {(r["param.chunk_size"], r["gpu"]): r["error"] for r in table if r["status"] == "error"}
+    assert "chunk_size=0 is outside its range" in errors[("0", "a100-80gb")]
+    assert "do not fit in 90% of a30" in errors[("256", "a30")]
+    assert all(r["mean_ttft_ms"] == "" for r in table if r["status"] == "error")
+    assert len(point_files(out)) == 8
+    before = point_files(out)           # a re-run keeps failed points (deterministic) ...
+    r = sweep("--policies", "sarathi", "--rates", "2,4", "--set", "chunk_size=256,0", "--model", "llama-2-13b",
+              "--grid", str(grid), *SMALL, "--out", str(out), "--json")
+    assert r.exit_code == 1 and json.loads(r.stdout)["skipped"] == 8 and point_files(out) == before
+    r = sweep("--policies", "sarathi", "--rates", "2,4", "--set", "chunk_size=256,0", "--model", "llama-2-13b",
+              "--grid", str(grid), *SMALL, "--out", str(out), "--json", "--retry-failed")   # ... unless asked
+    assert r.exit_code == 1 and json.loads(r.stdout)["done"] == 6
+    ok_files = {k for k in before if json.loads((out / "points" / k).read_text())["status"] == "ok"}
+    assert len(ok_files) == 2 and all(point_files(out)[k] == before[k] for k in ok_files)
+
+
+def test_keys_follow_the_definition(tmp_path):
+    out = tmp_path / "s"
+    args = ["--policies", "orca", "--rates", "3", "--seeds", "0-1", "--out", str(out), "--json"]
+    assert sweep(*args, *SMALL).exit_code == 0
+    again = json.loads(sweep(*args, *SMALL).stdout)
+    assert (again["done"], again["skipped"]) == (0, 2)
+    changed = json.loads(sweep(*args, "--num-requests", "30").stdout)        # a changed flag: new points
+    assert (changed["done"], changed["skipped"]) == (2, 0)
+    assert len(point_files(out)) == 4 and len(rows(out / "sweep.csv")) == 2
+
+
+def test_same_figures_whatever_jobs(tmp_path):
+    args = ["--policies", "vllm-v1,sarathi", "--rates", "2,8", "--seeds", "0-2", *SMALL, "--json"]
+    for jobs in ("1", "2"):
+        assert sweep(*args, "--jobs", jobs, "--out", str(tmp_path / jobs)).exit_code == 0
+    one, two = ({p.name: json.loads(p.read_text()) for p in (tmp_path / j / "points").glob("*.json")}
+                for j in ("1", "2"))
+    assert one.keys() == two.keys() and len(one) == 12
+    assert all(one[k]["figures"] == two[k]["figures"] for k in one)
+    assert figures_only(rows(tmp_path / "1" / "sweep.csv")) == figures_only(rows(tmp_path / "2" / "sweep.csv"))
+
+
+def test_a_point_is_the_simulate_run(tmp_path):
+    """Bit for bit: a point's figures are simulate's summary at that policy, rate and seed."""
+    common = ["--set", "chunk_size=128", "--num-requests", "40", "--replicas", "2", "--router", "random", "--json"]
+    r = sweep("--policies", "sarathi", "--rates", "3", "--seeds", "5", *common, "--out", str(tmp_path / "s"))
+    assert r.exit_code == 0, r.output
+    [point] = [json.loads(p.read_text()) for p in (tmp_path / "s" / "points").glob("*.json")]
+    r = runner.invoke(app, ["simulate", "--policy", "sarathi", "--rate", "3", "--seed", "5", *common])
+    summary = json.loads(r.stdout)
+    scalars = {k: v for k, v in point["figures"].items() if not isinstance(v, list)}
+    assert len(scalars) > 30 and all(summary[k] == v for k, v in scalars.items())
+
+
+# ---- resuming after a kill -------------------------------------------------------------------
+
+KILL_GRID = ["--policies", "vllm-v1,sarathi", "--rates", "1,2,4,8", "--seeds", "0-2", "--num-requests", "300"]
+
+
+def test_a_killed_sweep_resumes_without_repeating_finished_points(tmp_path):
+    out, ref = tmp_path / "killed", tmp_path / "whole"
+    total = 24
+    proc = subprocess.Popen([sys.executable, "-m", "kvsched", "sweep", *KILL_GRID, "--jobs", "1", "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while len(point_files(out)) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    time.sleep(0.6)                     # orphaned workers notice and exit; nothing else writes
+    before = point_files(out)
+    assert 3 <= len(before) < total, "the sweep finished before the kill: make KILL_GRID larger"
+    r = sweep(*KILL_GRID, "--jobs", "2", "--out", str(out), "--json")
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert (summary["points"], summary["skipped"], summary["done"]) == (total, len(before), total - len(before))
+    after = point_files(out)
+    assert len(after) == total and all(after[name] == before[name] for name in before)    # not recomputed
+    assert not [p for p in out.rglob(".*") if p.is_file()]                                # no temporary files
+    r = sweep(*KILL_GRID, "--jobs", "2", "--out", str(ref), "--json")
+    assert r.exit_code == 0, r.output
+    assert figures_only(rows(out / "sweep.csv")) == figures_only(rows(ref / "sweep.csv"))
+
+
+# ---- Ray -------------------------------------------------------------------------------------
+
+def test_ray_missing_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)       # `import ray` raises ImportError
+    r = sweep("--rates", "2", *SMALL, "--backend", "ray", "--out", str(tmp_path / "s"))
+    assert r.exit_code == 2 and r.stderr == "kvsched: error: --backend ray needs Ray: pip install 'kvsched[ray]'\n"
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.ray
+def test_ray_backend_runs_the_same_grid(tmp_path):
+    pytest.importorskip("ray")
+    args = ["--policies", "vllm-v1,orca", "--rates", "2,6", *SMALL, "--json", "--jobs", "2"]
+    r = sweep(*args, "--backend", "ray", "--out", str(tmp_path / "ray"))
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["done"] == 4
+    assert sweep(*args, "--out", str(tmp_path / "proc")).exit_code == 0
+    assert figures_only(rows(tmp_path / "ray" / "sweep.csv")) == figures_only(rows(tmp_path / "proc" / "sweep.csv"))
