@@ -329,7 +329,7 @@ def test_out_is_written_atomically(tmp_path, monkeypatch):
 
     def fail(src, dst):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr("kvsched.cost.calibrate.os.replace", fail)
+    monkeypatch.setattr("kvsched.files.os.replace", fail)
     with pytest.raises(KvschedError, match="cannot write .*No space left"):
         write_cost_file(target, {"kvsched_cost": 1})
     assert target.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["cost.json"]

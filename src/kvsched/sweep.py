@@ -16,7 +16,6 @@ import itertools
 import json
 import os
 import signal
-import tempfile
 import threading
 import time
 import tomllib
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from kvsched.errors import KvschedError
+from kvsched.files import atomic_file
 from kvsched.point import Point, check_rate, figures
 from kvsched.run import Scenario, check_out, jsonable
 
@@ -515,14 +515,8 @@ class Store:
     @staticmethod
     def replace(path: Path, write: Callable[[Any], None], mode: str = "w") -> None:
         """Write `path` by a temporary file in the same folder and a rename."""
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
-        try:
-            with os.fdopen(fd, mode, **({"newline": ""} if "b" not in mode else {})) as f:
-                write(f)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_file(path, mode, suffix=TEMP_SUFFIX) as f:
+            write(f)
 
 
 # ---- the table ----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The `kvsched` command. Each module adds its commands to the one Typer app."""
-from kvsched.cli import (calibrate, capacity, replay, report, run, sweep, theory,  # noqa: F401  (they register
-                         workloads)                                               # their commands)
+# each module registers its commands
+from kvsched.cli import calibrate, capacity, replay, report, run, sweep, theory, workloads  # noqa: F401
 from kvsched.cli.common import app
 
 

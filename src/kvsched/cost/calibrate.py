@@ -19,8 +19,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -32,6 +30,7 @@ from kvsched.cost.roofline import RooflineCost
 from kvsched.cost.shape import BatchShape
 from kvsched.cost.tiled import TiledCost
 from kvsched.errors import KvschedError
+from kvsched.files import atomic_file
 from kvsched.hardware import GPU, Model
 from kvsched.params import build
 
@@ -525,23 +524,8 @@ def write_cost_file(path: str | Path, payload: dict) -> None:
     so `path` is either untouched or complete."""
     path = Path(path)
     text = json.dumps(payload, indent=2, allow_nan=False) + "\n"
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise KvschedError(f"cannot write {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)                   # mkstemp makes 0600: give it a plain file's mode
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise KvschedError(f"cannot write {path}: {exc.strerror or exc}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as f:
+        f.write(text)
 
 
 __all__ = ["STEP_LOG_HEADER", "MODELS", "StepLog", "read_step_log", "Calibration", "Fit", "calibrate",

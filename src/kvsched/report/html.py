@@ -6,13 +6,12 @@ from __future__ import annotations
 import base64
 import html
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvsched.errors import KvschedError
+from kvsched.files import atomic_file
 from kvsched.report.folders import Folder, load
 
 CSS = """body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1160px;margin:24px auto;
@@ -205,18 +204,5 @@ def _list_in_manifest(folder: Path, target: Path) -> None:
 
 
 def _write_text(path: Path, text: str) -> None:
-    """Write by a temporary sibling and a rename: the file is whole or untouched."""
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    except OSError as exc:
-        raise KvschedError(f"cannot write {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise KvschedError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_file(path) as f:
+        f.write(text)

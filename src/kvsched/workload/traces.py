@@ -3,12 +3,11 @@ Formats and their checks live in `readers.py`."""
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 
 
 from kvsched.errors import KvschedError
+from kvsched.files import atomic_file
 from kvsched.workload.arrivals import Arrivals, Closed, Poisson, Replay, TraceRate
 from kvsched.workload.request import Workload
 from kvsched.workload.spec import Phase, WorkloadSpec
@@ -67,26 +66,15 @@ def export_csv(workload: Workload, path: str | Path) -> None:
     for name in names:
         if "," in name or '"' in name or not name.strip():
             raise KvschedError(f"tier name {name!r} cannot be written as a CSV field")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.resolve().parent)
-    except OSError as exc:
-        raise KvschedError(f"cannot write {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            f.write("arrival_time,prompt_tokens,output_tokens" + (",tier\n" if tiered else "\n"))
-            tiers = workload.tier_index.tolist()
-            for k, (t, p, o) in enumerate(zip(workload.arrival.tolist(), workload.prompt.tolist(),
-                                              workload.output.tolist())):
-                if not math.isfinite(t):
-                    raise KvschedError(f"request {k} has no finite arrival time")
-                tail = f",{names[tiers[k]] if tiers[k] >= 0 else ''}" if tiered else ""
-                f.write(f"{t!r},{p},{o}{tail}\n")
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise KvschedError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_file(path) as f:
+        f.write("arrival_time,prompt_tokens,output_tokens" + (",tier\n" if tiered else "\n"))
+        tiers = workload.tier_index.tolist()
+        for k, (t, p, o) in enumerate(zip(workload.arrival.tolist(), workload.prompt.tolist(),
+                                          workload.output.tolist())):
+            if not math.isfinite(t):
+                raise KvschedError(f"request {k} has no finite arrival time")
+            tail = f",{names[tiers[k]] if tiers[k] >= 0 else ''}" if tiered else ""
+            f.write(f"{t!r},{p},{o}{tail}\n")
 
 
 
