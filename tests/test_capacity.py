@@ -161,3 +161,11 @@ def test_plan_validate_is_unstable_above_mu():
     assert "kvsched capacity" in d["next_step"]
     fl = d["fluid"]
     assert "fitted to the constant cost model" in fl["batch_time_model"] and fl["batch_time_b"] == d["batch_time"]
+
+
+def test_table_has_a_column_per_policy():
+    r = runner.invoke(app, ["capacity", *SMALL, "--slo", "ttft:p90:200", "--policies", "vllm-v1,sarathi",
+                            "--rate", "150"])
+    assert r.exit_code == 0, r.output
+    assert "vllm-v1" in r.stdout and "sarathi" in r.stdout and "max_rate" in r.stdout
+    assert "R / max_rate" in r.stdout and "simulated, fewest meeting" in r.stdout

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import typer
-from rich.console import Group
 from rich.table import Table
 
 from kvsched.cli.common import (ClusterOptions, HardwareOptions, JsonOpt, Progress, app, cluster_flags, emit, guard,
@@ -130,32 +129,37 @@ def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], 
     return payload
 
 
-def _tables(p: dict[str, Any]) -> Group:
+def _tables(p: dict[str, Any]) -> Table:
+    """One column per policy (as `compare`), so several fit a terminal."""
     slos = ", ".join(f"{s['metric']} {s['stat']} <= {s['ms']:g} ms" for s in p["slos"])
     if p["attainment"]:
         slos += (", " if slos else "") + f"goodput attainment >= {p['attainment']['target']:g}"
-    t = Table(title=f"Capacity at SLOs ({slos}); mu = {p['mu_per_replica']:.4g} req/s per replica "
-                    f"(b = {p['batch_time'] * 1000:.2f} ms)", title_justify="left",
-              caption=f"{len(p['seeds'])} seeds of {p['requests']:,} requests; bisection to {p['tolerance']:g} x mu",
-              caption_justify="left")
-    keys = [s["key"] for s in p["slos"]] + (["goodput_attainment"] if p["attainment"] else [])
-    for c in ["policy", "max_rate req/s", "seeds min-max", "x mu", "bounded by", *keys, "seeds met"]:
-        t.add_column(c, justify="left" if c == "policy" else "right")
-    for name, r in p["policies"].items():
-        at = r["at_max_rate"] or {}
-        t.add_row(name, f"{r['max_rate']:.4g}", f"{r['max_rate_min']:.4g}-{r['max_rate_max']:.4g}",
-                  f"{r['max_rate_over_mu']:.2f}", r["bounded_by"],
-                  *(_fig(at.get(k)) for k in keys), f"{at.get('met_seeds', 0)}/{len(p['seeds'])}")
-    out: list = [t]
-    for name, r in p["policies"].items():
-        g = r.get("gpus")
-        if g:
-            gt = Table(title=f"Replicas for {g['rate']:g} req/s ({name})", title_justify="left")
-            for c in ("closed form ceil(rate / (mu rho))", "closed form ceil(rate / max_rate)", "simulated"):
-                gt.add_column(c, justify="right")
-            gt.add_row(str(g["closed_form_stability"]), str(g["closed_form_slo"] or "-"), str(g["simulated"]))
-            out.append(gt)
-    return Group(*out)
+    t = Table(title=f"Capacity at SLOs ({slos})", title_justify="left", caption_justify="left",
+              caption=f"mu = {p['mu_per_replica']:.4g} req/s per replica (b = {p['batch_time'] * 1000:.2f} ms); "
+                      f"{len(p['seeds'])} seeds of {p['requests']:,} requests; bisection to {p['tolerance']:g} x mu")
+    t.add_column("quantity")
+    res = p["policies"]
+    for name in res:
+        t.add_column(name, justify="right")
+    rows: list[tuple[str, Any]] = [
+        ("max_rate, req/s (seed median)", lambda r: f"{r['max_rate']:.4g}"),
+        ("seeds' min - max", lambda r: f"{r['max_rate_min']:.4g} - {r['max_rate_max']:.4g}"),
+        ("max_rate / mu", lambda r: f"{r['max_rate_over_mu']:.2f}"),
+        ("bounded by", lambda r: r["bounded_by"])]
+    keys = [(s["key"], f"<= {s['ms']:g}") for s in p["slos"]]
+    if p["attainment"]:
+        keys.append(("goodput_attainment", f">= {p['attainment']['target']:g}"))
+    rows += [(f"{k} at max_rate ({bound})", lambda r, k=k: _fig((r["at_max_rate"] or {}).get(k))) for k, bound in keys]
+    rows.append(("seeds meeting at max_rate", lambda r: f"{(r['at_max_rate'] or {}).get('met_seeds', 0)}/{len(p['seeds'])}"))
+    g = next(iter(res.values())).get("gpus")
+    if g:
+        rows += [(f"replicas for {g['rate']:g} req/s: R / (mu x {g['utilization']:g})",
+                  lambda r: str(r["gpus"]["closed_form_stability"])),
+                 ("  R / max_rate", lambda r: str(r["gpus"]["closed_form_slo"] or "-")),
+                 ("  simulated, fewest meeting", lambda r: str(r["gpus"]["simulated"]))]
+    for label, cell in rows:
+        t.add_row(label, *(cell(r) for r in res.values()))
+    return t
 
 
 def _fig(v: float | None) -> str:

@@ -77,6 +77,12 @@ def _log_if_wide(ax: Axes, values: list[float], axis: str = "y") -> None:
     pos = [v for v in values if math.isfinite(v) and v > 0]
     if pos and max(pos) > 30 * min(pos):
         (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+        target = ax.yaxis if axis == "y" else ax.xaxis
+        target.set_minor_formatter(NullFormatter())     # matplotlib's labelled minor ticks overlap
+        if max(pos) <= 300 * min(pos):                  # a short span: label 1, 2, 5 x 10^k, plainly
+            target.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            target.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
 
 
 def latency_throughput(curves: list[Curve], colors: dict[str, Any]) -> bytes:
