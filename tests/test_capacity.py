@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 from typer.testing import CliRunner
@@ -46,17 +47,24 @@ def test_loose_slo_lands_near_mu_and_a_tight_one_lower():
     assert tight["mu"] == loose["mu"]
 
 
-def fake_pool(cap: float, stable_below: float = float("inf")):
-    """Evaluations without simulation: the SLO holds up to `cap`, stability up to `stable_below`."""
+def fake_pool(cap, stable_below: float = float("inf")):
+    """Evaluations without simulation: the SLO holds up to `cap` (a number, or one per seed),
+    stability up to `stable_below`."""
     def run(jobs):
-        return [Evaluation(p.seed, p.rate, p.rate <= cap, p.rate <= stable_below,
-                           {"median_ttft_ms": p.rate, "request_throughput": p.rate}) for p, _ in jobs]
+        def limit(seed):
+            return cap[seed] if isinstance(cap, dict) else cap
+        return [Evaluation(p.seed, p.rate, p.rate <= limit(p.seed), p.rate <= stable_below,
+                           {"median_ttft_ms": p.rate, "request_throughput": p.rate}) for p, _, _ in jobs]
     return run
 
 
-def search(mu: float, cap: float, stable_below: float = float("inf"), seeds=(0, 1, 2), tol=0.01) -> dict:
+def search(mu: float, cap, stable_below: float = float("inf"), seeds=(0, 1, 2), tol=0.01) -> dict:
+    """The search's result, with the warnings it gave under "warned"."""
     point = Point(WorkloadOptions(), Scenario(None), "vllm-v1")
-    return Search(point, Criteria([Slo("ttft", "p50", 1.0)]), mu, list(seeds), tol).run(fake_pool(cap, stable_below))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = Search(point, Criteria([Slo("ttft", "p50", 1.0)]), mu, list(seeds), tol).run(fake_pool(cap, stable_below))
+    return {**out, "warned": " ".join(str(w.message) for w in caught)}
 
 
 @pytest.mark.parametrize("cap", [0.37, 0.5, 0.99, 1.0, 1.3, 2.9])
@@ -66,6 +74,7 @@ def test_bisection_brackets_the_capacity_within_tolerance(cap):
     for e in out["evaluations"]:         # every rate judged as the criterion says
         assert e["met"] == (e["rate"] <= cap)
     assert out["bounded_by"] == "slo"
+    assert ("above the stability service rate" in out["warned"]) == (out["max_rate"] > 1.0)
 
 
 def test_bracket_grows_above_mu_and_stability_bounds_it():
@@ -74,14 +83,23 @@ def test_bracket_grows_above_mu_and_stability_bounds_it():
     assert max(e["rate"] for e in out["evaluations"]) == pytest.approx(1.25 ** 3)
 
 
+def test_max_rate_is_the_seeds_median_with_their_spread():
+    out = search(1.0, cap={0: 0.5, 1: 0.9, 2: 0.8})
+    assert out["max_rate"] == out["max_rate_seeds"][2] and 0.79 <= out["max_rate"] <= 0.8
+    assert out["max_rate_min"] == out["max_rate_seeds"][0] and 0.49 <= out["max_rate_min"] <= 0.5
+    assert out["max_rate_max"] == out["max_rate_seeds"][1] and 0.89 <= out["max_rate_max"] <= 0.9
+    assert out["at_max_rate"]["met_seeds"] == 2 and not out["at_max_rate"]["met"]
+
+
 def test_no_rate_meets_gives_zero():
     out = search(1.0, cap=0.001)
-    assert out["max_rate"] == 0 and out["at_max_rate"] is None
+    assert out["max_rate"] == 0 and out["at_max_rate"] is None and "no rate down to" in out["warned"]
 
 
 def test_bracket_cap_is_reported():
     out = search(1.0, cap=100.0)
     assert out["bounded_by"] == "bracket" and out["max_rate"] == pytest.approx(1.25 ** 8)
+    assert "the search stopped there" in out["warned"]
 
 
 @pytest.mark.parametrize("text,key", [("ttft:p99:2000", "p99_ttft_ms"), ("tpot:p50:50", "median_tpot_ms"),
@@ -109,6 +127,8 @@ def test_bad_slo_is_an_error(text):
     (["--slo", "ttft:p50:100", "--policies", "nope"], "unknown policy 'nope'"),
     (["--slo", "ttft:p50:100", "--seeds", "0"], "--seeds must be >= 1"),
     (["--slo", "ttft:p50:100", "--tolerance", "0"], "--tolerance must be in (0, 1)"),
+    (["--slo", "ttft:p50:100", "--policies", "sarathi,sarathi"], "sarathi given twice"),
+    (["--slo", "ttft:p50:100", "--batch-time", "inf"], "--batch-time must be > 0"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message):
     out = tmp_path / "cap"
@@ -116,6 +136,17 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message
     assert r.exit_code == 2, r.output
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_runs_too_short_to_judge_fall_back_on_mu():
+    """150 long requests end before an overload can build a queue (the review's case: 6 mu
+    passed); such runs are not judged by the queue verdict, and mu decides: never above it."""
+    r = runner.invoke(app, ["capacity", *PD11[:4], "--num-requests", "150", *PD11[6:-6], "--seeds", "2",
+                            "--tolerance", "0.05", "--jobs", "1", "--slo", "ttft:p99:100000", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["max_rate"] <= res["mu"] and "too short to judge stability" in r.stderr
+    assert any(not e["stability_judged"] for e in res["evaluations"])
 
 
 def test_replicas_for_a_rate_closed_form_beside_simulated(tmp_path):
@@ -169,3 +200,29 @@ def test_table_has_a_column_per_policy():
     assert r.exit_code == 0, r.output
     assert "vllm-v1" in r.stdout and "sarathi" in r.stdout and "max_rate" in r.stdout
     assert "R / max_rate" in r.stdout and "simulated, fewest meeting" in r.stdout
+
+
+def fake_run(queue_at, replicas: int, n: int = 1000, end: float = 1000.0):
+    """A result whose replicas' waiting queues follow queue_at(t), and whose requests each take 1 s."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    times = np.linspace(0, end, 2001)
+    timeline = [(t, queue_at(t), 1, 0, k) if replicas > 1 else (t, queue_at(t), 1, 0)
+                for t in times for k in range(replicas)]
+    arrival = np.linspace(0, end, n)
+    records = SimpleNamespace(arrival=arrival, finished=arrival + 1.0)
+    return SimpleNamespace(timeline=timeline, records=records,
+                           summary={"peak_queue_length": 0, "completed": n, "rejected": 0})
+
+
+def test_queue_verdict_sums_a_clusters_replicas():
+    """Each of 4 replicas' mean queue grows by 0.5% of the requests from the second quarter to
+    the last: 2% in all, over the 1% allowed; a per-replica mean (0.5%) would have called it
+    stable."""
+    from kvsched.theory.plan import queue_verdict
+    grow = lambda t: 10.0 * t / 1000       # 0 -> 10 requests over the run; n = 1000
+    v = queue_verdict(fake_run(grow, 4))
+    assert v["mean_queue_q4"] == pytest.approx(4 * (grow(875) - grow(375)) + v["mean_queue_q2"], rel=0.02)
+    assert not v["stable"] and v["judged"]
+    assert queue_verdict(fake_run(grow, 1))["stable"]      # one replica: 0.5% growth is within 1%

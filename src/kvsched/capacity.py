@@ -23,6 +23,7 @@ import dataclasses
 import math
 import os
 import statistics
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -32,6 +33,7 @@ import numpy as np
 from kvsched.errors import KvschedError
 from kvsched.metrics import Goodput
 from kvsched.point import Point, figures
+from kvsched.theory.plan import JUDGE_WINDOW, queue_verdict
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 STATS = {"mean": "mean", "p50": "median", "p90": "p90", "p99": "p99"}
@@ -120,6 +122,7 @@ class Evaluation:
     slo_met: bool
     stable: bool
     figures: dict[str, Any]
+    judged: bool = True         # False: the run was too short to judge; stable means rate <= mu
 
     @property
     def met(self) -> bool:
@@ -128,20 +131,22 @@ class Evaluation:
     def as_dict(self, full: bool = False) -> dict[str, Any]:
         figs = self.figures if full else {k: v for k, v in self.figures.items() if not isinstance(v, list)}
         return {"seed": self.seed, "rate": self.rate, "met": self.met, "slo_met": self.slo_met, "stable": self.stable,
-                "figures": figs}
+                "stability_judged": self.judged, "figures": figs}
 
 
-def evaluate(job: tuple[Point, Criteria]) -> Evaluation:
-    """Simulate one point and judge it (module-level: it runs in worker processes)."""
-    from kvsched.theory.plan import queue_verdict
-    point, criteria = job
+def evaluate(job: tuple[Point, Criteria, float]) -> Evaluation:
+    """Simulate one point and judge it (module-level: it runs in worker processes). `job`'s
+    last item is mu for the point's configuration: when the run is too short for the queue
+    verdict (`queue_verdict`'s `judged`), the theory decides: stable up to mu, not above."""
+    point, criteria, mu = job
     result = point.run(timeline=True)
     fig = figures(result)
     thr, good = fig.get("request_throughput"), fig.get("request_goodput")
     if good is not None and thr:
         fig[Attainment.key] = good / thr
-    stable = queue_verdict(result)["stable"]
-    return Evaluation(point.seed, float(point.rate), criteria.met(fig), stable, fig)
+    verdict = queue_verdict(result)
+    stable = verdict["stable"] if verdict["judged"] else point.rate <= mu * (1 + 1e-12)
+    return Evaluation(point.seed, float(point.rate), criteria.met(fig), stable, fig, verdict["judged"])
 
 
 @dataclass
@@ -218,6 +223,7 @@ class Search:
                 self.progress(min(done, total - len(self.seeds)), total)
         caps = [s.lo for s in searches]
         max_rate = float(statistics.median(caps))
+        self._warn(max_rate, [s.reason for s in searches])
         out: dict[str, Any] = {
             "max_rate": max_rate, "max_rate_min": min(caps), "max_rate_max": max(caps), "max_rate_seeds": caps,
             "mu": self.mu, "max_rate_over_mu": max_rate / self.mu,
@@ -228,8 +234,26 @@ class Search:
         out["evaluations"] = [e.as_dict() for e in self.evaluations]
         return out
 
-    def _job(self, seed: int, rate: float) -> tuple[Point, Criteria]:
-        return dataclasses.replace(self.point, rate=rate, seed=seed), self.criteria
+    def _warn(self, max_rate: float, reasons: list[str]) -> None:
+        """Say when the figures deserve doubt: runs too short to judge stability, a capacity
+        above mu, a bracket that never failed, or no rate at all."""
+        name = self.point.policy
+        short = sum(not e.judged for e in self.evaluations)
+        if short:
+            warnings.warn(f"{name}: {short} of {len(self.evaluations)} runs were too short to judge stability "
+                          f"(arrival window under {JUDGE_WINDOW:g} mean latencies), so mu decided it for them; "
+                          "give more --num-requests")
+        if "bracket" in reasons:
+            warnings.warn(f"{name}: every rate up to {EXPAND ** MAX_EXPANSIONS:g} x mu met the SLOs on some seed; "
+                          "the search stopped there")
+        elif max_rate > self.mu:
+            warnings.warn(f"{name}: max_rate {max_rate:.4g} req/s is above the stability service rate mu "
+                          f"{self.mu:.4g} req/s (b may be too large for this policy, or the runs too short)")
+        if max_rate == 0:
+            warnings.warn(f"{name}: no rate down to {self.tolerance:g} x mu meets the SLOs")
+
+    def _job(self, seed: int, rate: float) -> tuple[Point, Criteria, float]:
+        return dataclasses.replace(self.point, rate=rate, seed=seed), self.criteria, self.mu
 
     def _at(self, rate: float, pool) -> dict[str, Any]:
         """The SLO figures at `rate` on every seed: their means, and how many seeds meet."""
@@ -250,7 +274,8 @@ def _mean(values: Iterable[Any]) -> float | None:
 
 
 def replicas_needed(point: Point, criteria: Criteria, rate: float, mu: float, max_rate: float,
-                    utilization: float, seeds: list[int], pool, requests: int) -> dict[str, Any]:
+                    utilization: float, seeds: list[int], pool, requests: int,
+                    progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Replicas for `rate`, closed form beside simulated.
 
     Closed form: ceil(rate / (mu rho)) (stability-capacity.txt, end of section 4) and
@@ -267,9 +292,11 @@ def replicas_needed(point: Point, criteria: Criteria, rate: float, mu: float, ma
         if k not in runs:
             p = dataclasses.replace(point, template=dataclasses.replace(point.template, replicas=k),
                                     workload=dataclasses.replace(point.workload, num_requests=requests * k))
-            evs = pool([(dataclasses.replace(p, rate=rate, seed=s), criteria) for s in seeds])
+            evs = pool([(dataclasses.replace(p, rate=rate, seed=s), criteria, mu * k) for s in seeds])
             runs[k] = {"replicas": k, "met": all(e.met for e in evs), "met_seeds": sum(e.met for e in evs),
                        **{key: _mean(e.figures.get(key) for e in evs) for key in criteria.keys}}
+            if progress:                # the number of cluster sizes tried is not known ahead
+                progress(len(runs), len(runs) + 1)
         return runs[k]["met"]
 
     limit = 4 * max(stab, slo or 1) + 8

@@ -87,6 +87,6 @@ def binned_timeline(rows, kv_capacity: int, bins: int = TIMELINE_BINS) -> list[l
             for k in np.flatnonzero(used)]
 
 def check_rate(rate: float, flag: str = "rate") -> float:
-    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+    if isinstance(rate, bool) or not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
         raise KvschedError(f"{flag} must be a finite number > 0 requests per second, got {rate!r}")
     return float(rate)

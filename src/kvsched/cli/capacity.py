@@ -80,6 +80,9 @@ def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], 
     unknown = [p for p in names if p not in POLICIES]
     if unknown or not names:
         raise KvschedError(f"unknown policy {unknown[0] if unknown else policies!r}; known: {', '.join(POLICIES)}")
+    twice = [p for p in dict.fromkeys(names) if names.count(p) > 1]
+    if twice:
+        raise KvschedError(f"--policies: {twice[0]} given twice")
     if attainment is None and goodput:
         raise KvschedError("--goodput in capacity sets the SLOs of --attainment; give --attainment too")
     criteria = Criteria([Slo.parse(s) for s in slo],
@@ -120,8 +123,12 @@ def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], 
             finally:
                 bar.close()
             if target is not None:
-                res["gpus"] = replicas_needed(point, criteria, target, st.mu, res["max_rate"], utilization,
-                                              seed_list, run, len(workload))
+                bar = Progress(not quiet, f"replicas {name}")
+                try:
+                    res["gpus"] = replicas_needed(point, criteria, target, st.mu, res["max_rate"], utilization,
+                                                  seed_list, run, len(workload), progress=bar)
+                finally:
+                    bar.close()
             payload["policies"][name] = res
     finally:
         if ex is not None:

@@ -115,6 +115,18 @@ def _num(v: float | None, digits: int = 1) -> str:
     return f"{int(v):,}" if float(v).is_integer() else f"{v:,.{digits}f}"
 
 
+def _fluid_caption(p: dict[str, Any], fl: dict[str, Any]) -> str:
+    """How the fluid figures relate to mu's: two batch-time models, two limits."""
+    binds = ("compute binds first: the fluid limit is below mu" if fl["max_rate"] < p["mu"] else
+             "memory binds first: mu is below the fluid limit")
+    at_mu = _num(fl["M_star_at_mu"], 0)
+    held = ("more than" if fl["M_star_at_mu"] > p["kv_capacity"] else "within") + f" M = {p['kv_capacity']:,}"
+    return (f"Batch time: {fl['batch_time_model']}. Throughput: the fluid model is stable up to "
+            f"{_num(fl['max_rate'], 4)} req/s per GPU, mu = {p['mu']:.4g}; {binds}. At mu the fluid iteration "
+            f"takes {_ms(fl['iteration_time_at_mu'])} against b = {_ms(fl['batch_time_b'])}, holding M* = {at_mu} "
+            f"tokens, {held} (the fluid model has no memory limit).")
+
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1000:.2f} ms"
 
@@ -177,10 +189,7 @@ def plan_report(p: dict[str, Any]) -> Group:
     fl = p["fluid"]
     if "M_star" in fl:
         t = Table(title="Fluid benchmark per GPU (fluid-wait-nested-wait.txt eqs. 6-8)", title_justify="left",
-                  caption=f"Batch time: {fl['batch_time_model']}. At mu ({p['mu']:.4g} req/s) the fluid "
-                          f"iteration takes {_ms(fl['iteration_time_at_mu'])} against b = {_ms(fl['batch_time_b'])}; "
-                          f"the fluid model is stable up to {_num(fl['max_rate'], 4)} req/s per GPU (compute), "
-                          f"mu bounds memory.", caption_justify="left")
+                  caption=_fluid_caption(p, fl), caption_justify="left")
         for c in ("d0 s", "d1 s/token", "M* tokens", "time per iteration", "throughput* tok/s", "fits in M"):
             t.add_column(c, justify="right")
         t.add_row(f"{fl['d0']:.4g}", f"{fl['d1']:.3g}", _num(fl["M_star"], 0), _ms(fl["iteration_time"]),

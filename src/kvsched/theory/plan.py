@@ -63,8 +63,9 @@ def plan(inp: PlanInputs, validate: bool = False) -> dict[str, Any]:
     return out
 
 
-NEXT_STEP = ("mu ignores latency SLOs: `kvsched capacity` (same flags, plus --slo METRIC:STAT:MS and --rate) "
-             "finds the largest rate per replica that meets them, and the replicas for --rate, by simulation")
+NEXT_STEP = ("mu ignores latency SLOs: `kvsched capacity` with the same workload and hardware flags, --rate and "
+             "--chunk-size, plus --slo METRIC:STAT:MS, finds the largest rate per replica that meets them, and the "
+             "replicas for --rate, by simulation")
 
 
 def service_rate(inp: PlanInputs) -> tuple[stability.Stability, str, np.ndarray, np.ndarray]:
@@ -109,7 +110,7 @@ def _batch_time(inp: PlanInputs, s: np.ndarray, o: np.ndarray) -> tuple[float, s
     a saturated replica (vllm-v1, chunk s_hat) on requests drawn from the workload, while
     requests still wait."""
     if inp.batch_time is not None:
-        if not inp.batch_time > 0:
+        if not (math.isfinite(inp.batch_time) and inp.batch_time > 0):
             raise KvschedError(f"--batch-time must be > 0 seconds, got {inp.batch_time}")
         return inp.batch_time, "given"
     rng = np.random.default_rng(inp.seed)
@@ -211,23 +212,25 @@ def queue_verdict(r) -> dict[str, Any]:
     """Stable when neither the waiting queue nor the time in system trends up over the run:
     compared between the second and the last quarter of the arrival window (the first
     quarter is warm-up),
-    - the mean waiting queue may grow by at most 1% of the requests, and
+    - the mean waiting queue (summed over the replicas of a cluster) may grow by at most 1%
+      of the requests, and
     - the mean end-to-end latency of the requests arriving in them may grow by at most 10%
       plus three standard errors of the difference.
     Above capacity both grow linearly with time; counting completions instead would need the
-    run to be long against the latency (the first requests finish a latency late)."""
+    run to be long against the latency (the first requests finish a latency late).
+
+    `judged`: the arrival window is at least `JUDGE_WINDOW` mean latencies (of the second
+    quarter's requests) long. A shorter run ends before a queue can build up, so an
+    overloaded run can look stable (a few hundred long requests at 1.5 mu do); the verdict
+    is then given but not to be trusted, and `kvsched capacity` falls back on mu."""
     tl = np.asarray(list(r.timeline), dtype=np.float64)
     rec = r.records
     n, end = len(rec.arrival), float(np.max(rec.arrival))
-
-    def mean_queue(a: float, b_: float) -> float:
-        m = (tl[:, 0] >= a * end) & (tl[:, 0] < b_ * end)
-        return float(tl[m, 1].mean()) if m.any() else 0.0
+    q2, q4 = _mean_queue(tl, 0.25 * end, 0.5 * end), _mean_queue(tl, 0.75 * end, 1.0001 * end)
 
     def e2el(a: float, b_: float) -> np.ndarray:
         m = (rec.arrival >= a * end) & (rec.arrival < b_ * end) & np.isfinite(rec.finished)
         return (rec.finished - rec.arrival)[m]
-    q2, q4 = mean_queue(0.25, 0.5), mean_queue(0.75, 1.0001)
     e2, e4 = e2el(0.25, 0.5), e2el(0.75, 1.0001)
     if len(e2) > 1 and len(e4) > 1:
         se = math.sqrt(e2.var(ddof=1) / len(e2) + e4.var(ddof=1) / len(e4))
@@ -239,4 +242,20 @@ def queue_verdict(r) -> dict[str, Any]:
     stable = latency_ok and q4 <= q2 + 0.01 * n
     return {"offered_rate": (n - 1) / end if end > 0 else math.nan, "mean_e2el_q2": e2m, "mean_e2el_q4": e4m,
             "mean_queue_q2": q2, "mean_queue_q4": q4, "peak_queue": int(r.summary["peak_queue_length"]),
-            "completed": r.summary["completed"], "rejected": r.summary["rejected"], "stable": bool(stable)}
+            "completed": r.summary["completed"], "rejected": r.summary["rejected"], "stable": bool(stable),
+            "judged": bool(math.isfinite(e2m) and end >= JUDGE_WINDOW * e2m)}
+
+
+JUDGE_WINDOW = 4.0      # arrival window / mean latency below which a run is too short to judge
+
+
+def _mean_queue(tl: np.ndarray, a: float, b: float) -> float:
+    """Mean waiting queue over batches starting in [a, b): per replica (a cluster's timeline
+    has the replica last), summed over replicas."""
+    m = (tl[:, 0] >= a) & (tl[:, 0] < b)
+    if not m.any():
+        return 0.0
+    if tl.shape[1] <= 4:
+        return float(tl[m, 1].mean())
+    rep = tl[m, 4]
+    return float(sum(tl[m, 1][rep == k].mean() for k in np.unique(rep)))
