@@ -206,15 +206,21 @@ def plan_report(p: dict[str, Any]) -> Group:
         out.append(t)
     v = p.get("validation")
     if v:
+        short = not (v.get("judged", True) and v["above_mu"].get("judged", True))
         t = Table(title="Simulated replica (vllm-v1): at the plan's load, and at 1.05 mu where it must be unstable",
-                  title_justify="left", caption="the plan agrees with simulation" if v["consistent"] else
-                  "the plan and the simulation DISAGREE", caption_justify="left")
+                  title_justify="left", caption_justify="left",
+                  caption=("runs shorter than 4 mean latencies cannot show a queue building: give more "
+                           "--num-requests" if short else
+                           "the plan agrees with simulation" if v["consistent"] else
+                           "the plan and the simulation DISAGREE"))
         for c in ("arrival req/s", "mean queue, 2nd quarter", "mean queue, last quarter", "mean e2e s, 2nd quarter",
                   "mean e2e s, last quarter", "verdict"):
             t.add_column(c, justify="right")
         for x in (v, v["above_mu"]):
             t.add_row(f"{x['arrival_rate']:.4g}", f"{x['mean_queue_q2']:.1f}", f"{x['mean_queue_q4']:.1f}",
-                      _num(x["mean_e2el_q2"], 2), _num(x["mean_e2el_q4"], 2), "stable" if x["stable"] else "NOT stable")
+                      _num(x["mean_e2el_q2"], 2), _num(x["mean_e2el_q4"], 2),
+                      ("stable" if x["stable"] else "NOT stable") + ("" if x.get("judged", True) else
+                                                                     " (run too short to judge)"))
         out.append(t)
     out.append(Text(f"Next: {p['next_step']}."))
     return Group(*out)

@@ -219,10 +219,11 @@ def queue_verdict(r) -> dict[str, Any]:
     Above capacity both grow linearly with time; counting completions instead would need the
     run to be long against the latency (the first requests finish a latency late).
 
-    `judged`: the arrival window is at least `JUDGE_WINDOW` mean latencies (of the second
-    quarter's requests) long. A shorter run ends before a queue can build up, so an
-    overloaded run can look stable (a few hundred long requests at 1.5 mu do); the verdict
-    is then given but not to be trusted, and `kvsched capacity` falls back on mu."""
+    `judged`: a trend was found, or the arrival window is at least `JUDGE_WINDOW` mean
+    latencies (of the second quarter's requests) long. A shorter run ends before a queue can
+    build up, so an overloaded run can look stable (a few hundred long requests at 1.5 mu
+    do); "stable" is then given but not to be trusted, and `kvsched capacity` falls back on
+    mu. An upward trend is evidence of overload however short the run."""
     tl = np.asarray(list(r.timeline), dtype=np.float64)
     rec = r.records
     n, end = len(rec.arrival), float(np.max(rec.arrival))
@@ -243,7 +244,7 @@ def queue_verdict(r) -> dict[str, Any]:
     return {"offered_rate": (n - 1) / end if end > 0 else math.nan, "mean_e2el_q2": e2m, "mean_e2el_q4": e4m,
             "mean_queue_q2": q2, "mean_queue_q4": q4, "peak_queue": int(r.summary["peak_queue_length"]),
             "completed": r.summary["completed"], "rejected": r.summary["rejected"], "stable": bool(stable),
-            "judged": bool(math.isfinite(e2m) and end >= JUDGE_WINDOW * e2m)}
+            "judged": bool(not stable or (math.isfinite(e2m) and end >= JUDGE_WINDOW * e2m))}
 
 
 JUDGE_WINDOW = 4.0      # arrival window / mean latency below which a run is too short to judge
