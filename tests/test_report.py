@@ -171,6 +171,31 @@ def test_bad_folders_are_one_line_errors(folders, tmp_path):
         assert not (folder / "report.html").exists()
 
 
+@pytest.mark.parametrize("where,value,words", [
+    ("ttft_quantiles_ms", [5.0], "ttft_quantiles_ms must be 101 finite numbers"),
+    ("ttft_quantiles_ms", "x", "ttft_quantiles_ms must be 101 finite numbers"),
+    ("tpot_quantiles_ms", [None] * 101, "tpot_quantiles_ms must be 101 finite numbers"),
+    ("timeline", [[1, 2]], "timeline must be rows of 4 finite numbers"),
+    ("max_rate", "abc", "max_rate must be a number"),
+])
+def test_corrupt_figures_are_one_line_errors(tmp_path, where, value, words):
+    cap = make_capacity(tmp_path / "cap")
+    doc = json.loads((cap / "capacity.json").read_text())
+    pol = doc["policies"]["vllm-v1"]
+    (pol if where == "max_rate" else pol["at_max_rate_runs"][0])[where] = value
+    (cap / "capacity.json").write_text(json.dumps(doc))
+    sw = make_sweep(tmp_path / "sw")
+    point = next(p for p in (sw / "points").glob("*.json") if p.name != "bad.json")
+    doc = json.loads(point.read_text())
+    if where != "max_rate":
+        doc["figures"][where] = value
+        point.write_text(json.dumps(doc))
+    for folder in (cap, sw) if where != "max_rate" else (cap,):
+        r = runner.invoke(app, ["report", str(folder)])
+        assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and words in r.output, r.output
+        assert not (folder / "report.html").exists()
+
+
 def test_a_large_sweep_reports_in_seconds(folders, tmp_path):
     """400 points: aggregated into one line per configuration, not one figure per point."""
     d = tmp_path / "big"

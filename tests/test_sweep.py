@@ -82,6 +82,8 @@ def test_grid_file_axes_and_settings(tmp_path):
     r = sweep("--grid", str(path), "--out", str(out), "--jobs", "2")
     assert r.exit_code == 0, r.output
     meta = json.loads((out / "sweep.json").read_text())
+    keys = meta.pop("keys")
+    assert len(set(keys)) == 24 and {p.stem for p in (out / "points").glob("*.json")} == set(keys)
     assert meta == {"kind": "sweep", "version": 1, "points": 24,
                     "axes": {"policy": ["vllm-v1", "sarathi"], "rate": [1.0, 2.5], "seed": [0, 1],
                              "params": {"sarathi": {"chunk_size": [256, 512]}}, "gpu": ["a100-80gb", "h100-sxm"]}}
@@ -98,6 +100,12 @@ BAD_FILES = {
     "empty-axis": ('rates = [1]\ngpu = []\n', "bad.toml: gpu: an axis needs at least one value"),
     "bad-gpu": ('rates = [1]\ngpu = ["a100-80gb", "tpu"]\n', "unknown GPU 'tpu'"),
     "both": ('rates = [1]\n', "rates are given both by --rates and in"),
+    "bool-rate": ('rates = [10, true]\n', "bad.toml: rates: True is not a rate"),
+    "memory": ('rates = [1]\nmemory_utilization = [0.9, 1.5]\n', "--memory-utilization must be in (0, 1], got 1.5"),
+    "kv-zero": ('rates = [1]\nkv_capacity = [20000, 0]\n', "--kv-capacity must be >= 1"),
+    "block-zero": ('rates = [1]\nblock_size = [16, 0]\n', "--block-size must be >= 1"),
+    "model-len": ('rates = [1]\nmax_model_len = [4096, -1]\n', "--max-model-len must be >= 1"),
+    "cap-len": ('rates = [1]\ncap_len = [100, 0]\n', "--cap-len must be an integer >= 2"),
 }
 
 
@@ -124,6 +132,11 @@ BAD_FLAGS = {
     "rate-flag": (["--rates", "1", "--rate", "3"], "not --rate"),
     "backend": (["--rates", "1", "--backend", "dask"], "--backend must be one of process, ray"),
     "workload": (["--rates", "1", "--workload", "no-such-preset"], "unknown workload 'no-such-preset'"),
+    "trim": (["--rates", "1", "--trim", "-1"], "--trim must be >= 0"),
+    "closed": (["--rates", "1", "--arrivals", "closed:4"], "need open-loop arrivals"),
+    "huge-seeds": (["--rates", "1", "--seeds", "0-50000000"], "a sweep has at most 1,000,000 points"),
+    "huge-grid": (["--rates", ",".join(str(r) for r in range(1, 1201)), "--seeds", "0-999"],
+                  "the grid has 1,200,000 points"),
 }
 
 
@@ -284,3 +297,19 @@ def test_ray_backend_runs_the_same_grid(tmp_path):
     assert json.loads(r.stdout)["done"] == 4
     assert sweep(*args, "--out", str(tmp_path / "proc")).exit_code == 0
     assert figures_only(rows(tmp_path / "ray" / "sweep.csv")) == figures_only(rows(tmp_path / "proc" / "sweep.csv"))
+
+
+def test_report_leaves_the_folder_resumable_and_shows_only_the_current_grid(tmp_path):
+    """`kvsched report` adds report.html to a sweep's folder: a re-run still resumes it. After
+    a re-run with a smaller grid, the report shows that grid's points only."""
+    out = tmp_path / "sw"
+    assert sweep("--policies", "vllm-v1,sarathi", "--rates", "2,4", *SMALL, "--out", str(out)).exit_code == 0
+    assert runner.invoke(app, ["report", str(out)]).exit_code == 0
+    r = sweep("--policies", "vllm-v1", "--rates", "2", *SMALL, "--out", str(out), "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["skipped"] == 1
+    meta = json.loads((out / "sweep.json").read_text())
+    assert meta["points"] == len(meta["keys"]) == 1 and len(list((out / "points").glob("*.json"))) == 4
+    assert runner.invoke(app, ["report", str(out)]).exit_code == 0
+    page = (out / "report.html").read_text()
+    assert "1 points of points/*.json" in page and "sarathi" not in page

@@ -67,12 +67,21 @@ class Scenario:
             raise KvschedError(f"--replicas must be >= 1, got {self.replicas}")
         return self.replicas, 0
 
-    def resolve(self):
-        model, gpu = get_model(self.model), get_gpu(self.gpu)
+    def check(self) -> None:
+        """The scenario's own numbers, checked without building anything (a sweep checks every
+        setting of its grid this way before it runs a point)."""
         for flag, v in (("--kv-capacity", self.kv_capacity), ("--max-model-len", self.max_model_len),
                         ("--block-size", self.block_size)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
                 raise KvschedError(f"{flag} must be >= 1 (a whole number of tokens), got {v!r}")
+        if not 0 < self.memory_utilization <= 1:
+            raise KvschedError(f"--memory-utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.trim < 0:
+            raise KvschedError(f"--trim must be >= 0 requests, got {self.trim}")
+
+    def resolve(self):
+        model, gpu = get_model(self.model), get_gpu(self.gpu)
+        self.check()
         tokens = self.kv_capacity if self.kv_capacity is not None else usable_kv_tokens(
             model, gpu, self.memory_utilization, self.block_size)
         cost = make_cost_model(self.cost, self.cost_params, model, gpu)

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import os
 import signal
 import threading
@@ -34,6 +35,7 @@ VERSION = 1                         # of the folder format and of the key's defi
 KEY_LENGTH = 16                     # hex digits of the SHA-256 kept as a point's key
 DEFAULT_POLICY = "vllm-v1"
 AXIS_NAMES = ("policy", "rate", "seed")
+MAX_POINTS = 1_000_000              # a larger grid is refused before it is built (a typo like 0-50000000)
 FILE_KEYS = ("policies", "rates", "seeds", "set")   # a grid file's own keys; the others are option flags
 
 
@@ -72,6 +74,8 @@ def split_list(text: str, where: str) -> list[str]:
 def parse_rates(items: Iterable[Any], where: str) -> list[float]:
     out = []
     for item in _nonempty(items, where):
+        if isinstance(item, bool):
+            raise KvschedError(f"{where}: {item!r} is not a rate")
         try:
             value = float(item) if isinstance(item, str) else item
         except ValueError:
@@ -92,9 +96,12 @@ def parse_seeds(spec: Any, where: str) -> list[int]:
 def _seed_range(item: str, where: str) -> list[int]:
     lo, dash, hi = item.partition("-")
     try:
-        return list(range(int(lo), int(hi) + 1)) if dash else [int(item)]
+        first, last = (int(lo), int(hi)) if dash else (int(item), int(item))
     except ValueError:
         raise KvschedError(f"{where}: {item!r} is not a seed (N) or a range of seeds (A-B)") from None
+    if last - first + 1 > MAX_POINTS:
+        raise KvschedError(f"{where}: {item} is {last - first + 1:,} seeds; a sweep has at most {MAX_POINTS:,} points")
+    return list(range(first, last + 1))
 
 
 def _distinct(values: list, where: str) -> list:
@@ -213,6 +220,11 @@ class Grid:
                 "params": {p: {k: [typed(v) for v in vs] for k, vs in d.items()} for p, d in self.params.items() if d},
                 **self.options}
 
+    def size(self) -> int:
+        """Points in the grid, counted without building it."""
+        per_policy = sum(math.prod(len(v) for v in self.params.get(p, {}).values()) for p in self.policies)
+        return per_policy * math.prod(len(v) for v in self.options.values()) * len(self.rates) * len(self.seeds)
+
     def param_names(self) -> list[str]:
         return list(dict.fromkeys(k for d in self.params.values() for k in d))
 
@@ -252,8 +264,11 @@ def resolve(raw: RawAxes, scope: Callable[[dict[str, str], list[str]], dict[str,
         if bad:
             raise KvschedError(f"--set {policy}.{bad[0]}: {policy} has no parameter {bad[0]!r} "
                                f"(parameters: {', '.join(names) or 'none'})")
-    return Grid(policies, raw.rates, raw.seeds if raw.seeds is not None else [0], params, raw.options,
+    grid = Grid(policies, raw.rates, raw.seeds if raw.seeds is not None else [0], params, raw.options,
                 raw.settings)
+    if grid.size() > MAX_POINTS:
+        raise KvschedError(f"the grid has {grid.size():,} points; a sweep has at most {MAX_POINTS:,}")
+    return grid
 
 
 def typed(text: str) -> Any:
@@ -317,12 +332,16 @@ def _setup(base: Base, settings: dict[str, Any], options: dict[str, Any]) -> tup
     """(workload options, scenario template, decode arguments) for one setting of the option axes."""
     from kvsched.cost import make_cost_model
     from kvsched.hardware import get_gpu, get_model
+    from kvsched.workload.arrivals import Closed
     from kvsched.workload.source import resolve as resolve_workload
     workload, hardware, cluster = base.with_options({**settings, **options})
     where = f" (with {', '.join(f'{k}={v}' for k, v in options.items())})" if options else ""
     try:
-        resolve_workload(workload)
+        spec = resolve_workload(workload)
+        if any(isinstance(ph.arrivals, Closed) for ph in spec.phases):
+            raise KvschedError("a sweep's rates need open-loop arrivals, not --arrivals closed:C")
         template = cluster.apply(hardware.scenario(None, base.goodput, base.trim), 0)
+        template.check()
         make_cost_model(template.cost, template.cost_params, get_model(template.model), get_gpu(template.gpu))
         return workload, template, cluster.decode_args()
     except KvschedError as exc:
@@ -448,7 +467,7 @@ def run_ray(tasks: list[Task], jobs: int | None, address: str | None, save: Call
 
 POINTS = "points"
 TEMP_SUFFIX = ".tmp"
-OURS = {"sweep.json", "sweep.csv", "sweep.parquet", POINTS}
+OURS = {"sweep.json", "sweep.csv", "sweep.parquet", "report.html", POINTS}   # report.html: kvsched report
 
 
 def check_folder(out: Path) -> Path:
@@ -484,8 +503,10 @@ class Store:
     def __init__(self, out: Path) -> None:
         self.out, self.points = Path(out), Path(out) / POINTS
 
-    def open(self, axes: dict[str, Any], n: int) -> None:
-        """Create the folder, drop temporary files a killed run left, write sweep.json."""
+    def open(self, axes: dict[str, Any], keys: list[str]) -> None:
+        """Create the folder, drop temporary files a killed run left, write sweep.json (with
+        the grid's point keys, in grid order: the points of this grid, whatever else the
+        folder holds from earlier grids)."""
         try:
             self.points.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -493,7 +514,8 @@ class Store:
         for d in (self.out, self.points):
             for stale in d.glob(f".*{TEMP_SUFFIX}"):
                 stale.unlink(missing_ok=True)
-        self.write_json(self.out / "sweep.json", {"kind": "sweep", "version": VERSION, "axes": axes, "points": n})
+        self.write_json(self.out / "sweep.json", {"kind": "sweep", "version": VERSION, "axes": axes,
+                                                  "points": len(keys), "keys": keys})
 
     def path(self, key: str) -> Path:
         return self.points / f"{key}.json"

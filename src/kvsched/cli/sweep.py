@@ -90,7 +90,7 @@ def _run(grid: Grid, tasks: list[Task], store: Store, json_: bool, retry_failed:
     point files; print the summary, and return it with the first failed point's error."""
     from kvsched import sweep as sw
     start = time.perf_counter()
-    store.open(grid.axes(), len(tasks))
+    store.open(grid.axes(), [t.key for t in tasks])
     kept = {t.key: store.load(t.key) for t in tasks}
     todo = [t for t in tasks if not _finished(kept[t.key], retry_failed)]
     bar = Progress(not json_, "sweep")

@@ -199,8 +199,11 @@ def flatten(summary: dict[str, Any]) -> dict[str, Any]:
 
 def _sweep(d: Path) -> Folder:
     meta = read_json(d / "sweep.json")
-    files = sorted((d / "points").glob("*.json"))
-    points = [_point(f) for f in files]
+    keys = meta.get("keys")            # this grid's points (older sweep.json files: every point file)
+    if keys is not None and not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+        raise KvschedError(f"{d / 'sweep.json'}: keys must be a list of point keys")
+    files = [d / "points" / f"{k}.json" for k in keys] if keys is not None else sorted((d / "points").glob("*.json"))
+    points = [_point(f) for f in files if f.is_file()]
     ok = [p for p in points if p["status"] == "ok"]
     if not ok:
         raise KvschedError(f"{d}: no point of the sweep finished ok ({len(points)} of {meta.get('points', '?')} "
@@ -212,8 +215,8 @@ def _sweep(d: Path) -> Folder:
     rate, runs_from = _shown_rate(groups)
     shown = list(groups.items())[:MAX_RUNS]
     runs = [_figures_run(label, _at(ps, rate)) for label, ps in shown]
-    notes = [f"{len(points) - len(ok)} of {len(points)} points did not finish ok and are left out"] \
-        if len(ok) < len(points) else []
+    notes = [f"{len(files) - len(ok)} of {len(files)} points did not finish ok and are left out"] \
+        if len(ok) < len(files) else []
     if len(groups) > MAX_RUNS:
         notes.append(f"distributions, timelines and tiers show the first {MAX_RUNS} of {len(groups)} configurations")
     return Folder("sweep", curves, runs, f"{len(ok)} points of points/*.json, seeds averaged per rate",
@@ -227,6 +230,7 @@ def _point(f: Path) -> dict:
             axes, figures = p["axes"], p["figures"]
             if not isinstance(figures, dict) or not isinstance(axes["params"], dict):
                 raise TypeError("figures and axes.params must be objects")
+            check_lists(figures, "figures")
             _rate_key(axes["rate"]), int(axes["seed"]), str(axes["policy"])
     return p
 
@@ -278,6 +282,23 @@ def _by_rate(pairs: list[tuple[Any, dict]]) -> list[dict[str, float]]:
 def _mean(values: list[Any]) -> float:
     xs = [x for x in map(number, values) if math.isfinite(x)]
     return sum(xs) / len(xs) if xs else math.nan
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_lists(figures: dict, where: str) -> None:
+    """The figure lists a report draws: 101 percentiles (or none) and timeline rows of 4
+    numbers, all finite; anything else is malformed (ValueError naming the key)."""
+    for key in ("ttft_quantiles_ms", "tpot_quantiles_ms"):
+        q = figures.get(key) or []
+        if not (isinstance(q, list) and len(q) in (0, 101) and all(_finite(v) for v in q)):
+            raise ValueError(f"{where}: {key} must be 101 finite numbers (percentiles 0..100) or empty")
+    rows = figures.get("timeline") or []
+    if not (isinstance(rows, list) and all(isinstance(r, list) and len(r) == 4 and all(_finite(v) for v in r)
+                                           for r in rows)):
+        raise ValueError(f"{where}: timeline must be rows of 4 finite numbers (time, queue, running, KV use)")
 
 
 def number(v: Any) -> float:
@@ -341,6 +362,11 @@ def _limits(doc: dict) -> list[Limit]:
 def _capacity_policy(name: str, p: dict) -> CapacityPolicy:
     at = p.get("at_max_rate") or {}
     mu = p.get("mu")
+    for key in ("max_rate", "max_rate_min", "max_rate_max"):
+        if not _finite(p[key]):
+            raise ValueError(f"policies.{name}.{key} must be a number, got {p[key]!r}")
+    for run in p.get("at_max_rate_runs") or []:
+        check_lists(run, f"policies.{name}.at_max_rate_runs")
     return CapacityPolicy(name, number(p["max_rate"]), number(p["max_rate_min"]), number(p["max_rate_max"]),
                           None if mu is None else float(mu), str(p.get("bounded_by", "")), at.get("met"),
                           [Evaluation(int(e["seed"]), float(e["rate"]), bool(e["met"]), dict(e["figures"]))
