@@ -196,6 +196,50 @@ def test_corrupt_figures_are_one_line_errors(tmp_path, where, value, words):
         assert not (folder / "report.html").exists()
 
 
+@pytest.mark.parametrize("change,words", [
+    (lambda p: p.update(mu="abc"), "policies.vllm-v1.mu must be a number, got 'abc'"),
+    (lambda p: p.update(max_rate_min=True), "policies.vllm-v1.max_rate_min must be a number, got True"),
+    (lambda p: p.update(at_max_rate_runs="x"), "policies.vllm-v1.at_max_rate_runs must be a list of runs"),
+    (lambda p: p.update(at_max_rate_runs=["x"]), "policies.vllm-v1.at_max_rate_runs[0] must be an object"),
+    (lambda p: p["evaluations"][0].update(rate="3"), "policies.vllm-v1.evaluations[0].rate must be a number"),
+    (lambda p: p["evaluations"][0].update(met="false"), "met true or false, got 0 and 'false'"),
+])
+def test_corrupt_capacity_numbers_are_one_line_errors(tmp_path, change, words):
+    cap = make_capacity(tmp_path / "cap", rates=(2.0, 5.0), seeds=(0,))
+    doc = json.loads((cap / "capacity.json").read_text())
+    change(doc["policies"]["vllm-v1"])
+    (cap / "capacity.json").write_text(json.dumps(doc))
+    r = runner.invoke(app, ["report", str(cap)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and words in r.output, r.output
+    assert "capacity.json: malformed" in r.output and not (cap / "report.html").exists()
+
+
+def test_a_boolean_rate_is_a_malformed_point(tmp_path):
+    sw = make_sweep(tmp_path / "sw", rates=(2.0,), seeds=(0,))
+    point = sw / "points" / "vllm-v1-r2-s0.json"
+    doc = json.loads(point.read_text())
+    doc["axes"]["rate"] = True
+    point.write_text(json.dumps(doc))
+    r = runner.invoke(app, ["report", str(sw)])
+    assert r.exit_code == 2 and "vllm-v1-r2-s0.json: malformed" in r.output and "axes.rate must be a number" in r.output
+
+
+def test_the_sweep_report_shows_the_points_sweep_json_lists(tmp_path):
+    """sweep.json's `keys`: the current grid's points, whatever else points/ holds; a listed
+    point without a file is counted as not finished."""
+    sw = make_sweep(tmp_path / "sw")
+    meta = json.loads((sw / "sweep.json").read_text())
+    keys = [p.stem for p in sorted((sw / "points").glob("vllm-v1-*.json"))]
+    (sw / "sweep.json").write_text(json.dumps({**meta, "points": 5, "keys": keys + ["not-run-yet"]}))
+    page = Path(report(sw)["report"]).read_text()
+    assert "1 of 5 points did not finish ok" in page and "4 points of the grid in sweep.json" in page
+    assert "sarathi" not in page
+    for bad in (["../capacity"], "vllm-v1-r2-s0", [3]):
+        (sw / "sweep.json").write_text(json.dumps({**meta, "keys": bad}))
+        r = runner.invoke(app, ["report", str(sw)])
+        assert r.exit_code == 2 and "sweep.json: keys must be a list of point keys" in r.output, r.output
+
+
 def test_a_large_sweep_reports_in_seconds(folders, tmp_path):
     """400 points: aggregated into one line per configuration, not one figure per point."""
     d = tmp_path / "big"

@@ -101,11 +101,19 @@ BAD_FILES = {
     "bad-gpu": ('rates = [1]\ngpu = ["a100-80gb", "tpu"]\n', "unknown GPU 'tpu'"),
     "both": ('rates = [1]\n', "rates are given both by --rates and in"),
     "bool-rate": ('rates = [10, true]\n', "bad.toml: rates: True is not a rate"),
-    "memory": ('rates = [1]\nmemory_utilization = [0.9, 1.5]\n', "--memory-utilization must be in (0, 1], got 1.5"),
+    "memory": ('rates = [1]\nmemory_utilization = [0.9, 1.5]\n',
+               "bad.toml: memory_utilization = 1.5: --memory-utilization must be in (0, 1], got 1.5"),
     "kv-zero": ('rates = [1]\nkv_capacity = [20000, 0]\n', "--kv-capacity must be >= 1"),
     "block-zero": ('rates = [1]\nblock_size = [16, 0]\n', "--block-size must be >= 1"),
     "model-len": ('rates = [1]\nmax_model_len = [4096, -1]\n', "--max-model-len must be >= 1"),
     "cap-len": ('rates = [1]\ncap_len = [100, 0]\n', "--cap-len must be an integer >= 2"),
+    "kv-below-block": ('rates = [1]\nkv_capacity = [20000, 10]\n',
+                       "bad.toml: kv_capacity = 10: --kv-capacity (10 tokens) is smaller than one block (16 tokens)"),
+    "no-trace": ('rates = [1]\ntrace = "no-such-trace.csv"\n', "bad.toml: cannot read trace no-such-trace.csv"),
+    "closed-file": ('rates = [1]\narrivals = ["poisson:2", "closed:4"]\n',
+                    'bad.toml: arrivals = "closed:4": a sweep\'s rates need open-loop arrivals'),
+    "decode-policy": ('rates = [1]\nprefill_replicas = 1\ndecode_replicas = 1\ndecode_policy = ["sarathi", "fifo"]\n',
+                      'decode_policy = "fifo": --decode-policy: unknown policy \'fifo\''),
 }
 
 
@@ -135,6 +143,10 @@ BAD_FLAGS = {
     "trim": (["--rates", "1", "--trim", "-1"], "--trim must be >= 0"),
     "closed": (["--rates", "1", "--arrivals", "closed:4"], "need open-loop arrivals"),
     "huge-seeds": (["--rates", "1", "--seeds", "0-50000000"], "a sweep has at most 1,000,000 points"),
+    "huge-seed-ranges": (["--rates", "1", "--seeds", "0-999999,1000000-1999999"],     # added up before building
+                         "--seeds: 0-999999,1000000-1999999 is 2,000,000 seeds; a sweep has at most 1,000,000"),
+    "decode-set": (["--rates", "1", "--prefill-replicas", "1", "--decode-replicas", "1", "--decode-set", "chunk=1"],
+                   "--decode-set chunk: vllm-v1 has no parameter 'chunk'"),
     "huge-grid": (["--rates", ",".join(str(r) for r in range(1, 1201)), "--seeds", "0-999"],
                   "the grid has 1,200,000 points"),
 }
@@ -147,6 +159,21 @@ def test_bad_flags_are_errors_before_any_work(tmp_path, name):
     r = sweep(*args, "--out", str(out))
     assert r.exit_code == 2 and message in r.stderr, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_a_trace_is_read_before_any_work(tmp_path):
+    """A trace setting is read up front, as a point reads it: a malformed row or an empty
+    window is the user's error (exit 2, nothing written), not a failure of every point."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_time,prompt_tokens,output_tokens\n0.0,100,20\n0.5,abc,30\n")
+    out = tmp_path / "out"
+    r = sweep("--rates", "1", "--trace", str(trace), "--out", str(out))
+    assert r.exit_code == 2 and r.stderr == f"kvsched: error: {trace}:3: prompt_tokens 'abc' is not a number\n"
+    trace.write_text("arrival_time,prompt_tokens,output_tokens\n0.0,100,20\n0.5,120,30\n")
+    (tmp_path / "g.toml").write_text('window = ["0:1", "100:200"]\n')
+    r = sweep("--rates", "1", "--trace", str(trace), "--grid", str(tmp_path / "g.toml"), "--out", str(out))
+    assert r.exit_code == 2 and 'g.toml: window = "100:200": ' in r.stderr and "no requests in the time window" in r.stderr
+    assert not out.exists()
 
 
 def test_a_foreign_folder_is_refused_untouched(tmp_path):
@@ -214,6 +241,22 @@ def test_failing_points_are_recorded_and_the_sweep_goes_on(tmp_path):
     assert len(ok_files) == 2 and all(point_files(out)[k] == before[k] for k in ok_files)
 
 
+def test_planned_keys_are_the_points_keys(tmp_path):
+    """plan() computes each setting's share of the key once: the keys are point_key's."""
+    (tmp_path / "g.toml").write_text('gpu = ["a100-80gb", "h100-sxm"]\nnum_requests = [40, 50]\n')
+    from kvsched.cli.sweep import AXIS_KINDS
+    raw = sw.merge(sw.from_flags("vllm-v1,sarathi", "1,2", "0-1", ["sarathi.chunk_size=256,512"]),
+                   sw.read_grid_file(tmp_path / "g.toml", AXIS_KINDS), set())
+    grid = sw.resolve(raw, _scoped_params)
+    from kvsched.cli.common import CLUSTER_FLAGS, HARDWARE_FLAGS, ClusterOptions, HardwareOptions
+    from kvsched.workload.source import WorkloadOptions
+    hw = HardwareOptions(**{name: opt.default for name, (_, opt) in HARDWARE_FLAGS.items()})
+    cl = ClusterOptions(**{name: opt.default for name, (_, opt) in CLUSTER_FLAGS.items()})
+    tasks = sw.plan(grid, sw.Base(WorkloadOptions(), hw, cl))
+    assert len(tasks) == 3 * 2 * 2 * 2 * 2 == len({t.key for t in tasks})
+    assert [t.key for t in tasks] == [sw.point_key(t.point) for t in tasks]
+
+
 def test_keys_follow_the_definition(tmp_path):
     out = tmp_path / "s"
     args = ["--policies", "orca", "--rates", "3", "--seeds", "0-1", "--out", str(out), "--json"]
@@ -234,6 +277,9 @@ def test_same_figures_whatever_jobs(tmp_path):
     assert one.keys() == two.keys() and len(one) == 12
     assert all(one[k]["figures"] == two[k]["figures"] for k in one)
     assert figures_only(rows(tmp_path / "1" / "sweep.csv")) == figures_only(rows(tmp_path / "2" / "sweep.csv"))
+    pq = pytest.importorskip("pyarrow.parquet")       # seconds: the one column that differs (docs/sweep.md)
+    one, two = (pq.read_table(tmp_path / j / "sweep.parquet").drop(["seconds"]) for j in ("1", "2"))
+    assert one.equals(two) and one.num_rows == 12
 
 
 def test_a_point_is_the_simulate_run(tmp_path):
@@ -312,4 +358,9 @@ def test_report_leaves_the_folder_resumable_and_shows_only_the_current_grid(tmp_
     assert meta["points"] == len(meta["keys"]) == 1 and len(list((out / "points").glob("*.json"))) == 4
     assert runner.invoke(app, ["report", str(out)]).exit_code == 0
     page = (out / "report.html").read_text()
-    assert "1 points of points/*.json" in page and "sarathi" not in page
+    assert "1 points of the grid in sweep.json" in page and "sarathi" not in page
+    for stranger in (out / "notes.txt", out / "points" / "notes.txt"):     # other files are still refused
+        stranger.write_text("mine")
+        r = sweep("--policies", "vllm-v1", "--rates", "2", *SMALL, "--out", str(out))
+        assert r.exit_code == 2 and f"{stranger.relative_to(out)} is not a sweep's" in r.stderr, r.output
+        stranger.unlink()

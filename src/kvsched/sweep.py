@@ -3,7 +3,7 @@ seeds), each keyed by a hash of everything it simulates, run in worker processes
 each stored as it finishes (so a killed sweep resumes where it stopped), and one tidy table.
 
 The folder (docs/sweep.md, "Folder"; `kvsched report` reads it):
-    DIR/sweep.json          {"kind": "sweep", "version": 1, "axes": {...}, "points": N}
+    DIR/sweep.json          {"kind": "sweep", "version": 1, "axes": {...}, "points": N, "keys": [...]}
     DIR/points/<key>.json   one finished point: key, axes, status, error, seconds, figures
     DIR/sweep.csv           one row per point, in grid order (and sweep.parquet with pyarrow)
 """
@@ -85,23 +85,28 @@ def parse_rates(items: Iterable[Any], where: str) -> list[float]:
 
 
 def parse_seeds(spec: Any, where: str) -> list[int]:
-    """0, [0, 1, 2], '0,1,2', '0-9' or '0-4,10' -> whole numbers >= 0 (a range includes both ends)."""
-    items = ([part for item in split_list(spec, where) for part in _seed_range(item, where)]
-             if isinstance(spec, str) else _listed(spec))
+    """0, [0, 1, 2], '0,1,2', '0-9' or '0-4,10' -> whole numbers >= 0 (a range includes both ends).
+    The ranges' sizes are added up before any list is built (a typo like 0-50000000)."""
+    if isinstance(spec, str):
+        ranges = [_seed_range(item, where) for item in split_list(spec, where)]
+        count = sum(max(last - first + 1, 0) for first, last in ranges)
+        if count > MAX_POINTS:
+            raise KvschedError(f"{where}: {spec} is {count:,} seeds; a sweep has at most {MAX_POINTS:,} points")
+        items = [seed for first, last in ranges for seed in range(first, last + 1)]
+    else:
+        items = _listed(spec)
     if not items or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in items):
         raise KvschedError(f"{where}: seeds are whole numbers >= 0 (0, 0-9 or 0,1,2), got {spec!r}")
     return _distinct(items, where)
 
 
-def _seed_range(item: str, where: str) -> list[int]:
+def _seed_range(item: str, where: str) -> tuple[int, int]:
+    """'A-B' -> (A, B); 'N' -> (N, N)."""
     lo, dash, hi = item.partition("-")
     try:
-        first, last = (int(lo), int(hi)) if dash else (int(item), int(item))
+        return (int(lo), int(hi)) if dash else (int(item), int(item))
     except ValueError:
         raise KvschedError(f"{where}: {item!r} is not a seed (N) or a range of seeds (A-B)") from None
-    if last - first + 1 > MAX_POINTS:
-        raise KvschedError(f"{where}: {item} is {last - first + 1:,} seeds; a sweep has at most {MAX_POINTS:,} points")
-    return list(range(first, last + 1))
 
 
 def _distinct(values: list, where: str) -> list:
@@ -213,6 +218,7 @@ class Grid:
     params: dict[str, dict[str, list[str]]]     # policy -> parameter -> values (text, as a policy takes them)
     options: dict[str, list[Any]]               # option field name -> values
     settings: dict[str, Any] = field(default_factory=dict)     # options set once by the grid file (no axis)
+    where: str = "command line"                 # the grid file, where options and settings come from
 
     def axes(self) -> dict[str, Any]:
         """sweep.json's `axes`: the names a point's axes use, with every value."""
@@ -245,12 +251,9 @@ class Grid:
 def resolve(raw: RawAxes, scope: Callable[[dict[str, str], list[str]], dict[str, dict[str, str]]]) -> Grid:
     """Check the axes against the registries. `scope` is compare's --set scoping
     ('POLICY.key' to that policy, 'key' to every policy having it)."""
-    from kvsched.params import describe
-    from kvsched.policies import POLICIES
     policies = _distinct(raw.policies or [DEFAULT_POLICY], "--policies")
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise KvschedError(f"unknown policy {unknown[0]!r}; known: {', '.join(POLICIES)}")
+    for policy in policies:
+        check_policy(policy)
     if raw.rates is None:
         raise KvschedError("a sweep needs rates: --rates 1,2,4 (or rates in the --grid file)")
     # scoped axes go last, so `sarathi.chunk_size` wins over `chunk_size` for sarathi
@@ -259,16 +262,30 @@ def resolve(raw: RawAxes, scope: Callable[[dict[str, str], list[str]], dict[str,
     params = {p: {k: _distinct(raw.params[order[int(i)]], f"--set {k}") for k, i in d.items()}
               for p, d in scoped.items()}
     for policy, d in params.items():
-        names = [row[0] for row in describe(POLICIES[policy])]
-        bad = [k for k in d if k not in names]
-        if bad:
-            raise KvschedError(f"--set {policy}.{bad[0]}: {policy} has no parameter {bad[0]!r} "
-                               f"(parameters: {', '.join(names) or 'none'})")
+        check_params(policy, d, f"--set {policy}.")
     grid = Grid(policies, raw.rates, raw.seeds if raw.seeds is not None else [0], params, raw.options,
-                raw.settings)
+                raw.settings, raw.where)
     if grid.size() > MAX_POINTS:
         raise KvschedError(f"the grid has {grid.size():,} points; a sweep has at most {MAX_POINTS:,}")
     return grid
+
+
+def check_policy(name: str, flag: str = "") -> None:
+    """A known policy name, else the error `simulate` gives (after `flag`)."""
+    from kvsched.policies import POLICIES
+    if name not in POLICIES:
+        raise KvschedError(f"{flag}unknown policy {name!r}; known: {', '.join(POLICIES)}")
+
+
+def check_params(policy: str, keys: Iterable[str], flag: str) -> None:
+    """Parameter names the policy has; `flag` + the first unknown one names it in the error."""
+    from kvsched.params import describe
+    from kvsched.policies import POLICIES
+    names = [row[0] for row in describe(POLICIES[policy])]
+    bad = [k for k in keys if k not in names]
+    if bad:
+        raise KvschedError(f"{flag}{bad[0]}: {policy} has no parameter {bad[0]!r} "
+                           f"(parameters: {', '.join(names) or 'none'})")
 
 
 def typed(text: str) -> Any:
@@ -311,59 +328,96 @@ class Task:
 
 
 def plan(grid: Grid, base: Base) -> list[Task]:
-    """Every point of the grid, in grid order, its options checked once per distinct setting
-    (a malformed setting is the user's error before any work; one that cannot run, such as a
-    model too large for a GPU, fails only its points)."""
+    """Every point of the grid, in grid order. Each distinct setting of the option axes is
+    checked once, up front, as `simulate` checks it (a malformed setting is the user's error
+    before any work; one that cannot run, such as a model too large for a GPU, or a parameter
+    value its policy rejects, fails only its points)."""
     setups: dict[str, tuple] = {}
+    built: set[str] = set()
     hashes: dict[str, str] = {}
     tasks = []
     for params, axes in grid.expand():
         options = {k: axes[k] for k in grid.options}
         tag = json.dumps(options, sort_keys=True, default=str)
         if tag not in setups:
-            setups[tag] = _setup(base, grid.settings, options)
-        workload, template, decode = setups[tag]
+            setups[tag] = _setup(base, grid, options, built, hashes)
+        workload, template, decode, common = setups[tag]
         point = Point(workload, template, axes["policy"], params, axes["rate"], axes["seed"], decode)
-        tasks.append(Task(point_key(point, hashes), axes, point))
+        tasks.append(Task(point_key(point, common=common), axes, point))
     return tasks
 
 
-def _setup(base: Base, settings: dict[str, Any], options: dict[str, Any]) -> tuple[Any, Scenario, dict]:
-    """(workload options, scenario template, decode arguments) for one setting of the option axes."""
+def _setup(base: Base, grid: Grid, options: dict[str, Any], built: set[str],
+           hashes: dict[str, str]) -> tuple[Any, Scenario, dict, dict]:
+    """(workload options, scenario template, decode arguments, the key's shared part) for one
+    setting of the option axes, checked with the calls a point makes: the workload resolved
+    and built (once per distinct workload: trace files read), the scenario's numbers, the KV
+    pool, the cost model, the decode policy. `built`: the workloads already built."""
     from kvsched.cost import make_cost_model
     from kvsched.hardware import get_gpu, get_model
+    from kvsched.kvcache import PagedKV
     from kvsched.workload.arrivals import Closed
-    from kvsched.workload.source import resolve as resolve_workload
-    workload, hardware, cluster = base.with_options({**settings, **options})
-    where = f" (with {', '.join(f'{k}={v}' for k, v in options.items())})" if options else ""
+    from kvsched.workload.source import load, resolve as resolve_workload
+    workload, hardware, cluster = base.with_options({**grid.settings, **options})
+    values = "".join(f"{k} = {json.dumps(v, default=str)}: " for k, v in options.items())
+    where = f"{grid.where}: {values}" if options or grid.settings else ""
     try:
         spec = resolve_workload(workload)
-        if any(isinstance(ph.arrivals, Closed) for ph in spec.phases):
-            raise KvschedError("a sweep's rates need open-loop arrivals, not --arrivals closed:C")
+        closed = [ph.label(k) for k, ph in enumerate(spec.phases) if isinstance(ph.arrivals, Closed)]
+        if closed:
+            raise KvschedError(f"a sweep's rates need open-loop arrivals; {closed[0]} has closed-loop ones "
+                               "(--arrivals closed:C)")
+        tag = json.dumps(dataclasses.asdict(workload), sort_keys=True, default=str)
+        if tag not in built:
+            with warnings.catch_warnings():     # a point's warnings are dropped (run_task): these too
+                warnings.simplefilter("ignore")
+                load(dataclasses.replace(workload, rate=grid.rates[0], seed=grid.seeds[0]))
+            built.add(tag)
         template = cluster.apply(hardware.scenario(None, base.goodput, base.trim), 0)
         template.check()
+        if template.kv_capacity is not None:
+            PagedKV(template.kv_capacity, template.block_size)
         make_cost_model(template.cost, template.cost_params, get_model(template.model), get_gpu(template.gpu))
-        return workload, template, cluster.decode_args()
+        decode = cluster.decode_args()
+        _check_decode(decode, grid.policies)
+        return workload, template, decode, key_common(workload, template, decode, hashes)
     except KvschedError as exc:
-        raise KvschedError(f"{exc}{where}") from None
+        raise KvschedError(f"{where}{exc}") from None
 
 
-def point_key(point: Point, hashes: dict[str, str] | None = None) -> str:
+def _check_decode(decode: dict[str, Any], policies: list[str]) -> None:
+    """--decode-policy known, and --decode-set's keys parameters of the decode policy (of every
+    policy of the grid when it has none: each then decodes its own points)."""
+    name = decode.get("decode_policy")
+    if name is not None:
+        check_policy(name, "--decode-policy: ")
+    for policy in [name] if name is not None else policies:
+        check_params(policy, decode.get("decode_params", {}), "--decode-set ")
+
+
+def point_key(point: Point, hashes: dict[str, str] | None = None, common: dict[str, Any] | None = None) -> str:
     """A stable hash of everything a point simulates: policy, parameters, rate, seed, every
     workload option and every field of the scenario (hardware, cost, cluster, figures'
     options), and the contents of the workload, trace and cost files it names. The same
-    flags find the same key; any change makes a new point."""
-    template = {f.name: getattr(point.template, f.name) for f in dataclasses.fields(point.template)
-                if f.name not in ("workload", "router_seed")}       # the point's seed sets both
-    definition = {"version": VERSION, "policy": point.policy, "params": point.params,
-                  "rate": point.rate, "seed": point.seed, "decode": point.decode,
-                  "workload": dataclasses.asdict(dataclasses.replace(point.workload, rate=None, seed=0)),
-                  "scenario": jsonable(_plain(template)),
-                  "files": {str(p): _file_hash(Path(p), hashes if hashes is not None else {})
-                            for p in (point.workload.workload, point.workload.trace, point.template.cost)
-                            if p is not None and Path(p).is_file()}}
+    flags find the same key; any change makes a new point. `common`: `key_common` of the
+    point's setting, when computed already (it is the same for every point of a setting)."""
+    if common is None:
+        common = key_common(point.workload, point.template, point.decode, hashes if hashes is not None else {})
+    definition = {**common, "policy": point.policy, "params": point.params, "rate": point.rate, "seed": point.seed}
     text = json.dumps(definition, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:KEY_LENGTH]
+
+
+def key_common(workload: Any, template: Scenario, decode: dict[str, Any], hashes: dict[str, str]) -> dict[str, Any]:
+    """The part of a point's key definition its option setting fixes (all but policy,
+    parameters, rate and seed); `hashes`: file contents' hashes by path, filled as read."""
+    fields = {f.name: getattr(template, f.name) for f in dataclasses.fields(template)
+              if f.name not in ("workload", "router_seed")}       # the point's seed sets both
+    return {"version": VERSION, "decode": decode,
+            "workload": dataclasses.asdict(dataclasses.replace(workload, rate=None, seed=0)),
+            "scenario": jsonable(_plain(fields)),
+            "files": {str(p): _file_hash(Path(p), hashes) for p in (workload.workload, workload.trace, template.cost)
+                      if p is not None and Path(p).is_file()}}
 
 
 def _plain(x: Any) -> Any:

@@ -200,10 +200,10 @@ def flatten(summary: dict[str, Any]) -> dict[str, Any]:
 def _sweep(d: Path) -> Folder:
     meta = read_json(d / "sweep.json")
     keys = meta.get("keys")            # this grid's points (older sweep.json files: every point file)
-    if keys is not None and not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
-        raise KvschedError(f"{d / 'sweep.json'}: keys must be a list of point keys")
+    if keys is not None and not (isinstance(keys, list) and all(_is_key(k) for k in keys)):
+        raise KvschedError(f"{d / 'sweep.json'}: keys must be a list of point keys (file names in points/)")
     files = [d / "points" / f"{k}.json" for k in keys] if keys is not None else sorted((d / "points").glob("*.json"))
-    points = [_point(f) for f in files if f.is_file()]
+    points = [_point(f) for f in files if f.is_file()]      # a listed point without a file: not finished
     ok = [p for p in points if p["status"] == "ok"]
     if not ok:
         raise KvschedError(f"{d}: no point of the sweep finished ok ({len(points)} of {meta.get('points', '?')} "
@@ -219,8 +219,14 @@ def _sweep(d: Path) -> Folder:
         if len(ok) < len(files) else []
     if len(groups) > MAX_RUNS:
         notes.append(f"distributions, timelines and tiers show the first {MAX_RUNS} of {len(groups)} configurations")
-    return Folder("sweep", curves, runs, f"{len(ok)} points of points/*.json, seeds averaged per rate",
-                  runs_from, notes=notes)
+    source = "the grid in sweep.json" if keys is not None else "points/*.json"
+    return Folder("sweep", curves, runs, f"{len(ok)} points of {source}, seeds averaged per rate", runs_from,
+                  notes=notes)
+
+
+def _is_key(k: Any) -> bool:
+    """A point key names a file in points/: no separators, no leading dot."""
+    return isinstance(k, str) and bool(re.fullmatch(r"[\w-][\w.-]*", k))
 
 
 def _point(f: Path) -> dict:
@@ -268,7 +274,11 @@ def _is_number(word: str) -> bool:
 
 def _rate_key(rate: Any) -> float:
     """A point's rate; none (the trace's own rate) sorts first."""
-    return -math.inf if rate is None else float(rate)
+    if rate is None:
+        return -math.inf
+    if not _finite(rate):
+        raise TypeError(f"axes.rate must be a number or null, got {rate!r}")
+    return float(rate)
 
 
 def _by_rate(pairs: list[tuple[Any, dict]]) -> list[dict[str, float]]:
@@ -288,9 +298,11 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def check_lists(figures: dict, where: str) -> None:
+def check_lists(figures: Any, where: str) -> None:
     """The figure lists a report draws: 101 percentiles (or none) and timeline rows of 4
     numbers, all finite; anything else is malformed (ValueError naming the key)."""
+    if not isinstance(figures, dict):
+        raise ValueError(f"{where} must be an object of figures, got {figures!r:.40}")
     for key in ("ttft_quantiles_ms", "tpot_quantiles_ms"):
         q = figures.get(key) or []
         if not (isinstance(q, list) and len(q) in (0, 101) and all(_finite(v) for v in q)):
@@ -350,24 +362,41 @@ def _capacity(d: Path) -> Folder:
 
 
 def _limits(doc: dict) -> list[Limit]:
-    limits = [Limit(str(s["key"]), float(s["ms"]), f"{s.get('stat', '')} {str(s.get('metric', '')).upper()} <= "
-                    f"{float(s['ms']):g} ms ({s['key']})", "ms") for s in doc["slos"]]
+    limits = []
+    for k, s in enumerate(doc["slos"]):
+        ms = _num(s, "ms", f"slos[{k}]")
+        limits.append(Limit(str(s["key"]), ms, f"{s.get('stat', '')} {str(s.get('metric', '')).upper()} <= "
+                            f"{ms:g} ms ({s['key']})", "ms"))
     att = doc.get("attainment")
     if att:
-        limits.append(Limit("goodput_attainment", float(att["target"]),
-                            f"goodput attainment >= {float(att['target']):g}", "share of requests", upper=False))
+        target = _num(att, "target", "attainment")
+        limits.append(Limit("goodput_attainment", target, f"goodput attainment >= {target:g}", "share of requests",
+                            upper=False))
     return limits
 
 
 def _capacity_policy(name: str, p: dict) -> CapacityPolicy:
+    where = f"policies.{name}"
     at = p.get("at_max_rate") or {}
-    mu = p.get("mu")
-    for key in ("max_rate", "max_rate_min", "max_rate_max"):
-        if not _finite(p[key]):
-            raise ValueError(f"policies.{name}.{key} must be a number, got {p[key]!r}")
-    for run in p.get("at_max_rate_runs") or []:
-        check_lists(run, f"policies.{name}.at_max_rate_runs")
-    return CapacityPolicy(name, number(p["max_rate"]), number(p["max_rate_min"]), number(p["max_rate_max"]),
-                          None if mu is None else float(mu), str(p.get("bounded_by", "")), at.get("met"),
-                          [Evaluation(int(e["seed"]), float(e["rate"]), bool(e["met"]), dict(e["figures"]))
-                           for e in p.get("evaluations") or []], p.get("gpus"))
+    rates = [_num(p, key, where) for key in ("max_rate", "max_rate_min", "max_rate_max")]
+    mu = None if p.get("mu") is None else _num(p, "mu", where)
+    runs = p.get("at_max_rate_runs") or []
+    if not isinstance(runs, list):
+        raise ValueError(f"{where}.at_max_rate_runs must be a list of runs, got {runs!r:.40}")
+    for k, run in enumerate(runs):
+        check_lists(run, f"{where}.at_max_rate_runs[{k}]")
+    evaluations = []
+    for k, e in enumerate(p.get("evaluations") or []):
+        seed, met = e["seed"], e["met"]
+        if isinstance(seed, bool) or not isinstance(seed, int) or not isinstance(met, bool):
+            raise ValueError(f"{where}.evaluations[{k}]: seed must be a whole number and met true or false, "
+                             f"got {seed!r} and {met!r}")
+        evaluations.append(Evaluation(seed, _num(e, "rate", f"{where}.evaluations[{k}]"), met, dict(e["figures"])))
+    return CapacityPolicy(name, *rates, mu, str(p.get("bounded_by", "")), at.get("met"), evaluations, p.get("gpus"))
+
+
+def _num(doc: dict, key: str, where: str) -> float:
+    """doc[key], a finite number (not a boolean), else malformed (ValueError naming the key)."""
+    if not _finite(doc[key]):
+        raise ValueError(f"{where}.{key} must be a number, got {doc[key]!r}")
+    return float(doc[key])
