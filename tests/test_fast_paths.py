@@ -205,3 +205,86 @@ def test_replay_records_every_batch():
     steps = kvsched_steps(w, "vllm-v1", {}, Limits(2048, 64, num_gpu_blocks=2000), 0.01)
     decode_tokens = sum(sum(1 for c in s.tokens.values() if c == 1) for s in steps)
     assert decode_tokens == int(w.output.sum()) - len(w.output)    # o - 1 decode steps each (chunks >= 2)
+
+
+# ----- an inert prefix cache (nothing keyed: a workload without shared content) ----------
+# answers plans through `LazyPlanner` and frees finished requests through `free_private`;
+# with `inert` forced False every batch takes the general cache path instead.
+PLANNERS = ("vllm-v1", "sarathi", "vllm-v0", "orca", "request-level", "slai")     # slai: sarathi's admission
+
+
+def _general_cache(monkeypatch) -> None:
+    from kvsched.sim.prefix_cache import PrefixCache
+    monkeypatch.setattr(PrefixCache, "inert", property(lambda self: False))
+
+
+def _cache_fingerprint(w: Workload, name: str, **kw) -> tuple[str, dict]:
+    p = make_policy(name, {}, get_gpu("a100-80gb"))
+    r = simulate(Scenario(w, gpu="a100-80gb", model="llama-2-7b", prefix_caching=True, **kw), p,
+                 record_timeline=True, record_batches=True)
+    summary = {k: v for k, v in r.summary.items() if k != "wall_seconds"}
+    rec = r.records
+    per_request = [getattr(rec, k).tolist() for k in
+                   ("first_token", "finished", "admitted", "itl_max", "preemptions", "recomputed")]
+    blob = pickle.dumps((sorted(summary.items(), key=str), per_request, list(r.timeline), list(r.batches)))
+    return hashlib.sha256(blob).hexdigest(), summary
+
+
+@pytest.mark.parametrize("name", PLANNERS)
+@pytest.mark.parametrize("kv_capacity", [None, 6_000])
+def test_inert_cache_shortcuts_are_the_general_cache_path(name, kv_capacity, monkeypatch):
+    w = workload(300, 25.0, 7)
+    fast, summary = _cache_fingerprint(w, name, kv_capacity=kv_capacity)
+    if kv_capacity is not None:
+        assert summary["preemptions"] > 0       # preemptions key blocks: the cache leaves the inert state
+    _general_cache(monkeypatch)
+    assert _cache_fingerprint(w, name, kv_capacity=kv_capacity)[0] == fast
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), rate=st.floats(1.0, 80.0), name=st.sampled_from(PLANNERS),
+       kv=st.sampled_from([2_000, 5_000, None]), bs=st.sampled_from([1, 16]))
+def test_inert_cache_shortcuts_are_exact_on_random_workloads(seed, rate, name, kv, bs, monkeypatch):
+    w = workload(100, rate, seed)
+    fast = _cache_fingerprint(w, name, kv_capacity=kv, block_size=bs)[0]
+    with monkeypatch.context() as m:
+        _general_cache(m)
+        assert _cache_fingerprint(w, name, kv_capacity=kv, block_size=bs)[0] == fast
+
+
+class Probing:
+    """vllm-v1's plans, and before each a planner probed as a custom policy might use it:
+    chunks, lookups, then a preemption and what the preempted request would hit (its own
+    blocks, just keyed) and the others; the answers are kept."""
+    name = "probing"
+
+    def __init__(self) -> None:
+        self.inner = make_policy("vllm-v1", {}, get_gpu("a100-80gb"))
+        self.answers: list = []
+
+    def schedule(self, v):
+        p = v.prefix_planner()
+        out = self.answers
+        waiting = list(v.waiting)[:2]
+        for i in v.prefilling:
+            out.append(p.chunk(i, 1))
+        for i in waiting:
+            out += [p.lookup(i), p.chunk(i, min(16, v.prefill_target(i)))]
+        if v.running:
+            j = list(v.running)[-1]
+            out.append(p.preempt(j))
+            out += [p.lookup(j), p.lookup(j, 1), p.chunk(j, 1)]
+        return self.inner.schedule(v)
+
+
+def test_lazy_planner_answers_as_the_planner_after_a_preemption(monkeypatch):
+    w = workload(200, 30.0, 11)
+    kw = dict(gpu="a100-80gb", model="llama-2-7b", prefix_caching=True, kv_capacity=4_000, block_size=4)
+    fast = Probing()
+    simulate(Scenario(w, **kw), fast)
+    _general_cache(monkeypatch)
+    general = Probing()
+    simulate(Scenario(w, **kw), general)
+    assert any(isinstance(a, tuple) and a[0] > 0 for a in general.answers)     # hits were found
+    assert fast.answers == general.answers

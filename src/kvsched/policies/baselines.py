@@ -145,8 +145,8 @@ class VllmV1(_Base):
         budget = self.max_num_batched_tokens - nd
         chunks: list[tuple[int, int]] = []
         gone = set(victims)
-        newest = (i for i in reversed(v.running) if i not in gone)
-        cap = self._cap if len(v.running) + len(v.waiting) > 1 else None    # a lone request is not capped
+        newest = None                       # the running requests newest first, not yet preempted (made when needed)
+        cap = self._cap if self._cap and len(v.running) + len(v.waiting) > 1 else None    # a lone request is not capped
         for i in v.prefilling:
             if i in gone:
                 break                       # reached the preempted tail of the running list
@@ -156,6 +156,8 @@ class VllmV1(_Base):
                 break
             need = v.blocks_for(done + c) - v.blocks_for(done)
             while need > free:              # victims are newer than i: none has a chunk yet
+                if newest is None:
+                    newest = (j for j in reversed(v.running) if j not in gone)
                 j = next(newest)
                 victims.append(j)
                 gone.add(j)
@@ -192,7 +194,7 @@ class VllmV1(_Base):
                 free -= need
                 budget -= c
                 seqs += 1
-        decoders_left = v.num_decoding - sum(1 for j in victims if v.is_decoding(j))
+        decoders_left = v.num_decoding - (sum(1 for j in victims if v.is_decoding(j)) if victims else 0)
         return Plan(admit, chunks, decoders_left > 0, victims)
 
 

@@ -140,8 +140,9 @@ class PrefixCache:
 
     def miss(self, i: int) -> None:
         """`hit` of request i while the cache is inert: the lookup counted, nothing taken."""
-        self.query_tokens += self.reqs.target[i]
-        self.query_blocks += self.cap_blocks(i)
+        target = self.reqs.target[i]
+        self.query_tokens += target
+        self.query_blocks += (target - 1) // self.bs     # cap_blocks(i)
 
     def hit(self, i: int, chunk: int) -> int:
         """Request i's first chunk after admission: take its cached prefix, as far as the
@@ -204,6 +205,13 @@ class PrefixCache:
         evict = n - (kv.capacity_blocks - kv.used - self.queued)
         if evict > 0:
             q, m, dups = self.free_q, self.map, self.dups
+            b = next(iter(q))
+            if type(b) is Run and b.n > evict:  # the common case: the oldest run covers it
+                b.n -= evict
+                self.evictions += evict
+                self.queued -= evict
+                kv.used += n
+                return
             left = evict
             while left:
                 b = next(iter(q))
@@ -242,7 +250,11 @@ class PrefixCache:
         own = full - len(held)
         if own > 0:
             if done and len(held) >= self._share[i]:        # nobody can hit these: no keys
-                q[Run(own)] = None
+                last = next(reversed(q), None) if q else None
+                if type(last) is Run:           # runs side by side are one run (the same order)
+                    last.n += own
+                else:
+                    q[Run(own)] = None
             else:
                 blocks = [Block(k, 0) for k in reversed(self.keys(i, full)[len(held):full])]
                 self._insert(blocks)
@@ -257,6 +269,27 @@ class PrefixCache:
         self.kv.used -= released
         if done:
             self._keys.pop(i, None)
+
+    def free_private(self, done: list[tuple[int, int]]) -> None:
+        """`free(i, kv_tokens, True)` for each (i, kv_tokens) of `done`, while the cache is
+        inert: no request holds a cached block, so each frees all its blocks and queues its
+        full ones as one run (runs side by side are one run: the same eviction order)."""
+        bs, keys, held = self.bs, self._keys, self.held
+        full = released = 0
+        for i, kv_tokens in done:
+            full += kv_tokens // bs
+            released += -(-kv_tokens // bs)
+            held.pop(i, None)
+            keys.pop(i, None)
+        if full:
+            q = self.free_q
+            last = next(reversed(q), None) if q else None
+            if type(last) is Run:
+                last.n += full
+            else:
+                q[Run(full)] = None
+            self.queued += full
+        self.kv.used -= released
 
     # ----- what policies and routers read ------------------------------------------------
     def cached_tokens(self, i: int, keep: bool = True) -> int:
@@ -284,6 +317,58 @@ class PrefixCache:
             if b.ref - (shared.get(b, 0) if shared else 0) == 1:
                 n += 1
         return n
+
+
+class LazyPlanner:
+    """`HitPlanner` for a plan that starts on an inert cache (`PrefixCache.inert`): until the
+    plan preempts, every lookup misses (nothing is keyed and its chunks key nothing) and a
+    chunk only moves its request's start, so those are answered here, at a fraction of a
+    planner's cost (most plans). Its calls are kept: the first other call (a preemption)
+    replays them into a `HitPlanner`, which answers that call and every later one, so the
+    answers are the planner's own."""
+    __slots__ = ("_c", "_r", "_calls", "_start", "_real")
+
+    def __init__(self, cache: PrefixCache, replica) -> None:
+        self._c, self._r = cache, replica
+        self._calls: list[tuple] = []
+        self._start: dict[int, int] = {}
+        self._real: HitPlanner | None = None
+
+    def lookup(self, i: int, chunk: int | None = None) -> tuple[int, int]:
+        if self._real is not None:
+            return self._real.lookup(i, chunk)
+        self._calls.append(("lookup", i, chunk))
+        return 0, 0
+
+    def chunk(self, i: int, tokens: int) -> int:
+        if self._real is not None:
+            return self._real.chunk(i, tokens)
+        self._calls.append(("chunk", i, tokens))
+        start = self._start.get(i)
+        if start is None:                       # a waiting request's hit is empty
+            start = 0 if self._r.awaits_hit(i) else self._r._computed[i]
+        self._start[i] = start + tokens
+        return start
+
+    def decodes(self, blocks: int) -> None:
+        if self._real is not None:
+            return self._real.decodes(blocks)
+        self._calls.append(("decodes", blocks))
+
+    def preempt(self, i: int) -> int:
+        return self._planner().preempt(i)
+
+    def __getattr__(self, name: str):
+        """Anything else a policy reads: the real planner's."""
+        return getattr(self._planner(), name)
+
+    def _planner(self) -> HitPlanner:
+        """The real planner, after the calls so far."""
+        if self._real is None:
+            self._real = HitPlanner(self._c, self._r)
+            for method, *args in self._calls:
+                getattr(self._real, method)(*args)
+        return self._real
 
 
 class HitPlanner:

@@ -24,13 +24,15 @@ from typing import Callable
 import numpy as np
 from math import log as _log
 
+_max = np.maximum.reduce
+
 from kvsched.cost.shape import BatchShape
 from kvsched.errors import KvschedError, PlanError
 from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram
 from kvsched.policies.base import NOOP_HOOKS, Plan, decodes_when_idle, defined_in
 from kvsched.sim.decode_set import Cohort, DecodeSet
-from kvsched.sim.prefix_cache import HitPlanner, PrefixCache
+from kvsched.sim.prefix_cache import HitPlanner, LazyPlanner, PrefixCache
 from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING, RequestTable
 from kvsched.sim.rowlog import CHUNK, RowLog
 from kvsched.sim.view import ReadOnlySeq, ReplicaView
@@ -213,7 +215,10 @@ class Replica:
 
     def prefix_planner(self) -> HitPlanner | None:
         """What a plan being built finds in the cache (None without prefix caching)."""
-        return HitPlanner(self.cache, self) if self.cache is not None else None
+        c = self.cache
+        if c is None:
+            return None
+        return LazyPlanner(c, self) if c.inert else HitPlanner(c, self)
 
     def awaits_hit(self, i: int) -> bool:
         """Request i takes its cache hit at its next chunk (waiting, or admitted without a chunk yet)."""
@@ -708,12 +713,16 @@ class Replica:
         """With prefix caching, the requests a batch finished free their blocks in vLLM's order
         (its scheduled order: running requests by admission, then the new ones), which decides
         which cached blocks are evicted first."""
-        done = self._finishing
-        if len(done) > 1 and not self.cache.inert:
-            done.sort(key=lambda x: self._order.get(x[0], 0))    # landed (disaggregated) ones first
-        for i, kv_tokens in done:
-            self._order.pop(i, None)
-            self.cache.free(i, kv_tokens, True)
+        done, order, cache = self._finishing, self._order, self.cache
+        for i, _ in done:
+            order.pop(i, None)
+        if cache.inert:                         # no keys, no shared blocks: the order cannot matter
+            cache.free_private(done)
+        else:
+            if len(done) > 1:                   # landed (disaggregated) ones first
+                done.sort(key=lambda x: self._order.get(x[0], 0))
+            for i, kv_tokens in done:
+                cache.free(i, kv_tokens, True)
         done.clear()
 
     def _stalled(self, end: float) -> None:
@@ -872,7 +881,7 @@ class Replica:
         r.gen[i] = gen
         r.last_tok[i] = last
         if len(window):
-            m = float(window.max())
+            m = float(_max(window))             # window.max() without its Python wrapper
             if m > r.itl_max[i]:
                 r.itl_max[i] = m
             if m > r.tbt[i]:
