@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import heapq
 import tempfile
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -89,3 +89,133 @@ class MergedRows(Sequence):
 def _tagged(log: RowLog, k: int) -> Iterator[tuple]:
     for row in log:
         yield (*row, k)
+
+
+# ----- the rows as blocks of numpy columns (run.py writes CSV files from them) ------------
+# Iterating a RowLog makes a Python tuple per row, and MergedRows merges the replicas row by
+# row with heapq: together some seconds for a million-request run's timeline. The blocks
+# below give the same rows in the same order, as numpy arrays: (values, None) per column,
+# the `Column` of kvsched.csvtext.
+Column = tuple[np.ndarray, Optional[np.ndarray]]
+
+PIECE = 1 << 13         # rows converted or merged at once (a RowLog chunk is 65,536)
+
+
+def row_blocks(rows) -> Iterator[list[Column]] | None:
+    """`rows` a block of columns at a time, or None where only writing them row by row is
+    sure to give the same text: another kind of sequence, rows a numpy chunk cannot hold as
+    the same Python values (an int in a float column), or a cluster log whose times go back
+    (heapq.merge's order is then not the sort made here)."""
+    if isinstance(rows, RowLog):
+        tail = _exact_tail(rows)
+        return None if tail is None else (_columns(chunk) for chunk in _chunks(rows, tail))
+    if isinstance(rows, MergedRows):
+        return _merged_blocks(rows._logs)
+    return None
+
+
+def _columns(chunk: np.ndarray) -> list[Column]:
+    return [(chunk[name], None) for name in chunk.dtype.names]
+
+
+def _chunks(log: RowLog, tail: list[np.ndarray]) -> Iterator[np.ndarray]:
+    """A log's rows a chunk at a time: those spilled to its file, then `tail`, the rows it
+    holds in memory (as RowLog.__iter__ reads them)."""
+    done, total = 0, log._spilled
+    while done < total:
+        log._file.seek(done * log.dtype.itemsize)
+        chunk = np.fromfile(log._file, dtype=log.dtype, count=min(CHUNK, total - done))
+        if not len(chunk):
+            raise OSError(f"row log file ended after {done} of {total} rows")
+        done += len(chunk)
+        yield chunk
+    yield from tail
+
+
+def _exact_tail(log: RowLog) -> list[np.ndarray] | None:
+    """The rows a log holds in memory as chunks of its dtype, or None if one of their values
+    would not come back from a chunk as the same Python value (written the same)."""
+    rows = list(log._rows)
+    chunks = [_exact_chunk(rows[lo:lo + PIECE], log.dtype) for lo in range(0, len(rows), PIECE)]
+    return None if any(chunk is None for chunk in chunks) else chunks
+
+
+def _exact_chunk(rows: list[tuple], dtype: np.dtype) -> np.ndarray | None:
+    if any(len(row) != len(dtype.names) for row in rows):
+        return None
+    chunk = np.empty(len(rows), dtype)
+    for name, values in zip(dtype.names, zip(*rows)):
+        if set(map(type, values)) != {float if dtype[name].kind == "f" else int}:
+            return None
+        try:
+            chunk[name] = values
+        except OverflowError:                   # an int beyond int64
+            return None
+    return chunk
+
+
+def _merged_blocks(logs: list[tuple[int, RowLog]]) -> Iterator[list[Column]] | None:
+    """MergedRows' rows (every replica's by time, then replica, with the replica's number
+    last) a block at a time, where that is what heapq.merge gives: every log a RowLog of the
+    same layout whose times never decrease, each replica's number its own."""
+    if len({k for k, _ in logs}) != len(logs) or not all(isinstance(log, RowLog) for _, log in logs):
+        return None
+    tails = [_exact_tail(log) for _, log in logs]
+    if any(tail is None for tail in tails) or len({log.dtype for _, log in logs}) > 1:
+        return None
+    if not all(_in_time_order(_chunks(log, tail)) for (_, log), tail in zip(logs, tails)):
+        return None
+    return _merge({k: _pieces(_chunks(log, tail)) for (k, log), tail in zip(logs, tails)})
+
+
+def _pieces(chunks: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
+    """Chunks cut to at most PIECE rows (views): a merge round then holds a few MB."""
+    for chunk in chunks:
+        for lo in range(0, len(chunk), PIECE):
+            yield chunk[lo:lo + PIECE]
+
+
+def _in_time_order(chunks: Iterator[np.ndarray]) -> bool:
+    """Whether the first column (time) never decreases and is never NaN."""
+    last = -np.inf
+    for chunk in chunks:
+        t = chunk[chunk.dtype.names[0]]
+        if len(t):
+            if np.isnan(t).any() or t[0] < last or (t[1:] < t[:-1]).any():
+                return False
+            last = t[-1]
+    return True
+
+
+def _merge(streams: dict[int, Iterator[np.ndarray]]) -> Iterator[list[Column]]:
+    """Replicas' sorted chunk streams merged by (time, replica), in order within a stream.
+    Each round takes, from every replica's buffered rows, those whose key is at most the
+    least of the buffers' last keys: no row still unread can come before them. That empties
+    at least one buffer a round."""
+    buffered: dict[int, np.ndarray] = {}
+    while True:
+        for k in list(streams):
+            while not len(buffered.get(k, ())):
+                buffered[k] = next(streams[k], None)
+                if buffered[k] is None:
+                    del streams[k], buffered[k]
+                    break
+        if not buffered:
+            return
+        time = next(iter(buffered.values())).dtype.names[0]
+        cut_time, cut_k = min((rows[time][-1], k) for k, rows in buffered.items())
+        parts = []
+        for k, rows in buffered.items():
+            n = int(np.searchsorted(rows[time], cut_time, side="right" if k <= cut_k else "left"))
+            parts.append((k, rows[:n]))
+            buffered[k] = rows[n:]
+        yield _merged_columns(parts)
+
+
+def _merged_columns(parts: list[tuple[int, np.ndarray]]) -> list[Column]:
+    """Replicas' chunks as one block by (time, replica) (a stable sort: rows of one replica
+    at one time keep their order), the replica's number as a last column."""
+    rows = np.concatenate([chunk for _, chunk in parts])
+    replica = np.concatenate([np.full(len(chunk), k, np.int64) for k, chunk in parts])
+    order = np.lexsort((replica, rows[rows.dtype.names[0]]))
+    return _columns(rows[order]) + [(replica[order], None)]

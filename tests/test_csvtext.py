@@ -1,0 +1,255 @@
+"""CSV files written a block of columns at a time (csvtext, sim/rowlog.row_blocks) are byte for byte what
+csv.writer writes for the same Python values: floats by repr, empty cells, CRLF."""
+from __future__ import annotations
+
+import csv
+import io
+
+import numpy as np
+import pytest
+
+from kvsched import csvtext
+from kvsched.csvtext import csv_lines as csv_blocks
+
+
+def csv_lines(columns) -> bytes:
+    return b"".join(csv_blocks(columns))
+
+
+def _reference(columns) -> bytes:
+    """csv.writer over the columns' Python values, '' where a mask says absent."""
+    cells = []
+    for values, present in columns:
+        v = values.tolist()
+        cells.append(v if present is None else [x if ok else "" for x, ok in zip(v, present.tolist())])
+    text = io.StringIO(newline="")
+    csv.writer(text).writerows(zip(*cells))
+    return text.getvalue().encode()
+
+
+def _floats(rng, n: int) -> np.ndarray:
+    """Floats of every kind repr treats differently: long and short decimals, halfway cases,
+    neighbours of powers of two and ten, exponents, zero, negatives, non-finite values."""
+    kind = rng.integers(0, 9)
+    if kind == 0:
+        return rng.integers(0x3F1A36E2EB1C432D, 0x4341C37937E08000, n, dtype=np.int64).view(np.float64)
+    if kind == 1:
+        return np.cumsum(rng.exponential(rng.choice([1e-3, 0.02, 1.0]), n))
+    if kind == 2:
+        t = np.cumsum(rng.exponential(0.02, n + 1))
+        return t[1:] - t[:-1]
+    if kind in (3, 4):          # decimals of 1..17 digits; with 4, 17 digits ending in 5 (halfway for 16)
+        digits = int(rng.integers(1, 18)) if kind == 3 else 17
+        m = rng.integers(10 ** (digits - 1), 10 ** digits, n, dtype=np.int64)
+        m = m if kind == 3 else m - m % 10 + 5
+        e = rng.integers(-6 - digits, 18 - digits, n)
+        x = np.array([float(f"{a}e{b}") for a, b in zip(m.tolist(), e.tolist())])
+        return np.nextafter(x, np.where(rng.random(n) < 0.5, 0, np.inf)) if rng.random() < 0.5 else x
+    if kind == 5:
+        x = np.ldexp(1.0, rng.integers(-20, 60, n))
+        return np.where(rng.random(n) < 0.5, x, np.nextafter(x, np.where(rng.random(n) < 0.5, 0, np.inf)))
+    if kind == 6:
+        x = 10.0 ** rng.integers(-6, 18, n)
+        return np.where(rng.random(n) < 0.4, x, np.nextafter(x, np.where(rng.random(n) < 0.5, 0, np.inf)))
+    if kind == 7:
+        return rng.integers(0, 10 ** 16, n).astype(np.float64) * rng.choice([1, -1, 0.5, 0.25], n)
+    return rng.integers(0, 2 ** 63 - 2 ** 53, n, dtype=np.int64).view(np.float64) * rng.choice([1, -1], n)
+
+
+def _column(rng, n: int):
+    r = rng.random()
+    if r < 0.6:
+        values = _floats(rng, n)
+        values[rng.random(n) < 0.02] = rng.choice([np.nan, np.inf, -np.inf, 0.0, -0.0, 5e-324, 1e16, 1e-4])
+    elif r < 0.9:
+        top = 10 ** int(rng.integers(1, 19))
+        values = rng.integers(-top if rng.random() < 0.3 else 0, top, n)
+    else:
+        values = rng.choice(["finished", "unfinished", "rejected", ""], n)
+    present = rng.random(n) < 0.8 if rng.random() < 0.4 else None
+    return values, present
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_csv_lines_are_what_csv_writer_writes(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(25):
+        n = int(rng.integers(1, 3000))
+        columns = [_column(rng, n) for _ in range(int(rng.integers(2, 6)))]
+        with np.errstate(invalid="ignore", over="ignore"):
+            assert csv_lines(columns) == _reference(columns)
+
+
+def test_many_floats_are_their_repr():
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        x = _floats(rng, 5000)
+        with np.errstate(invalid="ignore", over="ignore"):
+            assert csv_lines([(x, None), (x, None)]) == _reference([(x, None), (x, None)])
+
+
+def test_other_dtypes_and_edges():
+    cols = [(np.array([1.5, 2.25], np.float32), None), (np.array([7, 2 ** 64 - 1], np.uint64), None),
+            (np.array([np.nan, 0.1]), np.array([False, True])), (np.array(["", "x"]), None)]
+    assert csv_lines(cols) == _reference(cols) == b"1.5,7,,\r\n2.25,18446744073709551615,0.1,x\r\n"
+    assert csv_lines([(np.array([]), None), (np.array([], np.int64), None)]) == b""
+    assert csv_lines([(np.arange(5), None), (np.arange(5.0), None)]) == b"".join(
+        b"%d,%d.0\r\n" % (k, k) for k in range(5))
+
+
+@pytest.mark.parametrize("word", ["a,b", 'say "x"', "two\nlines", "cr\r", "caf\u00e9", "a\x00b"])
+def test_words_csv_would_quote_are_refused(word):
+    with pytest.raises(ValueError, match="not a plain word"):
+        csv_lines([(np.array([word, "ok"]), None), (np.arange(2), None)])
+
+
+def test_one_column_is_refused():          # csv.writer writes a lone empty cell as ""
+    with pytest.raises(ValueError):
+        csv_lines([(np.arange(3), None)])
+
+
+def test_the_fast_path_takes_nearly_every_float_of_a_run():
+    """Times and durations go through the vectorized path, not Python's repr, one in a
+    hundred or so excepted (they would still be right, but slow)."""
+    if not csvtext._extended_works():
+        pytest.skip("no 80-bit long doubles here: every float is Python's repr")
+    rng = np.random.default_rng(3)
+    t = np.cumsum(rng.exponential(0.02, 50_000))
+    for x in (t, np.diff(t), t * 7.3):
+        cells, done = csvtext._float_cells(x)
+        assert done.mean() > 0.97
+
+
+def test_without_extended_precision_every_float_is_repr(monkeypatch):
+    monkeypatch.setattr(csvtext, "_EXTENDED", False)
+    x = np.cumsum(np.random.default_rng(4).exponential(0.02, 3000))
+    cells, done = csvtext._float_cells(x)
+    assert not done.any()
+    assert csv_lines([(x, None), (x, None)]) == _reference([(x, None), (x, None)])
+
+
+# ---- per-batch rows from RowLog and MergedRows -------------------------------------------
+
+def _written(tmp_path, rows, name="rows.csv") -> bytes:
+    from kvsched.run import _write_rows
+    _write_rows(tmp_path / name, ["time", "a", "b"], rows)
+    return (tmp_path / name).read_bytes()
+
+
+def _csv_of(rows) -> bytes:
+    text = io.StringIO(newline="")
+    w = csv.writer(text)
+    w.writerow(["time", "a", "b"])
+    w.writerows(rows)
+    return text.getvalue().encode()
+
+
+def _log(rows, checks=7):
+    from kvsched.sim.rowlog import RowLog
+    log = RowLog("fii")
+    for k, row in enumerate(rows):
+        log.append(row)
+        if k % checks == 0:
+            log.check()
+    return log
+
+
+def test_row_log_blocks_are_its_rows(tmp_path, monkeypatch):
+    from kvsched.sim.rowlog import row_blocks
+    from kvsched.sim import rowlog
+    monkeypatch.setattr(rowlog, "CHUNK", 100)
+    rows = [(k * 0.1 + 1e-9, k, 2 ** 40 - k) for k in range(1050)]
+    log = _log(rows)
+    assert log._spilled and log._rows and row_blocks(log) is not None
+    assert _written(tmp_path, log) == _csv_of(rows)
+    assert _written(tmp_path, _log([])) == _csv_of([])
+
+
+def test_rows_the_blocks_cannot_hold_go_row_by_row(tmp_path, monkeypatch):
+    """An int in a float column among the rows in memory reads back as an int (a spilled one
+    as a float), and a plain list is not a RowLog: csv.writer writes those."""
+    from kvsched.sim.rowlog import row_blocks
+    from kvsched.sim import rowlog
+    monkeypatch.setattr(rowlog, "CHUNK", 100)
+    rows = [(k * 0.5, k, k) for k in range(150)] + [(3, 1, 1), (2.5, True, 1)]
+    log = _log(rows)
+    assert row_blocks(log) is None and row_blocks(rows) is None
+    assert _written(tmp_path, log) == _csv_of(list(log)) == _csv_of(rows[:100] + rows[100:])
+    assert _written(tmp_path, rows) == _csv_of(rows)
+
+
+def test_merged_rows_blocks_are_heapq_merges_order(tmp_path, monkeypatch):
+    from kvsched.sim.rowlog import row_blocks
+    from kvsched.sim import rowlog
+    monkeypatch.setattr(rowlog, "CHUNK", 64)
+    rng = np.random.default_rng(5)
+    logs = []
+    for k in (2, 0, 1):         # replicas out of order, times tied within and across replicas
+        t = np.sort(rng.integers(0, 300, int(rng.integers(0, 700))) * 0.25)
+        logs.append((k, _log([(float(x), k, j) for j, x in enumerate(t.tolist())], checks=int(rng.integers(1, 90)))))
+    merged = rowlog.MergedRows(logs)
+    assert row_blocks(merged) is not None
+    assert _written(tmp_path, merged) == _csv_of(list(merged))
+
+
+def test_merged_rows_out_of_time_order_go_row_by_row(tmp_path, monkeypatch):
+    from kvsched.sim.rowlog import row_blocks
+    from kvsched.sim import rowlog
+    monkeypatch.setattr(rowlog, "CHUNK", 64)
+    late = _log([(float(x), 0, 0) for x in [5, 1, 2] * 50])
+    merged = rowlog.MergedRows([(0, late), (1, _log([(float(x), 1, 1) for x in range(100)]))])
+    assert row_blocks(merged) is None
+    assert _written(tmp_path, merged) == _csv_of(list(merged))
+    same_number = rowlog.MergedRows([(0, _log([(1.0, 0, 0)])), (0, _log([(1.0, 0, 1)]))])
+    assert row_blocks(same_number) is None
+    assert _written(tmp_path, same_number) == _csv_of(list(same_number))
+
+
+# ---- a run's files ---------------------------------------------------------------------------
+
+def _old_request_rows(r) -> list:
+    """requests.csv's rows as the csv-module writer built them (the reference)."""
+    def where(ok, values):
+        return [v if o else "" for v, o in zip(values.tolist(), ok.tolist())]
+    done, first_ok = np.isfinite(r.finished), np.isfinite(r.first_token)
+    with np.errstate(invalid="ignore"):
+        ttft, e2el, itl_sum = r.first_token - r.arrival, r.finished - r.arrival, r.finished - r.first_token
+    status = np.where(r.rejected, "rejected", np.where(done, "finished", "unfinished")).tolist()
+    replica = r.replica.tolist() if r.replica is not None else np.where(r.rejected, -1, 0).tolist()
+    cols = [r.ids.astype(np.int64).tolist(), r.arrival.tolist(), r.prompt.astype(np.int64).tolist(),
+            r.output.astype(np.int64).tolist(), status, where(np.isfinite(r.admitted), r.admitted),
+            where(first_ok, r.first_token), where(done, r.finished), where(first_ok, ttft), where(done, e2el),
+            r.preemptions.astype(np.int64).tolist(), r.recomputed.astype(np.int64).tolist(),
+            where(done, r.output.astype(np.int64) - 1), where(done, r.itl_max), where(done, itl_sum),
+            r.tbt_violations.astype(np.int64).tolist(), replica]
+    if r.decode_replica is not None:
+        dr = r.decode_replica.astype(np.int64)
+        cols += [where(dr >= 0, dr), where(np.isfinite(r.transfer), r.transfer.astype(np.float64))]
+    return list(zip(*cols))
+
+
+@pytest.mark.filterwarnings("ignore:.*can never be served")
+@pytest.mark.parametrize("pools", [{}, {"replicas": 3, "router": "least-kv"},
+                                   {"prefill_replicas": 1, "decode_replicas": 2}])
+def test_run_files_are_what_csv_writer_writes(tmp_path, monkeypatch, pools):
+    """Spilled row logs, clusters, disaggregated pools, rejected requests (empty cells)."""
+    import kvsched.run as run_module
+    from kvsched.run import Scenario, simulate
+    from kvsched.sim import rowlog
+    from kvsched.workload.source import WorkloadOptions, load
+    monkeypatch.setattr(rowlog, "CHUNK", 500)
+    monkeypatch.setattr(run_module, "ROWS_PER_WRITE", 333)
+    r = simulate(Scenario(load(WorkloadOptions(num_requests=1500, rate=40, seed=3)), kv_capacity=20000,
+                          max_model_len=1300, **pools),
+                 "vllm-v1", record_timeline=True, record_batches=True)
+    r.write(tmp_path / "out")
+    from kvsched.sim.rowlog import row_blocks
+    assert row_blocks(r.timeline) is not None and row_blocks(r.batches) is not None    # the fast path
+    rows = _old_request_rows(r.records)
+    assert r.records.rejected.any() and any(v == "" for row in rows for v in row)
+    for name, got in (("requests.csv", rows), ("timeline.csv", list(r.timeline)), ("batches.csv", list(r.batches))):
+        text = io.StringIO(newline="")
+        w = csv.writer(text)
+        w.writerow((tmp_path / "out" / name).read_bytes().decode().split("\r\n", 1)[0].split(","))
+        w.writerows(got)
+        assert (tmp_path / "out" / name).read_bytes() == text.getvalue().encode(), name
