@@ -44,6 +44,12 @@ class RowLog(Sequence):
         self._spill_if_full()
 
     def __iter__(self) -> Iterator[tuple]:
+        for block in self.spilled_chunks():
+            yield from block.tolist()
+        yield from list(self._rows)
+
+    def spilled_chunks(self) -> Iterator[np.ndarray]:
+        """The rows on disk, a chunk (a structured array) at a time."""
         done, total = 0, self._spilled       # own position: several iterators may share the file
         while done < total:
             self._file.seek(done * self.dtype.itemsize)
@@ -51,8 +57,7 @@ class RowLog(Sequence):
             if not len(block):
                 raise OSError(f"row log file ended after {done} of {total} rows")
             done += len(block)
-            yield from block.tolist()
-        yield from list(self._rows)
+            yield block
 
     def __getitem__(self, k):
         if isinstance(k, slice):
@@ -121,14 +126,7 @@ def _columns(chunk: np.ndarray) -> list[Column]:
 def _chunks(log: RowLog, tail: list[np.ndarray]) -> Iterator[np.ndarray]:
     """A log's rows a chunk at a time: those spilled to its file, then `tail`, the rows it
     holds in memory (as RowLog.__iter__ reads them)."""
-    done, total = 0, log._spilled
-    while done < total:
-        log._file.seek(done * log.dtype.itemsize)
-        chunk = np.fromfile(log._file, dtype=log.dtype, count=min(CHUNK, total - done))
-        if not len(chunk):
-            raise OSError(f"row log file ended after {done} of {total} rows")
-        done += len(chunk)
-        yield chunk
+    yield from log.spilled_chunks()
     yield from tail
 
 
