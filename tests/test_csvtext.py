@@ -253,3 +253,33 @@ def test_run_files_are_what_csv_writer_writes(tmp_path, monkeypatch, pools):
         w.writerow((tmp_path / "out" / name).read_bytes().decode().split("\r\n", 1)[0].split(","))
         w.writerows(got)
         assert (tmp_path / "out" / name).read_bytes() == text.getvalue().encode(), name
+
+
+# ----- found by the independent review -----------------------------------------------------
+def test_a_spill_after_the_blocks_are_taken_repeats_no_row():
+    from kvsched.sim.rowlog import CHUNK, RowLog, row_blocks
+    log = RowLog("fi")
+    for i in range(CHUNK + 3):
+        log.append((i + 0.5, i))
+    blocks = row_blocks(log)
+    rows = iter(log)
+    len(log)                                    # spills the first chunk
+    assert sum(len(columns[0][0]) for columns in blocks) == CHUNK + 3
+    assert len(list(rows)) == CHUNK + 3
+
+
+def test_replica_numbers_that_are_not_ints_go_row_by_row():
+    from kvsched.sim.rowlog import MergedRows, RowLog, row_blocks
+    a, b = RowLog("fi"), RowLog("fi")
+    a.append((0.5, 1))
+    b.append((0.25, 2))
+    assert row_blocks(MergedRows([(True, a), (2, b)])) is None
+    assert row_blocks(MergedRows([(1, a), (2, b)])) is not None
+
+
+def test_an_int_mask_is_a_mask_and_long_doubles_are_refused():
+    x = np.array([0.1234567890123456, 0.2234567890123457, 0.3234567890123457])
+    cols = [(x, np.array([1, 0, 1])), (np.array([1, 2, 3]), None)]
+    assert csv_lines(cols) == _reference([(x, np.array([True, False, True])), cols[1]])
+    with pytest.raises(TypeError):
+        csv_lines([(x.astype(np.longdouble), None), (np.array([1, 2, 3]), None)])

@@ -46,7 +46,7 @@ _KEEP = np.frombuffer(bytes([0, 0, 0, 0, 0, 0, 0, 255, 0, 0, 255, 255, 0, 255, 2
 _POW10 = 10 ** np.arange(19, dtype=np.int64)
 _POW10_FLOAT = 10.0 ** np.arange(28)
 _POW10_LONG = np.cumprod(np.r_[1, np.full(27, 10)].astype(np.longdouble))   # exact up to 10**27
-_EXTENDED = np.finfo(np.longdouble).nmant >= 63     # x87 80-bit (Linux on x86-64)
+_EXTENDED = np.finfo(np.longdouble).nmant == 63     # x87 80-bit (Linux on x86-64) only: the error bounds are its
 _UNSAFE = np.frombuffer(b',"\r\n', np.uint8)          # csv would quote a word with one of them
 
 
@@ -79,6 +79,10 @@ def _cells(values: np.ndarray, present: np.ndarray | None) -> np.ndarray:
     """A column's cells as an (n, width) byte matrix, NUL-padded: an absent value is all
     NULs, and a value the fast path leaves (`done` False) is Python's text."""
     kind = values.dtype.kind
+    if present is not None:
+        present = np.asarray(present, bool)     # a mask of 0/1 ints would index rows under ~
+    if kind == "f" and values.dtype.itemsize > 8:
+        raise TypeError(f"no CSV cells for {values.dtype} values (floats of more than 64 bits)")
     if kind == "f":
         values = values.astype(np.float64)
         (cells, done), text = _float_cells(values), repr

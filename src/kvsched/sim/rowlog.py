@@ -44,13 +44,15 @@ class RowLog(Sequence):
         self._spill_if_full()
 
     def __iter__(self) -> Iterator[tuple]:
-        for block in self.spilled_chunks():
+        total, rows = self._spilled, list(self._rows)   # the rows now: a spill meanwhile changes neither
+        for block in self.spilled_chunks(total):
             yield from block.tolist()
-        yield from list(self._rows)
+        yield from rows
 
-    def spilled_chunks(self) -> Iterator[np.ndarray]:
-        """The rows on disk, a chunk (a structured array) at a time."""
-        done, total = 0, self._spilled       # own position: several iterators may share the file
+    def spilled_chunks(self, total: int) -> Iterator[np.ndarray]:
+        """The first `total` rows on disk, a chunk (a structured array) at a time (later
+        spills append to the file, so they stay what they were)."""
+        done = 0                             # own position: several iterators may share the file
         while done < total:
             self._file.seek(done * self.dtype.itemsize)
             block = np.fromfile(self._file, dtype=self.dtype, count=min(CHUNK, total - done))
@@ -123,19 +125,21 @@ def _columns(chunk: np.ndarray) -> list[Column]:
     return [(chunk[name], None) for name in chunk.dtype.names]
 
 
-def _chunks(log: RowLog, tail: list[np.ndarray]) -> Iterator[np.ndarray]:
-    """A log's rows a chunk at a time: those spilled to its file, then `tail`, the rows it
-    holds in memory (as RowLog.__iter__ reads them)."""
-    yield from log.spilled_chunks()
-    yield from tail
+def _chunks(log: RowLog, tail: tuple[int, list[np.ndarray]]) -> Iterator[np.ndarray]:
+    """A log's rows a chunk at a time, as `_exact_tail` found them: the rows spilled to its
+    file then, and the rows it held in memory (as RowLog.__iter__ reads them)."""
+    spilled, chunks = tail
+    yield from log.spilled_chunks(spilled)
+    yield from chunks
 
 
-def _exact_tail(log: RowLog) -> list[np.ndarray] | None:
-    """The rows a log holds in memory as chunks of its dtype, or None if one of their values
-    would not come back from a chunk as the same Python value (written the same)."""
-    rows = list(log._rows)
+def _exact_tail(log: RowLog) -> tuple[int, list[np.ndarray]] | None:
+    """(rows on disk, the rows in memory as chunks of its dtype), both now (a later spill
+    changes neither), or None if a value in memory would not come back from a chunk as the
+    same Python value (written the same)."""
+    spilled, rows = log._spilled, list(log._rows)
     chunks = [_exact_chunk(rows[lo:lo + PIECE], log.dtype) for lo in range(0, len(rows), PIECE)]
-    return None if any(chunk is None for chunk in chunks) else chunks
+    return None if any(chunk is None for chunk in chunks) else (spilled, chunks)
 
 
 def _exact_chunk(rows: list[tuple], dtype: np.dtype) -> np.ndarray | None:
@@ -156,7 +160,8 @@ def _merged_blocks(logs: list[tuple[int, RowLog]]) -> Iterator[list[Column]] | N
     """MergedRows' rows (every replica's by time, then replica, with the replica's number
     last) a block at a time, where that is what heapq.merge gives: every log a RowLog of the
     same layout whose times never decrease, each replica's number its own."""
-    if len({k for k, _ in logs}) != len(logs) or not all(isinstance(log, RowLog) for _, log in logs):
+    if (len({k for k, _ in logs}) != len(logs) or not all(type(k) is int for k, _ in logs)
+            or not all(isinstance(log, RowLog) for _, log in logs)):
         return None
     tails = [_exact_tail(log) for _, log in logs]
     if any(tail is None for tail in tails) or len({log.dtype for _, log in logs}) > 1:
