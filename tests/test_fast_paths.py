@@ -288,3 +288,19 @@ def test_lazy_planner_answers_as_the_planner_after_a_preemption(monkeypatch):
     simulate(Scenario(w, **kw), general)
     assert any(isinstance(a, tuple) and a[0] > 0 for a in general.answers)     # hits were found
     assert fast.answers == general.answers
+
+
+
+def test_a_batch_s_finished_requests_free_in_admission_order():
+    """Off the inert path, the requests a batch finishes free their blocks in vLLM's order
+    (by admission; landed ones, never admitted here, first), which decides which cached
+    blocks are evicted first."""
+    from types import SimpleNamespace
+
+    from kvsched.sim.replica import Replica
+    freed: list[int] = []
+    cache = SimpleNamespace(inert=False, free=lambda i, kv_tokens, done: freed.append(i))
+    state = SimpleNamespace(_finishing=[(3, 40), (5, 10), (8, 16)], _order={3: 7, 5: 2}, cache=cache)
+    Replica._free_finished(state)
+    assert freed == [8, 5, 3]
+    assert state._finishing == [] and state._order == {}

@@ -250,11 +250,7 @@ class PrefixCache:
         own = full - len(held)
         if own > 0:
             if done and len(held) >= self._share[i]:        # nobody can hit these: no keys
-                last = next(reversed(q), None) if q else None
-                if type(last) is Run:           # runs side by side are one run (the same order)
-                    last.n += own
-                else:
-                    q[Run(own)] = None
+                self._queue_run(own)
             else:
                 blocks = [Block(k, 0) for k in reversed(self.keys(i, full)[len(held):full])]
                 self._insert(blocks)
@@ -282,14 +278,19 @@ class PrefixCache:
             held.pop(i, None)
             keys.pop(i, None)
         if full:
-            q = self.free_q
-            last = next(reversed(q), None) if q else None
-            if type(last) is Run:
-                last.n += full
-            else:
-                q[Run(full)] = None
+            self._queue_run(full)
             self.queued += full
         self.kv.used -= released
+
+    def _queue_run(self, n: int) -> None:
+        """n keyless free blocks at the tail of the free queue; runs side by side are one run
+        (the same eviction order), so evicting from them stays O(1)."""
+        q = self.free_q
+        last = next(reversed(q), None) if q else None
+        if type(last) is Run:
+            last.n += n
+        else:
+            q[Run(n)] = None
 
     # ----- what policies and routers read ------------------------------------------------
     def cached_tokens(self, i: int, keep: bool = True) -> int:

@@ -24,8 +24,6 @@ from typing import Callable
 import numpy as np
 from math import log as _log
 
-_max = np.maximum.reduce
-
 from kvsched.cost.shape import BatchShape
 from kvsched.errors import KvschedError, PlanError
 from kvsched.kvcache import PagedKV
@@ -37,6 +35,7 @@ from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING, 
 from kvsched.sim.rowlog import CHUNK, RowLog
 from kvsched.sim.view import ReadOnlySeq, ReplicaView
 
+_max = np.maximum.reduce                # ndarray.max without its Python wrapper
 DEFAULT_STALL_BATCHES = 100_000
 IDLE_PLAN = Plan([], [], True, [])      # what a `decodes_when_idle` policy plans when idle (read only)
 
@@ -714,15 +713,15 @@ class Replica:
         (its scheduled order: running requests by admission, then the new ones), which decides
         which cached blocks are evicted first."""
         done, order, cache = self._finishing, self._order, self.cache
-        for i, _ in done:
-            order.pop(i, None)
         if cache.inert:                         # no keys, no shared blocks: the order cannot matter
             cache.free_private(done)
         else:
             if len(done) > 1:                   # landed (disaggregated) ones first
-                done.sort(key=lambda x: self._order.get(x[0], 0))
+                done.sort(key=lambda x: order.get(x[0], 0))
             for i, kv_tokens in done:
                 cache.free(i, kv_tokens, True)
+        for i, _ in done:
+            order.pop(i, None)
         done.clear()
 
     def _stalled(self, end: float) -> None:
@@ -881,7 +880,7 @@ class Replica:
         r.gen[i] = gen
         r.last_tok[i] = last
         if len(window):
-            m = float(_max(window))             # window.max() without its Python wrapper
+            m = float(_max(window))
             if m > r.itl_max[i]:
                 r.itl_max[i] = m
             if m > r.tbt[i]:

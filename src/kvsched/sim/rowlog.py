@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import heapq
 import tempfile
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvsched.csvtext import Column
 
 CHUNK = 1 << 16             # rows held in memory before they go to disk
 
@@ -103,7 +106,6 @@ def _tagged(log: RowLog, k: int) -> Iterator[tuple]:
 # row with heapq: together some seconds for a million-request run's timeline. The blocks
 # below give the same rows in the same order, as numpy arrays: (values, None) per column,
 # the `Column` of kvsched.csvtext.
-Column = tuple[np.ndarray, Optional[np.ndarray]]
 
 PIECE = 1 << 13         # rows converted or merged at once (a RowLog chunk is 65,536)
 
