@@ -133,6 +133,25 @@ def test_rowlog_spills_to_disk_and_reads_back_exactly(monkeypatch):
     assert len(merged) == 2100 and merged[0] == (*rows[0], 0) and merged[1] == (*rows[0], 1)
 
 
+
+def test_a_spilled_rowlog_closes_its_file_when_dropped(monkeypatch):
+    """No 'unclosed file' ResourceWarning (the CLI prints warnings) when a run's logs go away."""
+    import gc
+    import warnings
+    from kvsched.sim import rowlog
+    monkeypatch.setattr(rowlog, "CHUNK", 10)
+    log = rowlog.RowLog("fi")
+    for k in range(25):
+        log.append((0.5, k))
+    log.check()
+    f = log._file
+    assert f is not None and not f.closed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del log
+        gc.collect()
+    assert f.closed
+
 def test_out_edge_cases_from_review(tmp_path, monkeypatch):
     out = tmp_path / "f2"
     (out / "sub").mkdir(parents=True)               # an empty folder of the user's

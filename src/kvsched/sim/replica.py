@@ -18,6 +18,7 @@ summary), plus the requests routed to it since.
 """
 from __future__ import annotations
 
+import os
 from collections import deque
 from typing import Callable
 
@@ -35,7 +36,15 @@ from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING, 
 from kvsched.sim.rowlog import CHUNK, RowLog
 from kvsched.sim.view import ReadOnlySeq, ReplicaView
 
-_max = np.maximum.reduce                # ndarray.max without its Python wrapper
+# the compiled twins of `_plain_decodes` and the window max (sim/_fast.pyx; setup.py builds it when
+# it can): the same results bit for bit; KVSCHED_PURE_PYTHON=1 runs the Python code instead
+try:
+    if os.environ.get("KVSCHED_PURE_PYTHON", "") not in ("", "0"):
+        raise ImportError("KVSCHED_PURE_PYTHON is set")
+    from kvsched.sim import _fast
+except ImportError:
+    _fast = None
+_max = _fast.window_max if _fast is not None else np.maximum.reduce     # float(...) of it: the window's max
 DEFAULT_STALL_BATCHES = 100_000
 IDLE_PLAN = Plan([], [], True, [])      # what a `decodes_when_idle` policy plans when idle (read only)
 
@@ -129,6 +138,8 @@ class Replica:
         self._steady = decodes_when_idle(policy)
         self.runs_ahead = False                 # the cluster loop lets steady batches run to its next event
         self._decode_time = _decode_time(cost)
+        # the compiled decode run takes replicas whose decode time it computes itself (a roofline's)
+        self._roof = _fast.roofline_terms(cost, self._decode_time) if _fast is not None else None
         self.view = ReplicaView(self, {
             "index": index, "role": role, "block_size": bs, "kv_capacity_blocks": kv.capacity_blocks,
             "cost_model": cost, "waiting": ReadOnlySeq(self._queue), "running": self._running.keys(),
@@ -361,7 +372,10 @@ class Replica:
         if self.pulls:                          # the cluster pulls KV here after every batch
             until = 0.0
         if self._on_batch_end is None and self.tier_itl is None:
-            self._plain_decodes(self._decoders.cohorts[0], until)
+            if self._roof is not None:
+                _fast.plain_decodes(self, self._decoders.cohorts[0], until, self._roof)
+            else:
+                self._plain_decodes(self._decoders.cohorts[0], until)
             return
         while True:                             # tiers or a batch hook: the general batch
             self._execute(IDLE_PLAN)
@@ -372,7 +386,8 @@ class Replica:
 
     def _plain_decodes(self, c: Cohort, until: float) -> None:
         """`_decode_run`'s batches inlined (the bulk of a run): what `_decode_step` and
-        `_execute` do, in the same order of float operations. The batch's figures are kept in
+        `_execute` do, in the same order of float operations. sim/_fast.pyx compiles it
+        (`plain_decodes`): change the two together. The batch's figures are kept in
         locals and written back before anything outside can look (a finish's hooks, the end)."""
         bs, kv, cap = self.block_size, self.kv, self.kv.capacity_blocks
         residue, fresh, heap = c.residue, c.fresh, c._heap
@@ -824,7 +839,10 @@ class Replica:
 
     def _first_gaps(self, ch: Cohort, end: float) -> None:
         """The first decode step of the cohort's fresh members: each gap is from its own last
-        token (its first token, or one before it moved cohorts)."""
+        token (its first token, or one before it moved cohorts). sim/_fast.pyx compiles it."""
+        if _fast is not None:
+            _fast.first_gaps(self.itl, self.reqs, ch.fresh, end)
+            return
         add, r = self.itl.add, self.reqs
         itl_max, viol, tbt, last = r.itl_max, r.viol, r.tbt, r.last_tok
         for i in ch.fresh:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 import tempfile
+import weakref
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -36,6 +37,7 @@ class RowLog(Sequence):
     def _spill(self) -> None:
         if self._file is None:
             self._file = tempfile.TemporaryFile()
+            weakref.finalize(self, self._file.close)     # closed with the log: no ResourceWarning at exit
         self._file.seek(0, 2)
         k = len(self._rows) // CHUNK * CHUNK    # whole chunks: the same rows spill whenever it is called
         np.array(self._rows[:k], dtype=self.dtype).tofile(self._file)

@@ -1,0 +1,269 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Compiled twins of the replica's hottest pure-Python code (issue "Speed"), chosen in
+kvsched/sim/replica.py. Each gives the results of its Python original bit for bit: the same
+float operations in the same order (built with -ffp-contract=off, so no fused multiply-add),
+the same calls back into Python for everything else. The Python originals stay the fallback
+(no C compiler, or KVSCHED_PURE_PYTHON=1) and the reference the tests compare with.
+"""
+from cpython.buffer cimport PyBUF_ANY_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from libc.math cimport fabs, log
+
+from kvsched.sim.rowlog import CHUNK
+
+cdef double INF = float("inf")
+cdef long long NEVER = 1 << 62          # Replica._plain_decodes' "no finish ahead"
+cdef long long CTX_LIMIT = 1 << 40      # kv_bytes * ctx stays exact in 64-bit integers below this
+
+
+cdef inline long long _residue_index(long long clock, long long bs):
+    """-clock % bs with Python's sign (C's % keeps the dividend's)."""
+    cdef long long r = (-clock) % bs
+    return r + bs if r < 0 else r
+
+
+def window_max(object window) -> float:
+    """float(numpy.maximum.reduce(window)) of a non-empty contiguous float64 gap window
+    (`Replica._fold`), without numpy's per-call cost. Gaps are finite, so no NaN rules apply."""
+    cdef Py_buffer buf
+    cdef Py_ssize_t k, size
+    cdef double m
+    cdef double* p
+    PyObject_GetBuffer(window, &buf, PyBUF_ANY_CONTIGUOUS)
+    try:
+        if buf.itemsize != 8 or buf.len < 8:
+            raise ValueError("window_max needs a non-empty float64 window")
+        p = <double*>buf.buf
+        size = buf.len // 8
+        m = p[0]
+        for k in range(1, size):
+            if p[k] > m:
+                m = p[k]
+    finally:
+        PyBuffer_Release(&buf)
+    return m
+
+
+def roofline_terms(cost, decode_time):
+    """The constants of `RooflineCost.decode_time` when `decode_time` is exactly that method of
+    a dense RooflineCost (not a subclass) whose terms convert to C without changing a bit, else
+    None: then the compiled decode run calls `decode_time` itself (it takes the Python path)."""
+    from kvsched.cost.roofline import RooflineCost
+    if type(cost) is not RooflineCost or getattr(decode_time, "__func__", None) is not RooflineCost.decode_time \
+            or getattr(decode_time, "__self__", None) is not cost or cost._dense is not True:
+        return None
+    floats = (cost._gemm_flops, cost._attn_flops, cost._flop_rate, cost._weights, cost._byte_rate, cost.overhead)
+    if any(type(x) is not float for x in floats) or type(cost._kv_bytes) not in (int, float):
+        return None
+    if type(cost._kv_bytes) is int and not 0 <= cost._kv_bytes < 1 << 22:
+        return None
+    return floats + (cost._kv_bytes,)
+
+
+cdef inline double _roofline(double gemm, double attn, double flop_rate, double weights, double byte_rate,
+                             double overhead, object kv_bytes, bint kv_int, long long kvb, double kvb_f,
+                             long long n, long long ctx):
+    """RooflineCost.decode_time(n, ctx), its operations in its order (kvsched/cost/roofline.py)."""
+    cdef double compute = (gemm * <double>n + attn * <double>ctx) / flop_rate
+    cdef double kvpart
+    if kv_int:                          # Python: int * int exact, then the float sum converts it
+        kvpart = <double>(kvb * ctx)
+    else:
+        kvpart = kvb_f * <double>ctx
+    cdef double memory = (weights + 0.0 + kvpart) / byte_rate     # weights + 0 * n + ...
+    return overhead + (compute + memory + fabs(compute - memory)) / 2
+
+
+def plain_decodes(object self, object c, double until, tuple roof):
+    """`Replica._plain_decodes(c, until)` compiled, for a replica whose decode time is a dense
+    roofline's (`roof` = `roofline_terms`). Keep the two in step: the tests run both."""
+    cdef double gemm = roof[0], attn = roof[1], flop_rate = roof[2], weights = roof[3]
+    cdef double byte_rate = roof[4], overhead = roof[5]
+    kv_bytes = roof[6]
+    cdef bint kv_int = type(kv_bytes) is int
+    cdef long long kvb = kv_bytes if kv_int else 0
+    cdef double kvb_f = 0.0 if kv_int else kv_bytes
+    cdef long long bs = self.block_size
+    kv = self.kv
+    cdef long long cap = kv.capacity_blocks
+    cdef list residue = c.residue
+    fresh = c.fresh
+    cdef list heap = c._heap
+    cdef long long n = c.n, clock = c.clock, ctx = c.ctx, used = kv.used
+    cdef long long f = heap[0][0] if heap else NEVER
+    last_kind = self._last_kind
+    cdef bint switch = last_kind != 2 and last_kind != 0
+    cdef double now = self.now, last = c.last_time
+    itl = self.itl
+    cdef list counts = itl.counts
+    cdef double log_low = itl._log_low, scale = itl._scale, low = itl.low
+    cdef long long top = itl._top
+    cdef double total = itl.total, total_sq = itl.total_sq, gmax = itl.max
+    cdef long long hn = itl.n
+    cdef double kv_integral = self.kv_integral, busy = self.busy
+    cdef long long peak = self.peak_kv, k = self.iterations
+    cdef long long k0 = k
+    recent = self.recent_batch_times.append
+    timeline = self.timeline.append if self.timeline is not None else None
+    batches = self.batches.append if self.batches is not None else None
+    cdef long long running = len(self._running)
+    cdef long long base = c._base
+    gaps = c._gaps
+    cdef long long glen = len(gaps)
+    cdef long long allocated = 0
+    cdef bint track = self.track_start
+    cdef bint hooks = self._on_finish is not None or self._on_done is not None
+    cdef long long nf = len(fresh)
+    cdef long long dnew = residue[_residue_index(clock, bs)]
+    cdef long long held, nb, m, b
+    cdef double dt, start, gap
+    cdef Py_buffer gb
+    cdef double* gp
+    PyObject_GetBuffer(gaps, &gb, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+    try:
+        while True:
+            held = used + dnew
+            nb = n
+            if track:
+                self._snap = (self.outstanding, held, self.prefill_backlog)
+            if ctx + n >= CTX_LIMIT:            # beyond exact 64-bit products: Python's own
+                dt = self._decode_time(n, ctx + n, switch)
+            else:
+                dt = _roofline(gemm, attn, flop_rate, weights, byte_rate, overhead, kv_bytes, kv_int, kvb, kvb_f,
+                               n, ctx + n)
+            switch = False
+            start = now
+            now = now + dt
+            if not (start < now < INF):
+                self._batch_end(start, dt)
+            clock += 1
+            if clock - base >= glen:
+                c.clock = clock
+                c._trim()
+                PyBuffer_Release(&gb)
+                base, gaps = c._base, c._gaps
+                glen = len(gaps)
+                PyObject_GetBuffer(gaps, &gb, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+            gp = <double*>gb.buf
+            gap = now - last
+            gp[clock - base] = gap
+            last = now
+            ctx += n
+            allocated += dnew
+            used = held
+            m = n - nf
+            if m > 0:                           # GapHistogram.add(gap, m)
+                if gap > low:
+                    b = <long long>((log(gap) - log_low) * scale) + 1
+                    if b >= top:
+                        b = top
+                else:
+                    b = 0
+                counts[b] += m
+                hn += m
+                total += gap * <double>m
+                total_sq += gap * gap * <double>m
+                if gap > gmax:
+                    gmax = gap
+            if nf:
+                itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
+                self._first_gaps(c, now)
+                total, total_sq, gmax, hn = itl.total, itl.total_sq, itl.max, itl.n
+                nf = 0
+            if clock >= f:
+                self._write_back(c, clock, ctx, now, allocated, used)
+                allocated = 0
+                if hooks:
+                    self.kv_integral, self.busy, self.peak_kv, self.iterations = kv_integral, busy, peak, k
+                    self.now, self._last_kind = now, 2
+                    itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
+                for i in c.due():
+                    self._finish(i, now, self._leave_decode(i))
+                if self._finishing:
+                    self._free_finished()
+                f = heap[0][0] if heap else NEVER
+                n, ctx, used, running = c.n, c.ctx, kv.used, len(self._running)
+                if c._gaps is not gaps:
+                    PyBuffer_Release(&gb)
+                    gaps = c._gaps
+                    PyObject_GetBuffer(gaps, &gb, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+                base = c._base
+                glen = len(gaps)
+            recent(dt)
+            if timeline is not None:
+                timeline((now, 0, running, used * bs))
+            if batches is not None:
+                batches((start, dt, 0, 0, nb, held * bs))
+            kv_integral += <double>held * dt
+            busy += dt
+            if held > peak:
+                peak = held
+            k += 1
+            dnew = residue[_residue_index(clock, bs)]
+            if not now < until or not n or used + dnew > cap:
+                break
+    finally:
+        PyBuffer_Release(&gb)
+    self._write_back(c, clock, ctx, now, allocated, used)
+    itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
+    self.kv_integral, self.busy, self.peak_kv, self.now = kv_integral, busy, peak, now
+    self._last_kind = 2
+    if self._stall:
+        self._stall = 0
+    self.iterations = k
+    if k0 // CHUNK != k // CHUNK:
+        for log_ in (self.timeline, self.batches):
+            if log_ is not None:
+                log_.check()
+
+
+def first_gaps(object itl, object reqs, dict fresh, double end):
+    """`Replica._first_gaps` compiled: each fresh decoder's first gap (end - its last token)
+    into the histogram (`GapHistogram.add(g)`, inline) and its own records; `fresh` emptied."""
+    cdef list counts = itl.counts, last = reqs.last_tok, tbt = reqs.tbt
+    cdef double log_low = itl._log_low, scale = itl._scale, low = itl.low
+    cdef long long top = itl._top, b
+    cdef double total = itl.total, total_sq = itl.total_sq, gmax = itl.max, g
+    cdef long long hn = itl.n
+    cdef Py_ssize_t i
+    cdef Py_buffer mb, vb
+    _float64s(reqs.itl_max, &mb)
+    try:
+        _float64s(reqs.viol, &vb)
+    except BaseException:
+        PyBuffer_Release(&mb)
+        raise
+    cdef double* itl_max = <double*>mb.buf
+    cdef long long* viol = <long long*>vb.buf
+    try:
+        for i in fresh:
+            g = end - <double>last[i]
+            if g > low:
+                b = <long long>((log(g) - log_low) * scale) + 1
+                if b >= top:
+                    b = top
+            else:
+                b = 0
+            counts[b] += 1
+            hn += 1
+            total += g * 1.0
+            total_sq += g * g * 1.0
+            if g > gmax:
+                gmax = g
+            if g > itl_max[i]:
+                itl_max[i] = g
+            if g > <double>tbt[i]:
+                viol[i] += 1
+    finally:
+        PyBuffer_Release(&mb)
+        PyBuffer_Release(&vb)
+    itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
+    fresh.clear()
+
+
+cdef int _float64s(object array, Py_buffer* view) except -1:
+    """A writable contiguous buffer of 8-byte items (float64 or int64 per-request records)."""
+    PyObject_GetBuffer(array, view, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+    if view.itemsize != 8:
+        PyBuffer_Release(view)
+        raise TypeError("per-request records must be 8-byte numpy arrays")
+    return 0

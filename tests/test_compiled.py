@@ -1,0 +1,117 @@
+"""The compiled fast path (src/kvsched/sim/_fast.pyx) gives the pure-Python results bit for bit:
+every run here is made twice, compiled and with the module switched off (what
+KVSCHED_PURE_PYTHON=1 or an install without a C compiler runs), and everything a run reports
+is compared. CI builds the module (`pip install .`), so there these tests cannot skip."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvsched.sim.replica as replica
+from kvsched.cost.roofline import RooflineCost
+from kvsched.hardware import get_gpu, get_model
+from kvsched.workload.request import Workload
+
+from test_fast_paths import STEADY, fingerprint, workload
+
+_fast = replica._fast
+
+
+def test_ci_builds_the_compiled_module():
+    if _fast is None:
+        assert not os.environ.get("CI"), "CI installs kvsched with its compiled module (setup.py)"
+        pytest.skip("kvsched.sim._fast is not built here (no C compiler at install, or KVSCHED_PURE_PYTHON)")
+
+
+needs_fast = pytest.mark.skipif(_fast is None, reason="kvsched.sim._fast is not built")
+
+
+def both(monkeypatch, w: Workload, name: str, **kw) -> tuple[str, str]:
+    """The fingerprints of a run compiled and of the same run in pure Python."""
+    compiled = fingerprint(w, name, True, **kw)[0]
+    with monkeypatch.context() as m:
+        m.setattr(replica, "_fast", None)
+        m.setattr(replica, "_max", np.maximum.reduce)
+        pure = fingerprint(w, name, True, **kw)[0]
+    return compiled, pure
+
+
+@needs_fast
+@pytest.mark.parametrize("name", STEADY)
+@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("kv_capacity", [None, 12_000])
+def test_compiled_runs_are_the_pure_python_runs(name, caching, kv_capacity, monkeypatch):
+    compiled, pure = both(monkeypatch, workload(400, 20.0, 1), name, prefix_caching=caching, kv_capacity=kv_capacity)
+    assert compiled == pure
+
+
+@needs_fast
+def test_compiled_runs_with_tiers_clusters_and_closed_loops(monkeypatch):
+    tiered = workload(300, 15.0, 3, tiers=True)
+    assert len(set(both(monkeypatch, tiered, "sarathi"))) == 1
+    assert len(set(both(monkeypatch, workload(600, 60.0, 2), "vllm-v1", replicas=3, router="least-kv",
+                        kv_capacity=15_000))) == 1
+    g = np.random.default_rng(4)
+    closed = Workload.build(np.zeros(200), g.integers(1, 600, 200), g.integers(1, 200, 200),
+                            concurrency=np.full(200, 8))
+    assert len(set(both(monkeypatch, closed, "vllm-v1"))) == 1
+    assert len(set(both(monkeypatch, workload(300, 10.0, 5), "vllm-v1", prefill_replicas=1,
+                        decode_replicas=2))) == 1
+
+
+@needs_fast
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), rate=st.floats(0.5, 80.0), caching=st.booleans(),
+       name=st.sampled_from(STEADY), kv=st.sampled_from([None, 3_000, 8_000]), bs=st.sampled_from([1, 16]),
+       model=st.sampled_from(["llama-2-7b", "qwen2-7b"]))
+def test_compiled_runs_are_exact_on_random_workloads(seed, rate, caching, name, kv, bs, model, monkeypatch):
+    kw = dict(prefix_caching=caching, kv_capacity=kv, block_size=bs, model=model)
+    compiled, pure = both(monkeypatch, workload(120, rate, seed), name, **kw)
+    assert compiled == pure
+
+
+@needs_fast
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(1e-9, 1e9), min_size=1, max_size=300), st.integers(0, 5))
+def test_window_max_is_numpy_s(values, skip):
+    a = np.array(values + [0.0] * skip)[:len(values)]          # a view, as a cohort's window
+    assert _fast.window_max(a) == float(np.maximum.reduce(a))
+
+
+@needs_fast
+def test_window_max_refuses_what_is_not_a_window():
+    with pytest.raises(ValueError):
+        _fast.window_max(np.zeros(0))
+    with pytest.raises(ValueError):
+        _fast.window_max(np.zeros(3, np.float32))
+
+
+@needs_fast
+def test_only_a_dense_roofline_s_own_decode_time_is_compiled():
+    cost = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"))
+    terms = _fast.roofline_terms(cost, cost.decode_time)
+    assert terms is not None and terms[-1] == cost._kv_bytes
+
+    class Slower(RooflineCost):
+        pass
+    sub = Slower(get_model("llama-2-7b"), get_gpu("a100-80gb"))
+    assert _fast.roofline_terms(sub, sub.decode_time) is None
+    assert _fast.roofline_terms(cost, lambda n, ctx, switch: 1.0) is None
+    moe = RooflineCost(get_model("qwen3-30b-a3b"), get_gpu("a100-80gb"))
+    assert _fast.roofline_terms(moe, moe.decode_time) is None
+    ints = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"), compute_efficiency=1)
+    assert (_fast.roofline_terms(ints, ints.decode_time) is None) == (type(ints._flop_rate) is not float)
+
+
+def test_kvsched_pure_python_switches_the_module_off():
+    code = "import kvsched.sim.replica as r; print(r._fast is None)"
+    env = {**os.environ, "KVSCHED_PURE_PYTHON": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
