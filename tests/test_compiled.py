@@ -115,3 +115,78 @@ def test_kvsched_pure_python_switches_the_module_off():
     env = {**os.environ, "KVSCHED_PURE_PYTHON": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+def _small_row_chunks(m, chunk: int, piece: int) -> None:
+    """Row logs that spill every `chunk` rows, and compiled runs that fill arrays of `piece`
+    rows: their seams, which a real run reaches after 65,536 and 8,192 rows, come often."""
+    from kvsched.sim import rowlog
+    m.setattr(rowlog, "CHUNK", chunk)
+    m.setattr(rowlog, "PIECE", piece)
+    m.setattr(replica, "CHUNK", chunk)
+    if _fast is not None:
+        m.setattr(_fast, "CHUNK", chunk)
+
+
+@needs_fast
+@pytest.mark.parametrize("chunk,piece", [(64, 16), (100, 7), (1 << 16, 1 << 13)])
+@pytest.mark.parametrize("name,kw", [("vllm-v1", {}), ("sarathi", dict(kv_capacity=6_000)),
+                                     ("vllm-v1", dict(replicas=2, router="least-kv")),
+                                     ("orca", dict(prefill_replicas=1, decode_replicas=2))])
+def test_compiled_rows_are_the_appended_rows(chunk, piece, name, kw, monkeypatch):
+    with monkeypatch.context() as m:
+        _small_row_chunks(m, chunk, piece)
+        compiled, pure = both(monkeypatch, workload(300, 20.0, 8), name, **kw)
+    assert compiled == pure
+
+
+@needs_fast
+def test_compiled_out_files_are_the_pure_python_files(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+    from kvsched.cli import app
+    args = ["simulate", "--num-requests", "400", "--rate", "30", "--record-batches", "--policy", "sarathi"]
+    files = {}
+    for mode in ("compiled", "pure"):
+        with monkeypatch.context() as m:
+            _small_row_chunks(m, 64, 16)
+            if mode == "pure":
+                m.setattr(replica, "_fast", None)
+                m.setattr(replica, "_max", np.maximum.reduce)
+            r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / mode)])
+            assert r.exit_code == 0, r.output
+        files[mode] = {f.name: f.read_bytes() for f in (tmp_path / mode).iterdir() if f.suffix == ".csv"}
+    assert set(files["pure"]) == {"requests.csv", "timeline.csv", "batches.csv"}
+    assert files["compiled"] == files["pure"]
+
+
+@needs_fast
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.sampled_from(["append", "odd", "write", "check", "read"]), max_size=60), st.integers(1, 9),
+       st.integers(2, 20))
+def test_a_rowlog_keeps_its_rows_in_order_through_compiled_writes(ops, piece, chunk):
+    """RowLog written as the compiled run writes it (`_fast.sink_rows`: the appended rows moved
+    into its array first), mixed with appends (some with an int in the float column: those
+    stay tuples until spilled), spills and reads: the rows come back in order."""
+    from kvsched.sim import rowlog
+    old = rowlog.CHUNK, rowlog.PIECE
+    rowlog.CHUNK, rowlog.PIECE = chunk, piece
+    try:
+        log, want = rowlog.RowLog("fiii"), []
+        for k, op in enumerate(ops):
+            if op in ("append", "odd"):
+                row = (k if op == "odd" else k + 0.5, k, 0, -k)
+                log.append(row)
+                want.append(row)
+            elif op == "write":
+                rows = [(k + j / 4, -k, j, 2 ** 40) for j in range(k % 3 + 1)]
+                _fast.sink_rows(log, "fiii", rows)
+                want += rows
+            elif op == "check":
+                log.check()
+            else:
+                assert list(log) == want and len(log) == len(want)
+                if want:
+                    assert log[len(want) // 2] == want[len(want) // 2] and log[-1] == want[-1]
+        assert list(log) == want           # (a spill makes an int in the float column a float, as ever)
+    finally:
+        rowlog.CHUNK, rowlog.PIECE = old

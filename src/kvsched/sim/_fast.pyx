@@ -21,6 +21,102 @@ cdef inline long long _residue_index(long long clock, long long bs):
     return r + bs if r < 0 else r
 
 
+cdef class _Sink:
+    """Rows of a RowLog written straight into its `writable` array (8-byte cells): what
+    `log.append(row)` keeps, without a tuple per row. The rows Python appended since the last
+    write are moved in first, where each comes back from the array as the same values (else
+    they become a block of their own, `seal_rows`). `close` hands the count back."""
+    cdef object log
+    cdef bytes kinds
+    cdef Py_buffer buf
+    cdef bint held
+    cdef Py_ssize_t fill, cap
+    cdef char* base
+
+    def __cinit__(self, log, bytes kinds):
+        self.log = log
+        self.kinds = kinds
+        self.held = False
+        self._open()
+        self._absorb()
+
+    cdef int _open(self) except -1:
+        array = self.log.writable()
+        PyObject_GetBuffer(array, &self.buf, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+        self.held = True
+        self.base = <char*>self.buf.buf
+        self.fill = self.log._fill
+        self.cap = len(array)
+        return 0
+
+    cdef int _absorb(self) except -1:
+        cdef list rows = self.log._rows
+        cdef long long* cell
+        cdef Py_ssize_t j, width = len(self.kinds)
+        cdef const char* kinds = self.kinds
+        if not rows:
+            return 0
+        if not _exact_rows(rows, self.kinds):
+            self.close()
+            self.log.seal_rows()
+            self._open()
+            return 0
+        for row in rows:
+            cell = self.row()
+            for j in range(width):
+                if kinds[j] == 102:             # 'f'
+                    (<double*>cell)[j] = <double>row[j]
+                else:
+                    cell[j] = <long long>row[j]
+        rows.clear()
+        return 0
+
+    cdef long long* row(self) except NULL:
+        """The next row's 8-byte cells (float columns are written through a double*)."""
+        cdef char* r
+        if self.fill == self.cap:
+            self.close()
+            self._open()
+        r = self.base + self.fill * self.buf.itemsize
+        self.fill += 1
+        return <long long*>r
+
+    cdef void close(self):
+        if self.held:
+            self.held = False
+            self.log._fill = self.fill
+            PyBuffer_Release(&self.buf)
+
+
+cdef bint _exact_rows(list rows, bytes kinds):
+    """Whether every row has the layout's length and types (float, or int within int64):
+    then an array holds it and gives it back as the same Python values."""
+    cdef Py_ssize_t width = len(kinds), j
+    for row in rows:
+        if type(row) is not tuple or len(row) != width:
+            return False
+        for j in range(width):
+            x = row[j]
+            if kinds[j] == 102:
+                if type(x) is not float:
+                    return False
+            elif type(x) is not int or not -(1 << 63) <= x < (1 << 63):
+                return False
+    return True
+
+
+cdef object _sink(object log, str kinds):
+    """A _Sink for `log` if its layout is `kinds` (8-byte cells, no padding), else None."""
+    if log is None or log.dtype != _layouts.get(kinds):
+        return None
+    return _Sink(log, kinds.encode())
+
+
+import numpy as _np
+_layouts = {k: _np.dtype([(f"c{j}", _np.float64 if c == "f" else _np.int64) for j, c in enumerate(k)])
+            for k in ("fiii", "ffiiii")}
+
+
 def window_max(object window) -> float:
     """float(numpy.maximum.reduce(window)) of a non-empty contiguous float64 gap window
     (`Replica._fold`), without numpy's per-call cost. Gaps are finite, so no NaN rules apply."""
@@ -105,6 +201,8 @@ def plain_decodes(object self, object c, double until, tuple roof):
     recent = self.recent_batch_times.append
     timeline = self.timeline.append if self.timeline is not None else None
     batches = self.batches.append if self.batches is not None else None
+    cdef _Sink tsink = None, bsink = None
+    cdef long long* cell
     cdef long long running = len(self._running)
     cdef long long base = c._base
     gaps = c._gaps
@@ -120,6 +218,8 @@ def plain_decodes(object self, object c, double until, tuple roof):
     cdef double* gp
     PyObject_GetBuffer(gaps, &gb, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
     try:
+        tsink = _sink(self.timeline, "fiii")
+        bsink = _sink(self.batches, "ffiiii")
         while True:
             held = used + dnew
             nb = n
@@ -189,9 +289,23 @@ def plain_decodes(object self, object c, double until, tuple roof):
                 base = c._base
                 glen = len(gaps)
             recent(dt)
-            if timeline is not None:
+            if tsink is not None:               # timeline((now, 0, running, used * bs))
+                cell = tsink.row()
+                (<double*>cell)[0] = now
+                cell[1] = 0
+                cell[2] = running
+                cell[3] = used * bs
+            elif timeline is not None:
                 timeline((now, 0, running, used * bs))
-            if batches is not None:
+            if bsink is not None:               # batches((start, dt, 0, 0, nb, held * bs))
+                cell = bsink.row()
+                (<double*>cell)[0] = start
+                (<double*>cell)[1] = dt
+                cell[2] = 0
+                cell[3] = 0
+                cell[4] = nb
+                cell[5] = held * bs
+            elif batches is not None:
                 batches((start, dt, 0, 0, nb, held * bs))
             kv_integral += <double>held * dt
             busy += dt
@@ -203,6 +317,10 @@ def plain_decodes(object self, object c, double until, tuple roof):
                 break
     finally:
         PyBuffer_Release(&gb)
+        if tsink is not None:
+            tsink.close()
+        if bsink is not None:
+            bsink.close()
     self._write_back(c, clock, ctx, now, allocated, used)
     itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
     self.kv_integral, self.busy, self.peak_kv, self.now = kv_integral, busy, peak, now
@@ -267,3 +385,22 @@ cdef int _float64s(object array, Py_buffer* view) except -1:
         PyBuffer_Release(view)
         raise TypeError("per-request records must be 8-byte numpy arrays")
     return 0
+
+
+def sink_rows(log, str kinds, list rows) -> None:
+    """Write `rows` into `log` as the compiled decode run does (tests: the RowLog seams)."""
+    cdef _Sink sink = _sink(log, kinds)
+    cdef long long* cell
+    cdef Py_ssize_t j
+    if sink is None:
+        raise ValueError(f"the log's layout is not {kinds!r}")
+    try:
+        for row in rows:
+            cell = sink.row()
+            for j in range(len(kinds)):
+                if kinds[j] == "f":
+                    (<double*>cell)[j] = row[j]
+                else:
+                    cell[j] = row[j]
+    finally:
+        sink.close()
