@@ -1,11 +1,20 @@
 """The compiled fast path (src/kvsched/sim/_fast.pyx, issue "Speed"): built when Cython and a C
-compiler are at hand; without them kvsched installs and runs its pure-Python code, with the
-same results bit for bit. Everything else about the package is in pyproject.toml."""
-from setuptools import setup
+compiler are at hand on a 64-bit machine; without them kvsched installs and runs its
+pure-Python code, with the same results bit for bit. Everything else is in pyproject.toml."""
+import hashlib
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+PYX = Path("src/kvsched/sim/_fast.pyx")
 # no fused multiply-add or fast-math: C must round every float operation as Python does
 FLAGS = ["-O2", "-ffp-contract=off", "-fno-fast-math"]
+
+
+def warn(why: str) -> None:
+    print(f"kvsched: the compiled fast path is not built ({why}); the pure-Python code runs", file=sys.stderr)
 
 
 class OptionalBuildExt(build_ext):
@@ -15,23 +24,31 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:        # no compiler at all
-            self.warn(f"kvsched: compiled fast path not built ({exc}); the pure-Python code runs")
+            warn(str(exc))
 
     def build_extension(self, ext) -> None:
         try:
             super().build_extension(ext)
         except Exception as exc:
-            self.warn(f"kvsched: {ext.name} not built ({exc}); the pure-Python code runs")
+            warn(str(exc))
 
 
 def extensions() -> list:
+    if sys.maxsize < 2 ** 62:           # 32-bit x86 rounds in 80-bit registers: results could differ
+        warn("not a 64-bit Python")
+        return []
+    if not PYX.exists():
+        warn(f"{PYX} is missing")
+        return []
+    sha = hashlib.sha256(PYX.read_bytes()).hexdigest()      # replica.py checks it against the .pyx
+    ext = Extension("kvsched.sim._fast", [str(PYX)], extra_compile_args=FLAGS,
+                    define_macros=[("KVSCHED_PYX_SHA256", f'"{sha}"')])
     try:
         from Cython.Build import cythonize
-    except ImportError:
+        return cythonize([ext], quiet=True)
+    except Exception as exc:            # no Cython, or the .pyx does not compile
+        warn(f"{type(exc).__name__}: {exc}")
         return []
-    from setuptools import Extension
-    ext = Extension("kvsched.sim._fast", ["src/kvsched/sim/_fast.pyx"], extra_compile_args=FLAGS)
-    return cythonize([ext], quiet=True)
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})

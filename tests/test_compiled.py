@@ -37,7 +37,6 @@ def both(monkeypatch, w: Workload, name: str, **kw) -> tuple[str, str]:
     compiled = fingerprint(w, name, True, **kw)[0]
     with monkeypatch.context() as m:
         m.setattr(replica, "_fast", None)
-        m.setattr(replica, "_max", np.maximum.reduce)
         pure = fingerprint(w, name, True, **kw)[0]
     return compiled, pure
 
@@ -89,25 +88,27 @@ def test_window_max_is_numpy_s(values, skip):
 def test_window_max_refuses_what_is_not_a_window():
     with pytest.raises(ValueError):
         _fast.window_max(np.zeros(0))
-    with pytest.raises(ValueError):
-        _fast.window_max(np.zeros(3, np.float32))
+    for wrong in (np.zeros(3, np.float32), np.zeros(3, np.int64), np.zeros((2, 2)), np.zeros(6)[::2]):
+        with pytest.raises((TypeError, ValueError, BufferError)):
+            _fast.window_max(wrong)
 
 
 @needs_fast
 def test_only_a_dense_roofline_s_own_decode_time_is_compiled():
     cost = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"))
-    terms = _fast.roofline_terms(cost, cost.decode_time)
+    terms = _fast.roofline_terms(cost, cost.decode_time, 10**6)
     assert terms is not None and terms[-1] == cost._kv_bytes
+    assert _fast.roofline_terms(cost, cost.decode_time, 2**42) is None     # kv_bytes * context past 2**62
 
     class Slower(RooflineCost):
         pass
     sub = Slower(get_model("llama-2-7b"), get_gpu("a100-80gb"))
-    assert _fast.roofline_terms(sub, sub.decode_time) is None
-    assert _fast.roofline_terms(cost, lambda n, ctx, switch: 1.0) is None
+    assert _fast.roofline_terms(sub, sub.decode_time, 10**6) is None
+    assert _fast.roofline_terms(cost, lambda n, ctx, switch: 1.0, 10**6) is None
     moe = RooflineCost(get_model("qwen3-30b-a3b"), get_gpu("a100-80gb"))
-    assert _fast.roofline_terms(moe, moe.decode_time) is None
+    assert _fast.roofline_terms(moe, moe.decode_time, 10**6) is None
     ints = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"), compute_efficiency=1)
-    assert (_fast.roofline_terms(ints, ints.decode_time) is None) == (type(ints._flop_rate) is not float)
+    assert (_fast.roofline_terms(ints, ints.decode_time, 10**6) is None) == (type(ints._flop_rate) is not float)
 
 
 def test_kvsched_pure_python_switches_the_module_off():
@@ -151,7 +152,6 @@ def test_compiled_out_files_are_the_pure_python_files(tmp_path, monkeypatch):
             _small_row_chunks(m, 64, 16)
             if mode == "pure":
                 m.setattr(replica, "_fast", None)
-                m.setattr(replica, "_max", np.maximum.reduce)
             r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / mode)])
             assert r.exit_code == 0, r.output
         files[mode] = {f.name: f.read_bytes() for f in (tmp_path / mode).iterdir() if f.suffix == ".csv"}
@@ -190,3 +190,99 @@ def test_a_rowlog_keeps_its_rows_in_order_through_compiled_writes(ops, piece, ch
         assert list(log) == want           # (a spill makes an int in the float column a float, as ever)
     finally:
         rowlog.CHUNK, rowlog.PIECE = old
+
+
+class Watching:
+    """vllm-v1 with an `on_finish` hook (no batch hook, so decode runs stay inline) that
+    records what the view shows at every finish."""
+    name = "watching"
+    decodes_when_idle = True
+
+    def __init__(self) -> None:
+        from kvsched.policies import make_policy
+        self.inner = make_policy("vllm-v1", {}, get_gpu("a100-80gb"))
+        self.seen: list = []
+
+    def schedule(self, v):
+        return self.inner.schedule(v)
+
+    def on_finish(self, i, v):
+        self.seen.append((i, v.now, v.iterations, v.kv_used_blocks, v.num_decoding, len(v.running),
+                          v.mean_batch_time, tuple(v.recent_batch_times)[-3:]))
+
+
+@needs_fast
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_finish_hook_sees_the_same_view_compiled(caching, monkeypatch):
+    from kvsched.run import Scenario, simulate
+    w = workload(300, 15.0, 9)
+    seen = []
+    for pure in (False, True):
+        with monkeypatch.context() as m:
+            if pure:
+                m.setattr(replica, "_fast", None)
+            p = Watching()
+            simulate(Scenario(w, gpu="a100-80gb", model="llama-2-7b", prefix_caching=caching), p)
+            seen.append(p.seen)
+    assert len(seen[0]) == 300 and seen[0] == seen[1]
+
+
+@needs_fast
+def test_compiled_runs_with_a_fractional_kv_bytes_model_and_numpy_ints(monkeypatch):
+    import dataclasses
+    from kvsched import hardware
+    odd = dataclasses.replace(hardware.get_model("llama-2-7b"), name="odd-7b", dtype_bytes=1.5)
+    monkeypatch.setitem(hardware.MODELS, "odd-7b", odd)
+    w = workload(200, 20.0, 10)
+    assert type(RooflineCost(odd, get_gpu("a100-80gb"))._kv_bytes) is float
+    assert len(set(both(monkeypatch, w, "vllm-v1", model="odd-7b"))) == 1
+    assert len(set(both(monkeypatch, w, "sarathi", block_size=np.int64(16), kv_capacity=np.int64(9_000)))) == 1
+    assert both(monkeypatch, w, "sarathi", block_size=np.int64(16))[0] == both(monkeypatch, w, "sarathi")[0]
+
+
+def test_a_batch_ending_past_the_largest_float_is_an_error(monkeypatch):
+    from kvsched.errors import KvschedError
+    from kvsched.run import Scenario, simulate
+    for pure in (False, True):
+        with monkeypatch.context() as m:
+            if pure:
+                m.setattr(replica, "_fast", None)
+            sc = Scenario(workload(20, 5.0, 1), gpu="a100-80gb", model="llama-2-7b", cost_params={"overhead": 1e308})
+            with pytest.raises(KvschedError, match="ends beyond the largest time a float holds"):
+                simulate(sc, Watching())
+
+
+@needs_fast
+def test_replicas_beyond_64_bit_counts_run_the_pure_python_code():
+    from kvsched.kvcache import PagedKV
+    from kvsched.sim.requests import RequestTable
+    cost = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"))
+    w = workload(5, 1.0, 0)
+    for tokens, compiled in ((2**40, True), (2**62, False)):
+        kv = PagedKV(tokens, 16)
+        rep = replica.Replica(RequestTable(w, 16, kv.capacity_blocks), Watching(), cost, kv)
+        assert (rep._fast is not None, rep._roof is not None) == (compiled, compiled)
+
+
+@needs_fast
+def test_a_module_built_from_another_pyx_is_not_used(tmp_path, monkeypatch):
+    from pathlib import Path
+    source = Path(replica.__file__).with_name("_fast.pyx")
+    assert source.exists()                      # a source tree (CI too: the wheel carries the .pyx)
+    monkeypatch.setattr(replica, "__file__", str(tmp_path / "replica.py"))
+    (tmp_path / "_fast.pyx").write_bytes(source.read_bytes())
+    assert replica._compiled() is _fast
+    (tmp_path / "_fast.pyx").write_bytes(source.read_bytes() + b"# edited\n")
+    with pytest.warns(UserWarning, match="changed since its compiled module was built"):
+        assert replica._compiled() is None
+    monkeypatch.setenv("KVSCHED_PURE_PYTHON", "1")
+    assert replica._compiled() is None
+
+
+def test_tier_slos_are_positive_float_seconds():
+    from kvsched.errors import KvschedError
+    from kvsched.workload.request import Tier
+    assert Tier("a", tbt_slo=1).tbt_slo == 1.0 and type(Tier("a", tbt_slo=1).tbt_slo) is float
+    for bad in (0, -1.0, "0.1", True, float("nan"), 10**400):
+        with pytest.raises(KvschedError, match="must be a positive number of seconds"):
+            Tier("a", tbt_slo=bad)

@@ -1,6 +1,8 @@
 """Paged KV-cache accounting (vLLM's block manager semantics, counted in blocks)."""
 from __future__ import annotations
 
+import operator
+
 from kvsched.errors import KvschedError
 
 
@@ -12,6 +14,11 @@ class PagedKV:
     """
 
     def __init__(self, capacity_tokens: int, block_size: int = 16) -> None:
+        try:                            # integers (numpy's too) as Python ints: the rows and records hold ints
+            capacity_tokens, block_size = operator.index(capacity_tokens), operator.index(block_size)
+        except TypeError:
+            raise KvschedError(f"KV capacity and block size must be integers, got {capacity_tokens!r} "
+                               f"and {block_size!r}") from None
         if block_size < 1:
             raise KvschedError(f"--block-size must be >= 1, got {block_size}")
         if capacity_tokens < block_size:

@@ -5,20 +5,45 @@ float operations in the same order (built with -ffp-contract=off, so no fused mu
 the same calls back into Python for everything else. The Python originals stay the fallback
 (no C compiler, or KVSCHED_PURE_PYTHON=1) and the reference the tests compare with.
 """
-from cpython.buffer cimport PyBUF_ANY_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.math cimport fabs, log
 
+from heapq import heappop
+
+from kvsched.sim.requests import DONE
 from kvsched.sim.rowlog import CHUNK
 
 cdef double INF = float("inf")
 cdef long long NEVER = 1 << 62          # Replica._plain_decodes' "no finish ahead"
-cdef long long CTX_LIMIT = 1 << 40      # kv_bytes * ctx stays exact in 64-bit integers below this
+
+# the SHA-256 of the .pyx this module was built from (setup.py passes it; replica.py compares)
+cdef extern from *:
+    """
+    #ifndef KVSCHED_PYX_SHA256
+    #define KVSCHED_PYX_SHA256 ""
+    #endif
+    """
+    const char* KVSCHED_PYX_SHA256
+SOURCE_SHA256 = (<bytes>KVSCHED_PYX_SHA256).decode()
+# Replica takes these twins only where every count fits its 64-bit integers: KV capacity in
+# tokens below this (KV held, context sums, window positions and clocks are all bounded by it)
+TOKEN_LIMIT = 1 << 62
+
+
+cdef inline long long _mod(long long a, long long b):
+    """a % b with Python's sign (C's % keeps the dividend's); b > 0."""
+    cdef long long r = a % b
+    return r + b if r < 0 else r
 
 
 cdef inline long long _residue_index(long long clock, long long bs):
-    """-clock % bs with Python's sign (C's % keeps the dividend's)."""
-    cdef long long r = (-clock) % bs
-    return r + bs if r < 0 else r
+    """-clock % bs, as Python computes it."""
+    return _mod(-clock, bs)
+
+
+cdef inline long long _blocks(long long tokens, long long bs):
+    """-(-tokens // bs), as Python computes it (a ceiling for any sign)."""
+    return -((-tokens - _mod(-tokens, bs)) // bs)
 
 
 cdef class _Sink:
@@ -43,6 +68,9 @@ cdef class _Sink:
     cdef int _open(self) except -1:
         array = self.log.writable()
         PyObject_GetBuffer(array, &self.buf, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+        if self.buf.ndim != 1 or self.buf.itemsize != 8 * len(self.kinds):
+            PyBuffer_Release(&self.buf)
+            raise TypeError("a row log's array must be 1-d with 8-byte cells")
         self.held = True
         self.base = <char*>self.buf.buf
         self.fill = self.log._fill
@@ -118,18 +146,18 @@ _layouts = {k: _np.dtype([(f"c{j}", _np.float64 if c == "f" else _np.int64) for 
 
 
 def window_max(object window) -> float:
-    """float(numpy.maximum.reduce(window)) of a non-empty contiguous float64 gap window
+    """float(numpy.maximum.reduce(window)) of a non-empty 1-d float64 gap window
     (`Replica._fold`), without numpy's per-call cost. Gaps are finite, so no NaN rules apply."""
     cdef Py_buffer buf
     cdef Py_ssize_t k, size
     cdef double m
     cdef double* p
-    PyObject_GetBuffer(window, &buf, PyBUF_ANY_CONTIGUOUS)
+    _cells(window, &buf, b"d", False)
     try:
-        if buf.itemsize != 8 or buf.len < 8:
-            raise ValueError("window_max needs a non-empty float64 window")
-        p = <double*>buf.buf
         size = buf.len // 8
+        if not size:
+            raise ValueError("window_max needs a non-empty window")
+        p = <double*>buf.buf
         m = p[0]
         for k in range(1, size):
             if p[k] > m:
@@ -139,10 +167,12 @@ def window_max(object window) -> float:
     return m
 
 
-def roofline_terms(cost, decode_time):
+def roofline_terms(cost, decode_time, long long capacity_tokens):
     """The constants of `RooflineCost.decode_time` when `decode_time` is exactly that method of
     a dense RooflineCost (not a subclass) whose terms convert to C without changing a bit, else
-    None: then the compiled decode run calls `decode_time` itself (it takes the Python path)."""
+    None: then the compiled decode run calls `decode_time` itself (it takes the Python path).
+    An int `kv_bytes` times the context (at most twice the capacity: KV tokens plus one per
+    decoder) must stay an exact 64-bit product."""
     from kvsched.cost.roofline import RooflineCost
     if type(cost) is not RooflineCost or getattr(decode_time, "__func__", None) is not RooflineCost.decode_time \
             or getattr(decode_time, "__self__", None) is not cost or cost._dense is not True:
@@ -150,13 +180,13 @@ def roofline_terms(cost, decode_time):
     floats = (cost._gemm_flops, cost._attn_flops, cost._flop_rate, cost._weights, cost._byte_rate, cost.overhead)
     if any(type(x) is not float for x in floats) or type(cost._kv_bytes) not in (int, float):
         return None
-    if type(cost._kv_bytes) is int and not 0 <= cost._kv_bytes < 1 << 22:
+    if type(cost._kv_bytes) is int and not 0 <= cost._kv_bytes * 2 * capacity_tokens < TOKEN_LIMIT:
         return None
     return floats + (cost._kv_bytes,)
 
 
 cdef inline double _roofline(double gemm, double attn, double flop_rate, double weights, double byte_rate,
-                             double overhead, object kv_bytes, bint kv_int, long long kvb, double kvb_f,
+                             double overhead, bint kv_int, long long kvb, double kvb_f,
                              long long n, long long ctx):
     """RooflineCost.decode_time(n, ctx), its operations in its order (kvsched/cost/roofline.py)."""
     cdef double compute = (gemm * <double>n + attn * <double>ctx) / flop_rate
@@ -167,6 +197,102 @@ cdef inline double _roofline(double gemm, double attn, double flop_rate, double 
         kvpart = kvb_f * <double>ctx
     cdef double memory = (weights + 0.0 + kvpart) / byte_rate     # weights + 0 * n + ...
     return overhead + (compute + memory + fabs(compute - memory)) / 2
+
+
+def finish_due(object self, object c, double t):
+    """`for i in c.due(): self._finish(i, t, self._leave_decode(i))` compiled, with Cohort.due,
+    DecodeSet.leave, Cohort.leave, Replica._fold and Replica._finish inline, for a replica
+    without tiers (so every TBT SLO is infinite: no gap counts as a violation) and without
+    finish hooks (`on_finish`, `on_done`). Counters are updated once for the batch's
+    finishes (the same sums). Keep in step with those: the tests run both."""
+    cdef list heap = c._heap
+    cdef dict finish = c._finish, members = c.members, fresh = c.fresh
+    cdef long long clock = c.clock
+    cdef list due = []
+    while heap and <long long>heap[0][0] <= clock:
+        f, i = heappop(heap)
+        if finish.get(i) == f:
+            del finish[i]
+            due.append(i)
+    if not due:
+        return
+    ds = self._decoders
+    cdef dict where = ds.where, running = self._running
+    r = self.reqs
+    cdef list status = r.status, gen = r.gen, last_tok = r.last_tok, output = r.output, prompt = r.prompt
+    cdef list computed = r.computed, residue = c.residue
+    cdef long long bs = c.block_size, base = c._base, lo, hi, c0, k0, steps, kvt
+    cdef long long k = 0, ctx_sum = 0, blocks_sum = 0
+    cdef bint plain_kv = self.cache is None
+    cdef Py_ssize_t j, glen
+    cdef double m
+    cdef double* gp
+    cdef double* itl_max
+    cdef double* finished
+    cdef Py_buffer gb, mb, fb
+    finishing = self._finishing
+    recent = self.recent_finished.append
+    gaps = c._gaps
+    glen = len(gaps)
+    _cells(gaps, &gb, b'd', False)
+    try:
+        _cells(r.itl_max, &mb, b'd', True)
+    except BaseException:
+        PyBuffer_Release(&gb)
+        raise
+    try:
+        _cells(r.finished, &fb, b'd', True)
+    except BaseException:
+        PyBuffer_Release(&gb)
+        PyBuffer_Release(&mb)
+        raise
+    gp, itl_max, finished = <double*>gb.buf, <double*>mb.buf, <double*>fb.buf
+    try:
+        for i in due:
+            if where.pop(i) is not c:
+                raise RuntimeError(f"request {i} finished in a cohort it is not in")
+            c0, k0, _, _ = members.pop(i)          # Cohort.leave
+            steps = clock - c0
+            kvt = k0 + steps
+            k += 1
+            ctx_sum += kvt
+            residue[_mod(k0 - c0, bs)] -= 1
+            if steps == 0:
+                del fresh[i]
+            lo, hi = c0 + 2 - base, clock + 1 - base    # its gap window (Replica._fold)
+            if lo < 0 or hi > glen:
+                raise RuntimeError(f"request {i}'s gap window [{lo}, {hi}) is outside the buffer")
+            if hi > lo:
+                m = gp[lo]
+                for j in range(lo + 1, hi):
+                    if gp[j] > m:
+                        m = gp[j]
+                if m > itl_max[i]:
+                    itl_max[i] = m
+            status[i] = DONE                        # Replica._finish
+            finished[i] = t
+            del running[i]
+            if plain_kv:
+                blocks_sum += _blocks(kvt, bs)
+            else:
+                finishing.append((i, kvt))
+            recent((prompt[i], output[i]))
+            gen[i] = output[i]
+            computed[i] = 0
+            last_tok[i] = 0.0
+    finally:
+        PyBuffer_Release(&gb)
+        PyBuffer_Release(&mb)
+        PyBuffer_Release(&fb)
+        if k:                                   # the counters, for the finishes done
+            ds.n -= k
+            c.n -= k
+            c.ctx -= ctx_sum
+            r.done += k
+            r.in_flight -= k
+            self.outstanding -= k
+            if plain_kv:
+                self.kv.used -= blocks_sum
 
 
 def plain_decodes(object self, object c, double until, tuple roof):
@@ -216,7 +342,7 @@ def plain_decodes(object self, object c, double until, tuple roof):
     cdef double dt, start, gap
     cdef Py_buffer gb
     cdef double* gp
-    PyObject_GetBuffer(gaps, &gb, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+    _cells(gaps, &gb, b'd', True)
     try:
         tsink = _sink(self.timeline, "fiii")
         bsink = _sink(self.batches, "ffiiii")
@@ -225,11 +351,7 @@ def plain_decodes(object self, object c, double until, tuple roof):
             nb = n
             if track:
                 self._snap = (self.outstanding, held, self.prefill_backlog)
-            if ctx + n >= CTX_LIMIT:            # beyond exact 64-bit products: Python's own
-                dt = self._decode_time(n, ctx + n, switch)
-            else:
-                dt = _roofline(gemm, attn, flop_rate, weights, byte_rate, overhead, kv_bytes, kv_int, kvb, kvb_f,
-                               n, ctx + n)
+            dt = _roofline(gemm, attn, flop_rate, weights, byte_rate, overhead, kv_int, kvb, kvb_f, n, ctx + n)
             switch = False
             start = now
             now = now + dt
@@ -242,7 +364,7 @@ def plain_decodes(object self, object c, double until, tuple roof):
                 PyBuffer_Release(&gb)
                 base, gaps = c._base, c._gaps
                 glen = len(gaps)
-                PyObject_GetBuffer(gaps, &gb, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+                _cells(gaps, &gb, b'd', True)
             gp = <double*>gb.buf
             gap = now - last
             gp[clock - base] = gap
@@ -276,8 +398,11 @@ def plain_decodes(object self, object c, double until, tuple roof):
                     self.kv_integral, self.busy, self.peak_kv, self.iterations = kv_integral, busy, peak, k
                     self.now, self._last_kind = now, 2
                     itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
-                for i in c.due():
-                    self._finish(i, now, self._leave_decode(i))
+                if hooks:
+                    for i in c.due():
+                        self._finish(i, now, self._leave_decode(i))
+                else:
+                    finish_due(self, c, now)
                 if self._finishing:
                     self._free_finished()
                 f = heap[0][0] if heap else NEVER
@@ -285,7 +410,7 @@ def plain_decodes(object self, object c, double until, tuple roof):
                 if c._gaps is not gaps:
                     PyBuffer_Release(&gb)
                     gaps = c._gaps
-                    PyObject_GetBuffer(gaps, &gb, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+                    _cells(gaps, &gb, b'd', True)
                 base = c._base
                 glen = len(gaps)
             recent(dt)
@@ -344,9 +469,9 @@ def first_gaps(object itl, object reqs, dict fresh, double end):
     cdef long long hn = itl.n
     cdef Py_ssize_t i
     cdef Py_buffer mb, vb
-    _float64s(reqs.itl_max, &mb)
+    _cells(reqs.itl_max, &mb, b'd', True)
     try:
-        _float64s(reqs.viol, &vb)
+        _cells(reqs.viol, &vb, b'q', True)
     except BaseException:
         PyBuffer_Release(&mb)
         raise
@@ -378,12 +503,17 @@ def first_gaps(object itl, object reqs, dict fresh, double end):
     fresh.clear()
 
 
-cdef int _float64s(object array, Py_buffer* view) except -1:
-    """A writable contiguous buffer of 8-byte items (float64 or int64 per-request records)."""
-    PyObject_GetBuffer(array, view, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
-    if view.itemsize != 8:
+cdef int _cells(object array, Py_buffer* view, char kind, bint writable) except -1:
+    """A contiguous one-dimensional buffer of 8-byte items of `kind` (b'd' float64, b'q' int64)."""
+    cdef const char* f
+    PyObject_GetBuffer(array, view, (PyBUF_WRITABLE if writable else 0) | PyBUF_FORMAT | PyBUF_ANY_CONTIGUOUS)
+    f = view.format
+    if f[0] in b"@=":
+        f += 1
+    if view.ndim != 1 or view.itemsize != 8 or f[1] != 0 or not (
+            f[0] == kind or kind == b"q" and f[0] == b"l"):
         PyBuffer_Release(view)
-        raise TypeError("per-request records must be 8-byte numpy arrays")
+        raise TypeError("a contiguous 1-d float64 or int64 array of the replica's is needed here")
     return 0
 
 

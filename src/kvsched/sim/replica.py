@@ -18,8 +18,11 @@ summary), plus the requests routed to it since.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import warnings
 from collections import deque
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -36,15 +39,28 @@ from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING, 
 from kvsched.sim.rowlog import CHUNK, RowLog
 from kvsched.sim.view import ReadOnlySeq, ReplicaView
 
-# the compiled twins of `_plain_decodes` and the window max (sim/_fast.pyx; setup.py builds it when
-# it can): the same results bit for bit; KVSCHED_PURE_PYTHON=1 runs the Python code instead
-try:
+
+
+def _compiled():
+    """The compiled twins of this module's hottest code (sim/_fast.pyx; setup.py builds it when
+    it can): the same results bit for bit. None: KVSCHED_PURE_PYTHON=1 is set, the module is
+    not built, or it was built from another version of its .pyx (a source tree edited since)."""
     if os.environ.get("KVSCHED_PURE_PYTHON", "") not in ("", "0"):
-        raise ImportError("KVSCHED_PURE_PYTHON is set")
-    from kvsched.sim import _fast
-except ImportError:
-    _fast = None
-_max = _fast.window_max if _fast is not None else np.maximum.reduce     # float(...) of it: the window's max
+        return None
+    try:
+        from kvsched.sim import _fast
+    except ImportError:
+        return None
+    source = Path(__file__).with_name("_fast.pyx")
+    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != _fast.SOURCE_SHA256:
+        warnings.warn("kvsched: src/kvsched/sim/_fast.pyx changed since its compiled module was built "
+                      "(`pip install .` or `python setup.py build_ext --inplace` rebuilds it); "
+                      "running the pure-Python code", stacklevel=2)
+        return None
+    return _fast
+
+
+_fast = _compiled()
 DEFAULT_STALL_BATCHES = 100_000
 IDLE_PLAN = Plan([], [], True, [])      # what a `decodes_when_idle` policy plans when idle (read only)
 
@@ -133,13 +149,21 @@ class Replica:
         self._on_finish = self._hook("on_finish")
         self._on_preempt = self._hook("on_preempt")
         self._on_batch_end = self._hook("on_batch_end")
+        # the compiled twins (sim/_fast.pyx), where every count fits their 64-bit integers; a batch's
+        # finishes compiled where no hook or tier histogram takes part
+        fast = _fast if _fast is not None and kv.capacity_blocks * bs < _fast.TOKEN_LIMIT else None
+        self._fast = fast
+        self._window_max = fast.window_max if fast is not None else np.maximum.reduce
+        self._finish_due = (fast.finish_due if fast is not None and self._on_finish is None
+                            and on_done is None and self.tier_itl is None else None)
         # the policy promises Plan([], [], True, []) while nothing waits or prefills and the
         # decoders fit (policies/base.py, `decodes_when_idle`): such batches skip `schedule`
         self._steady = decodes_when_idle(policy)
         self.runs_ahead = False                 # the cluster loop lets steady batches run to its next event
         self._decode_time = _decode_time(cost)
         # the compiled decode run takes replicas whose decode time it computes itself (a roofline's)
-        self._roof = _fast.roofline_terms(cost, self._decode_time) if _fast is not None else None
+        self._roof = (fast.roofline_terms(cost, self._decode_time, kv.capacity_blocks * bs)
+                      if fast is not None else None)
         self.view = ReplicaView(self, {
             "index": index, "role": role, "block_size": bs, "kv_capacity_blocks": kv.capacity_blocks,
             "cost_model": cost, "waiting": ReadOnlySeq(self._queue), "running": self._running.keys(),
@@ -373,7 +397,7 @@ class Replica:
             until = 0.0
         if self._on_batch_end is None and self.tier_itl is None:
             if self._roof is not None:
-                _fast.plain_decodes(self, self._decoders.cohorts[0], until, self._roof)
+                self._fast.plain_decodes(self, self._decoders.cohorts[0], until, self._roof)
             else:
                 self._plain_decodes(self._decoders.cohorts[0], until)
             return
@@ -512,6 +536,9 @@ class Replica:
         if not end > start:
             raise KvschedError(f"batch time {dt!r} s vanishes at t={start!r} s (below the clock's "
                                "resolution): rescale the workload's times or the cost model")
+        if end == INF:
+            raise KvschedError(f"a batch of {dt!r} s from t={start!r} s ends beyond the largest time a "
+                               "float holds: rescale the workload's times or the cost model")
         return end
 
     # ----- policy safety ---------------------------------------------------------------
@@ -833,6 +860,9 @@ class Replica:
             add(gap, ch.n - len(fresh))
             if fresh:
                 self._first_gaps(ch, end)
+            if self._finish_due is not None:
+                self._finish_due(self, ch, end)
+                continue
             for i in ch.due():
                 kv_tokens = self._leave_decode(i)
                 self._finish(i, end, kv_tokens)
@@ -840,8 +870,8 @@ class Replica:
     def _first_gaps(self, ch: Cohort, end: float) -> None:
         """The first decode step of the cohort's fresh members: each gap is from its own last
         token (its first token, or one before it moved cohorts). sim/_fast.pyx compiles it."""
-        if _fast is not None:
-            _fast.first_gaps(self.itl, self.reqs, ch.fresh, end)
+        if self._fast is not None:
+            self._fast.first_gaps(self.itl, self.reqs, ch.fresh, end)
             return
         add, r = self.itl.add, self.reqs
         itl_max, viol, tbt, last = r.itl_max, r.viol, r.tbt, r.last_tok
@@ -898,7 +928,7 @@ class Replica:
         r.gen[i] = gen
         r.last_tok[i] = last
         if len(window):
-            m = float(_max(window))
+            m = float(self._window_max(window))
             if m > r.itl_max[i]:
                 r.itl_max[i] = m
             if m > r.tbt[i]:

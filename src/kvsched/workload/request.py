@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Sequence
 
 import numpy as np
@@ -21,6 +22,17 @@ class Tier:
         if not self.name or self.name != self.name.strip() or any(ord(ch) < 32 or ch == "\x7f" for ch in self.name):
             raise KvschedError(f"tier name {self.name!r} must be non-empty, without spaces at either end, and "
                                "hold no control characters (newlines, tabs)")
+        for key in ("ttft_slo", "tbt_slo"):     # seconds, kept as floats (compared with float times)
+            v = getattr(self, key)
+            if v is None:
+                continue
+            try:
+                x = float(v) if isinstance(v, Real) and not isinstance(v, bool) else None
+            except OverflowError:
+                x = None
+            if x is None or not x > 0:
+                raise KvschedError(f"tier {self.name}: {key} must be a positive number of seconds or None, got {v!r:.40}")
+            object.__setattr__(self, key, x)
 
 
 @dataclass(frozen=True)
