@@ -8,7 +8,7 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-PYX = Path("src/kvsched/sim/_fast.pyx")
+PYX = Path(__file__).resolve().parent / "src/kvsched/sim/_fast.pyx"
 # no fused multiply-add or fast-math: C must round every float operation as Python does
 FLAGS = ["-O2", "-ffp-contract=off", "-fno-fast-math"]
 
@@ -41,7 +41,7 @@ def extensions() -> list:
         warn(f"{PYX} is missing")
         return []
     sha = hashlib.sha256(PYX.read_bytes()).hexdigest()      # replica.py checks it against the .pyx
-    ext = Extension("kvsched.sim._fast", [str(PYX)], extra_compile_args=FLAGS,
+    ext = Extension("kvsched.sim._fast", ["src/kvsched/sim/_fast.pyx"], extra_compile_args=FLAGS,
                     define_macros=[("KVSCHED_PYX_SHA256", f'"{sha}"')])
     try:
         from Cython.Build import cythonize

@@ -119,6 +119,9 @@ def main() -> int:
     run([py, "-m", "kvsched", "simulate", "--num-requests", "20", "--json"], env)     # warm the bytecode caches
     print(f"workload: {TRACE.name} resampled; {' '.join(HARDWARE)}; roofline; Poisson {RATE:g} req/s per replica")
     print(f"whole: the process, start-up to exit; loop: the simulation; runs of {OUT_AT:,} requests or more write --out")
+    probe = "import kvsched.sim.replica as r; print('yes' if r._fast is not None else 'no')"
+    compiled = subprocess.run([py, "-c", probe], env=env, capture_output=True, text=True).stdout.strip() or "?"
+    print(f"compiled fast path (sim/_fast.pyx): {compiled}; KVSCHED_PURE_PYTHON=1 runs without it")
     head = f"{'run':22} {'requests':>9} {'whole s':>8} {'loop s':>7} {'iterations':>11} {'iter/s':>9} {'peak MiB':>9}"
     print(head + ("  after/before iter/s" if args.before else "") + "  target")
     before_env = child_env(args.before) if args.before else None

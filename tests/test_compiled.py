@@ -41,6 +41,15 @@ def both(monkeypatch, w: Workload, name: str, **kw) -> tuple[str, str]:
     return compiled, pure
 
 
+def twice(monkeypatch, run) -> list:
+    """[run() compiled, run() in pure Python]."""
+    out = [run()]
+    with monkeypatch.context() as m:
+        m.setattr(replica, "_fast", None)
+        out.append(run())
+    return out
+
+
 @needs_fast
 @pytest.mark.parametrize("name", STEADY)
 @pytest.mark.parametrize("caching", [False, True])
@@ -54,8 +63,9 @@ def test_compiled_runs_are_the_pure_python_runs(name, caching, kv_capacity, monk
 def test_compiled_runs_with_tiers_clusters_and_closed_loops(monkeypatch):
     tiered = workload(300, 15.0, 3, tiers=True)
     assert len(set(both(monkeypatch, tiered, "sarathi"))) == 1
-    assert len(set(both(monkeypatch, workload(600, 60.0, 2), "vllm-v1", replicas=3, router="least-kv",
-                        kv_capacity=15_000))) == 1
+    for router in ("least-kv", "least-outstanding"):
+        assert len(set(both(monkeypatch, workload(600, 60.0, 2), "vllm-v1", replicas=3, router=router,
+                            kv_capacity=15_000))) == 1
     g = np.random.default_rng(4)
     closed = Workload.build(np.zeros(200), g.integers(1, 600, 200), g.integers(1, 200, 200),
                             concurrency=np.full(200, 8))
@@ -96,19 +106,18 @@ def test_window_max_refuses_what_is_not_a_window():
 @needs_fast
 def test_only_a_dense_roofline_s_own_decode_time_is_compiled():
     cost = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"))
-    terms = _fast.roofline_terms(cost, cost.decode_time, 10**6)
+    terms = _fast.roofline_terms(cost, cost.decode_time)
     assert terms is not None and terms[-1] == cost._kv_bytes
-    assert _fast.roofline_terms(cost, cost.decode_time, 2**42) is None     # kv_bytes * context past 2**62
 
     class Slower(RooflineCost):
         pass
     sub = Slower(get_model("llama-2-7b"), get_gpu("a100-80gb"))
-    assert _fast.roofline_terms(sub, sub.decode_time, 10**6) is None
-    assert _fast.roofline_terms(cost, lambda n, ctx, switch: 1.0, 10**6) is None
+    assert _fast.roofline_terms(sub, sub.decode_time) is None
+    assert _fast.roofline_terms(cost, lambda n, ctx, switch: 1.0) is None
     moe = RooflineCost(get_model("qwen3-30b-a3b"), get_gpu("a100-80gb"))
-    assert _fast.roofline_terms(moe, moe.decode_time, 10**6) is None
+    assert _fast.roofline_terms(moe, moe.decode_time) is None
     ints = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"), compute_efficiency=1)
-    assert (_fast.roofline_terms(ints, ints.decode_time, 10**6) is None) == (type(ints._flop_rate) is not float)
+    assert (_fast.roofline_terms(ints, ints.decode_time) is None) == (type(ints._flop_rate) is not float)
 
 
 def test_kvsched_pure_python_switches_the_module_off():
@@ -161,35 +170,49 @@ def test_compiled_out_files_are_the_pure_python_files(tmp_path, monkeypatch):
 
 @needs_fast
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.sampled_from(["append", "odd", "write", "check", "read"]), max_size=60), st.integers(1, 9),
-       st.integers(2, 20))
+@given(st.lists(st.sampled_from(["append", "odd", "big", "write", "check", "read"]), max_size=60),
+       st.integers(1, 9), st.integers(2, 20))
 def test_a_rowlog_keeps_its_rows_in_order_through_compiled_writes(ops, piece, chunk):
     """RowLog written as the compiled run writes it (`_fast.sink_rows`: the appended rows moved
-    into its array first), mixed with appends (some with an int in the float column: those
-    stay tuples until spilled), spills and reads: the rows come back in order."""
+    into its array first where they read back the same), mixed with appends (some with an int in
+    the float column, or an int past int64: those stay tuples), spills and reads, gives what a
+    RowLog given the same rows by `append` gives: the same rows, in order, of the same types,
+    with as many on disk."""
     from kvsched.sim import rowlog
     old = rowlog.CHUNK, rowlog.PIECE
     rowlog.CHUNK, rowlog.PIECE = chunk, piece
     try:
-        log, want = rowlog.RowLog("fiii"), []
+        log, plain = rowlog.RowLog("fiii"), rowlog.RowLog("fiii")
+        big = False
         for k, op in enumerate(ops):
-            if op in ("append", "odd"):
-                row = (k if op == "odd" else k + 0.5, k, 0, -k)
+            if op in ("append", "odd", "big"):
+                row = (k if op == "odd" else k + 0.5, k, 0, 2**70 if op == "big" else -k)
+                big = big or op == "big"
                 log.append(row)
-                want.append(row)
+                plain.append(row)
             elif op == "write":
                 rows = [(k + j / 4, -k, j, 2 ** 40) for j in range(k % 3 + 1)]
                 _fast.sink_rows(log, "fiii", rows)
-                want += rows
-            elif op == "check":
+                for row in rows:
+                    plain.append(row)
+            elif op == "check" and not big:         # an int past int64 cannot spill (either way)
                 log.check()
-            else:
-                assert list(log) == want and len(log) == len(want)
+                plain.check()
+            elif op == "read" and not big:
+                got, want = list(log), list(plain)
+                assert [tuple(map(type, r)) for r in got] == [tuple(map(type, r)) for r in want] and got == want
+                assert log._spilled == plain._spilled
                 if want:
                     assert log[len(want) // 2] == want[len(want) // 2] and log[-1] == want[-1]
-        assert list(log) == want           # (a spill makes an int in the float column a float, as ever)
+        got, want = _in_memory(log), _in_memory(plain)     # (list() would spill: not with a big int)
+        assert got == want and [tuple(map(type, r)) for r in got] == [tuple(map(type, r)) for r in want]
+        assert log._spilled == plain._spilled
     finally:
         rowlog.CHUNK, rowlog.PIECE = old
+
+
+def _in_memory(log) -> list[tuple]:
+    return [row for part in log._parts() for row in (part.tolist() if isinstance(part, np.ndarray) else part)]
 
 
 class Watching:
@@ -216,14 +239,12 @@ class Watching:
 def test_a_finish_hook_sees_the_same_view_compiled(caching, monkeypatch):
     from kvsched.run import Scenario, simulate
     w = workload(300, 15.0, 9)
-    seen = []
-    for pure in (False, True):
-        with monkeypatch.context() as m:
-            if pure:
-                m.setattr(replica, "_fast", None)
-            p = Watching()
-            simulate(Scenario(w, gpu="a100-80gb", model="llama-2-7b", prefix_caching=caching), p)
-            seen.append(p.seen)
+
+    def run():
+        p = Watching()
+        simulate(Scenario(w, gpu="a100-80gb", model="llama-2-7b", prefix_caching=caching), p)
+        return p.seen
+    seen = twice(monkeypatch, run)
     assert len(seen[0]) == 300 and seen[0] == seen[1]
 
 
@@ -243,13 +264,11 @@ def test_compiled_runs_with_a_fractional_kv_bytes_model_and_numpy_ints(monkeypat
 def test_a_batch_ending_past_the_largest_float_is_an_error(monkeypatch):
     from kvsched.errors import KvschedError
     from kvsched.run import Scenario, simulate
-    for pure in (False, True):
-        with monkeypatch.context() as m:
-            if pure:
-                m.setattr(replica, "_fast", None)
-            sc = Scenario(workload(20, 5.0, 1), gpu="a100-80gb", model="llama-2-7b", cost_params={"overhead": 1e308})
-            with pytest.raises(KvschedError, match="ends beyond the largest time a float holds"):
-                simulate(sc, Watching())
+    def run():
+        sc = Scenario(workload(20, 5.0, 1), gpu="a100-80gb", model="llama-2-7b", cost_params={"overhead": 1e308})
+        with pytest.raises(KvschedError, match="ends beyond the largest time a float holds"):
+            simulate(sc, Watching())
+    twice(monkeypatch, run)
 
 
 @needs_fast
@@ -283,6 +302,98 @@ def test_tier_slos_are_positive_float_seconds():
     from kvsched.errors import KvschedError
     from kvsched.workload.request import Tier
     assert Tier("a", tbt_slo=1).tbt_slo == 1.0 and type(Tier("a", tbt_slo=1).tbt_slo) is float
-    for bad in (0, -1.0, "0.1", True, float("nan"), 10**400):
-        with pytest.raises(KvschedError, match="must be a positive number of seconds"):
+    for bad in (0, -1.0, "0.1", True, float("nan"), float("inf"), 10**400):
+        with pytest.raises(KvschedError, match="must be a positive finite number of seconds"):
             Tier("a", tbt_slo=bad)
+
+
+@needs_fast
+def test_a_huge_kv_bytes_context_takes_python_s_exact_ints(monkeypatch):
+    """kv_bytes * context past 2**62 (a model whose KV bytes per token are huge): those batch
+    times come from Python's exact ints, as in the pure run."""
+    import dataclasses
+    from kvsched import hardware
+    huge = dataclasses.replace(hardware.get_model("llama-2-7b"), name="huge-kv", layers=2**40)
+    monkeypatch.setitem(hardware.MODELS, "huge-kv", huge)
+    cost = RooflineCost(huge, get_gpu("a100-80gb"))
+    assert _fast.roofline_terms(cost, cost.decode_time) is not None and cost._kv_bytes > 2**50
+    compiled, pure = both(monkeypatch, workload(60, 30.0, 2), "vllm-v1", model="huge-kv", kv_capacity=200_000)
+    assert compiled == pure
+
+
+class Reading:
+    """A policy without hooks (so finishes take `finish_due`) whose `schedule` records what the
+    view shows of the engine's counters and records; `seen` is compared compiled and pure."""
+    name = "reading"
+    decodes_when_idle = True
+
+    def __init__(self, inner: str = "vllm-v1") -> None:
+        from kvsched.policies import make_policy
+        self.inner = make_policy(inner, {}, get_gpu("a100-80gb"))
+        self.seen: list = []
+
+    def schedule(self, v):
+        fin = tuple(v.recent_finished)[-2:]
+        self.seen.append((v.now, v.iterations, v.kv_used_blocks, v.num_decoding, v.num_waiting, len(v.running), v.in_flight,
+                          v.decode_new_blocks, fin, tuple(v.recent_batch_times)[-2:],
+                          [(v.generated(i), v.kv_tokens(i)) for i in list(v.running)[:4]]))
+        return self.inner.schedule(v)
+
+
+@needs_fast
+@pytest.mark.parametrize("kw", [{}, dict(prefix_caching=True, kv_capacity=8_000),
+                                dict(replicas=2, router="least-outstanding")])
+def test_a_policy_reads_the_same_engine_state_compiled(kw, monkeypatch):
+    from kvsched.run import Scenario, simulate
+    w = workload(300, 25.0, 11)
+
+    def run():
+        p = Reading()
+        r = simulate(Scenario(w, gpu="a100-80gb", model="llama-2-7b", **kw), p)
+        return p.seen, r.summary["completed"], r.records.finished.tolist()
+    seen = twice(monkeypatch, run)
+    assert seen[0] == seen[1] and len(seen[0][0]) > 100
+
+
+@needs_fast
+def test_sessions_run_the_same_compiled(monkeypatch):
+    from test_prefix_workloads import session_workload
+    w = session_workload(n=200)
+    assert w.has_sessions
+    for kw in ({}, dict(replicas=2, router="least-outstanding"), dict(prefix_caching=True)):
+        compiled, pure = both(monkeypatch, w, "vllm-v1", **kw)
+        assert compiled == pure
+
+
+class NumpyChunks:
+    """sarathi with its chunk sizes as numpy ints: the engine keeps Python numbers, so compiled
+    and pure runs agree in type too."""
+    name = "numpy-chunks"
+    decodes_when_idle = True
+
+    def __init__(self) -> None:
+        from kvsched.policies import make_policy
+        self.inner = make_policy("sarathi", {}, get_gpu("a100-80gb"))
+
+    def schedule(self, v):
+        plan = self.inner.schedule(v)
+        plan.chunks = [(i, np.int64(c)) for i, c in plan.chunks]
+        return plan
+
+
+@needs_fast
+def test_numpy_numbers_from_a_policy_leave_no_numpy_state(monkeypatch):
+    import hashlib
+    import pickle
+    from kvsched.run import Scenario, simulate
+    w = workload(200, 20.0, 12)
+
+    def run():
+        r = simulate(Scenario(w, gpu="a100-80gb", model="llama-2-7b"), NumpyChunks(),
+                     record_timeline=True, record_batches=True)
+        rows = list(r.timeline) + list(r.batches)
+        assert {type(x) for row in rows for x in row} == {float, int}
+        summary = {k: v for k, v in r.summary.items() if k != "wall_seconds"}
+        assert all(type(v) is not np.float64 for v in summary.values())
+        return hashlib.sha256(pickle.dumps((sorted(summary.items(), key=str), rows))).hexdigest()
+    blobs = twice(monkeypatch, run)

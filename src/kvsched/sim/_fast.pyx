@@ -10,6 +10,7 @@ from libc.math cimport fabs, log
 
 from heapq import heappop
 
+from kvsched.errors import KvschedError
 from kvsched.sim.requests import DONE
 from kvsched.sim.rowlog import CHUNK
 
@@ -44,6 +45,15 @@ cdef inline long long _residue_index(long long clock, long long bs):
 cdef inline long long _blocks(long long tokens, long long bs):
     """-(-tokens // bs), as Python computes it (a ceiling for any sign)."""
     return -((-tokens - _mod(-tokens, bs)) // bs)
+
+
+cdef inline long long _bin(double gap, double low, double log_low, double scale, long long top):
+    """GapHistogram.add's bin of `gap` (kvsched/metrics.py), its operations in its order."""
+    cdef long long b
+    if gap > low:
+        b = <long long>((log(gap) - log_low) * scale) + 1
+        return top if b >= top else b
+    return 0
 
 
 cdef class _Sink:
@@ -167,12 +177,10 @@ def window_max(object window) -> float:
     return m
 
 
-def roofline_terms(cost, decode_time, long long capacity_tokens):
+def roofline_terms(cost, decode_time):
     """The constants of `RooflineCost.decode_time` when `decode_time` is exactly that method of
     a dense RooflineCost (not a subclass) whose terms convert to C without changing a bit, else
-    None: then the compiled decode run calls `decode_time` itself (it takes the Python path).
-    An int `kv_bytes` times the context (at most twice the capacity: KV tokens plus one per
-    decoder) must stay an exact 64-bit product."""
+    None: then the compiled decode run is not used."""
     from kvsched.cost.roofline import RooflineCost
     if type(cost) is not RooflineCost or getattr(decode_time, "__func__", None) is not RooflineCost.decode_time \
             or getattr(decode_time, "__self__", None) is not cost or cost._dense is not True:
@@ -180,7 +188,7 @@ def roofline_terms(cost, decode_time, long long capacity_tokens):
     floats = (cost._gemm_flops, cost._attn_flops, cost._flop_rate, cost._weights, cost._byte_rate, cost.overhead)
     if any(type(x) is not float for x in floats) or type(cost._kv_bytes) not in (int, float):
         return None
-    if type(cost._kv_bytes) is int and not 0 <= cost._kv_bytes * 2 * capacity_tokens < TOKEN_LIMIT:
+    if type(cost._kv_bytes) is int and not 0 <= cost._kv_bytes < TOKEN_LIMIT:
         return None
     return floats + (cost._kv_bytes,)
 
@@ -204,7 +212,12 @@ def finish_due(object self, object c, double t):
     DecodeSet.leave, Cohort.leave, Replica._fold and Replica._finish inline, for a replica
     without tiers (so every TBT SLO is infinite: no gap counts as a violation) and without
     finish hooks (`on_finish`, `on_done`). Counters are updated once for the batch's
-    finishes (the same sums). Keep in step with those: the tests run both."""
+    finishes (the same sums). True; False, having done nothing, where a number is not a
+    Python float or int (numpy's would stay numpy's in the Python code). Keep in step with
+    those: the tests run both."""
+    if not (type(t) is float and type(c.clock) is int and type(c.ctx) is int and type(c.n) is int
+            and type(self.kv.used) is int and type(self.outstanding) is int):
+        return False
     cdef list heap = c._heap
     cdef dict finish = c._finish, members = c.members, fresh = c.fresh
     cdef long long clock = c.clock
@@ -215,7 +228,13 @@ def finish_due(object self, object c, double t):
             del finish[i]
             due.append(i)
     if not due:
-        return
+        return True
+    for i in due:
+        state = members[i]
+        if type(state[0]) is not int or type(state[1]) is not int:
+            for i in due:                   # the Python code, on the due list it would have made
+                self._finish(i, t, self._leave_decode(i))
+            return True
     ds = self._decoders
     cdef dict where = ds.where, running = self._running
     r = self.reqs
@@ -293,19 +312,31 @@ def finish_due(object self, object c, double t):
             self.outstanding -= k
             if plain_kv:
                 self.kv.used -= blocks_sum
+    return True
 
 
 def plain_decodes(object self, object c, double until, tuple roof):
     """`Replica._plain_decodes(c, until)` compiled, for a replica whose decode time is a dense
-    roofline's (`roof` = `roofline_terms`). Keep the two in step: the tests run both."""
+    roofline's (`roof` = `roofline_terms`); True. False, having done nothing, where the state
+    holds other types than the Python code would keep (numpy scalars: a C run would turn them
+    into Python ones) or numbers past its 64-bit integers. Keep the two in step: the tests
+    run both."""
+    kv = self.kv
+    itl = self.itl
+    if not (type(self.now) is float and type(c.last_time) is float and type(c.ctx) is int
+            and type(c.clock) is int and type(c.n) is int and type(kv.used) is int
+            and type(itl.total) is float and type(itl.total_sq) is float and type(itl.max) is float
+            and type(itl.n) is int and type(self.kv_integral) is float and type(self.busy) is float
+            and type(self.peak_kv) is int and type(self.iterations) is int) or c.ctx >= TOKEN_LIMIT:
+        return False
     cdef double gemm = roof[0], attn = roof[1], flop_rate = roof[2], weights = roof[3]
     cdef double byte_rate = roof[4], overhead = roof[5]
     kv_bytes = roof[6]
     cdef bint kv_int = type(kv_bytes) is int
     cdef long long kvb = kv_bytes if kv_int else 0
     cdef double kvb_f = 0.0 if kv_int else kv_bytes
+    cdef long long kv_limit = TOKEN_LIMIT // kvb if kv_int and kvb else TOKEN_LIMIT   # kvb * ctx exact below it
     cdef long long bs = self.block_size
-    kv = self.kv
     cdef long long cap = kv.capacity_blocks
     cdef list residue = c.residue
     fresh = c.fresh
@@ -315,7 +346,6 @@ def plain_decodes(object self, object c, double until, tuple roof):
     last_kind = self._last_kind
     cdef bint switch = last_kind != 2 and last_kind != 0
     cdef double now = self.now, last = c.last_time
-    itl = self.itl
     cdef list counts = itl.counts
     cdef double log_low = itl._log_low, scale = itl._scale, low = itl.low
     cdef long long top = itl._top
@@ -338,7 +368,7 @@ def plain_decodes(object self, object c, double until, tuple roof):
     cdef bint hooks = self._on_finish is not None or self._on_done is not None
     cdef long long nf = len(fresh)
     cdef long long dnew = residue[_residue_index(clock, bs)]
-    cdef long long held, nb, m, b
+    cdef long long held, nb, m
     cdef double dt, start, gap
     cdef Py_buffer gb
     cdef double* gp
@@ -351,7 +381,10 @@ def plain_decodes(object self, object c, double until, tuple roof):
             nb = n
             if track:
                 self._snap = (self.outstanding, held, self.prefill_backlog)
-            dt = _roofline(gemm, attn, flop_rate, weights, byte_rate, overhead, kv_int, kvb, kvb_f, n, ctx + n)
+            if ctx + n < kv_limit:
+                dt = _roofline(gemm, attn, flop_rate, weights, byte_rate, overhead, kv_int, kvb, kvb_f, n, ctx + n)
+            else:                               # kv_bytes * context past 64 bits: Python's exact ints
+                dt = self._decode_time(n, ctx + n, switch)
             switch = False
             start = now
             now = now + dt
@@ -370,17 +403,14 @@ def plain_decodes(object self, object c, double until, tuple roof):
             gp[clock - base] = gap
             last = now
             ctx += n
+            if ctx >= TOKEN_LIMIT:
+                raise KvschedError(f"replica {self.index}: the decoders' summed context passed 2**62 tokens, "
+                                   "beyond the compiled path's 64-bit integers (KVSCHED_PURE_PYTHON=1 runs it)")
             allocated += dnew
             used = held
             m = n - nf
             if m > 0:                           # GapHistogram.add(gap, m)
-                if gap > low:
-                    b = <long long>((log(gap) - log_low) * scale) + 1
-                    if b >= top:
-                        b = top
-                else:
-                    b = 0
-                counts[b] += m
+                counts[_bin(gap, low, log_low, scale, top)] += m
                 hn += m
                 total += gap * <double>m
                 total_sq += gap * gap * <double>m
@@ -457,14 +487,23 @@ def plain_decodes(object self, object c, double until, tuple roof):
         for log_ in (self.timeline, self.batches):
             if log_ is not None:
                 log_.check()
+    return True
 
 
 def first_gaps(object itl, object reqs, dict fresh, double end):
     """`Replica._first_gaps` compiled: each fresh decoder's first gap (end - its last token)
-    into the histogram (`GapHistogram.add(g)`, inline) and its own records; `fresh` emptied."""
+    into the histogram (`GapHistogram.add(g)`, inline) and its own records; `fresh` emptied;
+    True. False, having done nothing, where a number is not a Python float or int (numpy's
+    would stay numpy's in the Python code)."""
+    if not (type(end) is float and type(itl.total) is float and type(itl.total_sq) is float
+            and type(itl.max) is float and type(itl.n) is int):
+        return False
+    for j in fresh:
+        if type(reqs.last_tok[j]) is not float:
+            return False
     cdef list counts = itl.counts, last = reqs.last_tok, tbt = reqs.tbt
     cdef double log_low = itl._log_low, scale = itl._scale, low = itl.low
-    cdef long long top = itl._top, b
+    cdef long long top = itl._top
     cdef double total = itl.total, total_sq = itl.total_sq, gmax = itl.max, g
     cdef long long hn = itl.n
     cdef Py_ssize_t i
@@ -480,13 +519,7 @@ def first_gaps(object itl, object reqs, dict fresh, double end):
     try:
         for i in fresh:
             g = end - <double>last[i]
-            if g > low:
-                b = <long long>((log(g) - log_low) * scale) + 1
-                if b >= top:
-                    b = top
-            else:
-                b = 0
-            counts[b] += 1
+            counts[_bin(g, low, log_low, scale, top)] += 1
             hn += 1
             total += g * 1.0
             total_sq += g * g * 1.0
@@ -501,6 +534,7 @@ def first_gaps(object itl, object reqs, dict fresh, double end):
         PyBuffer_Release(&vb)
     itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
     fresh.clear()
+    return True
 
 
 cdef int _cells(object array, Py_buffer* view, char kind, bint writable) except -1:

@@ -27,6 +27,7 @@ from typing import Callable
 
 import numpy as np
 from math import log as _log
+from numbers import Real
 
 from kvsched.cost.shape import BatchShape
 from kvsched.errors import KvschedError, PlanError
@@ -52,10 +53,11 @@ def _compiled():
     except ImportError:
         return None
     source = Path(__file__).with_name("_fast.pyx")
-    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != _fast.SOURCE_SHA256:
-        warnings.warn("kvsched: src/kvsched/sim/_fast.pyx changed since its compiled module was built "
-                      "(`pip install .` or `python setup.py build_ext --inplace` rebuilds it); "
-                      "running the pure-Python code", stacklevel=2)
+    built_from = getattr(_fast, "SOURCE_SHA256", "")
+    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != built_from:
+        why = "changed since its compiled module was built" if built_from else "has a compiled module of unknown origin"
+        warnings.warn(f"kvsched: src/kvsched/sim/_fast.pyx {why} (`pip install .` or `python setup.py "
+                      "build_ext --inplace` rebuilds it); running the pure-Python code", stacklevel=2)
         return None
     return _fast
 
@@ -162,8 +164,7 @@ class Replica:
         self.runs_ahead = False                 # the cluster loop lets steady batches run to its next event
         self._decode_time = _decode_time(cost)
         # the compiled decode run takes replicas whose decode time it computes itself (a roofline's)
-        self._roof = (fast.roofline_terms(cost, self._decode_time, kv.capacity_blocks * bs)
-                      if fast is not None else None)
+        self._roof = fast.roofline_terms(cost, self._decode_time) if fast is not None else None
         self.view = ReplicaView(self, {
             "index": index, "role": role, "block_size": bs, "kv_capacity_blocks": kv.capacity_blocks,
             "cost_model": cost, "waiting": ReadOnlySeq(self._queue), "running": self._running.keys(),
@@ -396,10 +397,9 @@ class Replica:
         if self.pulls:                          # the cluster pulls KV here after every batch
             until = 0.0
         if self._on_batch_end is None and self.tier_itl is None:
-            if self._roof is not None:
-                self._fast.plain_decodes(self, self._decoders.cohorts[0], until, self._roof)
-            else:
-                self._plain_decodes(self._decoders.cohorts[0], until)
+            c = self._decoders.cohorts[0]
+            if self._roof is None or not self._fast.plain_decodes(self, c, until, self._roof):
+                self._plain_decodes(c, until)       # (the compiled run declines state it cannot hold exactly)
             return
         while True:                             # tiers or a batch hook: the general batch
             self._execute(IDLE_PLAN)
@@ -630,6 +630,8 @@ class Replica:
         switch = kind != self._last_kind and self._last_kind != 0
         self._last_kind = kind
         dt = self.cost.time(BatchShape(pt, len(chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
+        if type(dt) is not float:               # an int or numpy scalar: the clock holds Python floats
+            dt = _seconds(dt)
         start = self.now
         end = start + dt
         if not start < end < INF:
@@ -647,7 +649,7 @@ class Replica:
             out = nd
             computed, target = self._computed, self._target
             for i, c in chunks:
-                computed[i] += c
+                computed[i] += c if type(c) is int else int(c)    # as _prefill_shape took it
                 if computed[i] == target[i]:
                     self._prefill_complete(i, end)
                     out = True
@@ -711,6 +713,8 @@ class Replica:
                 p = computed[i]
                 if not 0 < c <= target[i] - p or type(c) is not int and c != int(c):
                     self._bad_chunk(i, c)
+                if type(c) is not int:          # numpy's ints too: the state holds Python ints
+                    c = int(c)
                 n = -(-(p + c) // bs) - -(-p // bs)
                 if cache is not None and not inert:
                     cache.register(i, p, c)
@@ -860,8 +864,7 @@ class Replica:
             add(gap, ch.n - len(fresh))
             if fresh:
                 self._first_gaps(ch, end)
-            if self._finish_due is not None:
-                self._finish_due(self, ch, end)
+            if self._finish_due is not None and self._finish_due(self, ch, end):
                 continue
             for i in ch.due():
                 kv_tokens = self._leave_decode(i)
@@ -870,8 +873,7 @@ class Replica:
     def _first_gaps(self, ch: Cohort, end: float) -> None:
         """The first decode step of the cohort's fresh members: each gap is from its own last
         token (its first token, or one before it moved cohorts). sim/_fast.pyx compiles it."""
-        if self._fast is not None:
-            self._fast.first_gaps(self.itl, self.reqs, ch.fresh, end)
+        if self._fast is not None and self._fast.first_gaps(self.itl, self.reqs, ch.fresh, end):
             return
         add, r = self.itl.add, self.reqs
         itl_max, viol, tbt, last = r.itl_max, r.viol, r.tbt, r.last_tok
@@ -1033,6 +1035,16 @@ class Replica:
         self.preemptions += 1
         if self._on_preempt is not None:
             self._call(self._on_preempt, "on_preempt", i)
+
+
+def _seconds(dt) -> float:
+    """A cost model's batch time as a Python float (`_batch_end` checks its value)."""
+    if isinstance(dt, bool) or not isinstance(dt, Real):
+        raise KvschedError(f"cost model gave batch time {_short(dt)}; it must be a number of seconds")
+    try:
+        return float(dt)
+    except OverflowError:
+        return INF
 
 
 def _decode_time(cost) -> Callable[[int, int, bool], float]:

@@ -64,13 +64,14 @@ class RowLog(Sequence):
             if full:
                 self._open = None
 
-    def _parts(self) -> list[list[tuple] | np.ndarray]:
-        """The rows in memory, oldest first (a snapshot: later appends change none of it)."""
+    def _parts(self, snapshot: bool = True) -> list[list[tuple] | np.ndarray]:
+        """The rows in memory, oldest first: a snapshot (later appends change none of it), or
+        the parts themselves (for a read at once)."""
         parts = list(self._blocks)
         if self._fill:
-            parts.append(self._open[:self._fill].copy())
+            parts.append(self._open[:self._fill].copy() if snapshot else self._open[:self._fill])
         if self._rows:
-            parts.append(list(self._rows))
+            parts.append(list(self._rows) if snapshot else self._rows)
         return parts
 
     def __len__(self) -> int:
@@ -146,7 +147,7 @@ class RowLog(Sequence):
             self._file.seek(k * self.dtype.itemsize)
             return np.fromfile(self._file, dtype=self.dtype, count=1).tolist()[0]
         k -= self._spilled
-        for part in self._parts():
+        for part in self._parts(snapshot=False):
             if k < len(part):
                 return part[k].item() if isinstance(part, np.ndarray) else part[k]
             k -= len(part)

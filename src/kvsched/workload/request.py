@@ -30,8 +30,9 @@ class Tier:
                 x = float(v) if isinstance(v, Real) and not isinstance(v, bool) else None
             except OverflowError:
                 x = None
-            if x is None or not x > 0:
-                raise KvschedError(f"tier {self.name}: {key} must be a positive number of seconds or None, got {v!r:.40}")
+            if x is None or not 0 < x < float("inf"):
+                raise KvschedError(f"tier {self.name}: {key} must be a positive finite number of seconds or None, "
+                                   f"got {v!r:.40}")
             object.__setattr__(self, key, x)
 
 
