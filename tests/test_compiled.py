@@ -397,3 +397,4 @@ def test_numpy_numbers_from_a_policy_leave_no_numpy_state(monkeypatch):
         assert all(type(v) is not np.float64 for v in summary.values())
         return hashlib.sha256(pickle.dumps((sorted(summary.items(), key=str), rows))).hexdigest()
     blobs = twice(monkeypatch, run)
+    assert blobs[0] == blobs[1]

@@ -41,7 +41,6 @@ from kvsched.sim.rowlog import CHUNK, RowLog
 from kvsched.sim.view import ReadOnlySeq, ReplicaView
 
 
-
 def _compiled():
     """The compiled twins of this module's hottest code (sim/_fast.pyx; setup.py builds it when
     it can): the same results bit for bit. None: KVSCHED_PURE_PYTHON=1 is set, the module is

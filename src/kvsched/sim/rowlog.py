@@ -184,7 +184,6 @@ def _tagged(log: RowLog, k: int) -> Iterator[tuple]:
 # the `Column` of kvsched.csvtext.
 
 
-
 def row_blocks(rows) -> Iterator[list[Column]] | None:
     """`rows` a block of columns at a time, or None where only writing them row by row is
     sure to give the same text: another kind of sequence, rows a numpy chunk cannot hold as
