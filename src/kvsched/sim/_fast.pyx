@@ -7,12 +7,13 @@ the same calls back into Python for everything else. The Python originals stay t
 """
 from cpython.buffer cimport PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.math cimport fabs, log
+from libc.string cimport memset
 
 from heapq import heappop
 
 from kvsched.errors import KvschedError
 from kvsched.sim.requests import DONE
-from kvsched.sim.rowlog import CHUNK
+from kvsched.sim.rowlog import CHUNK, layout
 
 cdef double INF = float("inf")
 cdef long long NEVER = 1 << 62          # Replica._plain_decodes' "no finish ahead"
@@ -89,9 +90,6 @@ cdef class _Sink:
 
     cdef int _absorb(self) except -1:
         cdef list rows = self.log._rows
-        cdef long long* cell
-        cdef Py_ssize_t j, width = len(self.kinds)
-        cdef const char* kinds = self.kinds
         if not rows:
             return 0
         if not _exact_rows(rows, self.kinds):
@@ -100,13 +98,20 @@ cdef class _Sink:
             self._open()
             return 0
         for row in rows:
-            cell = self.row()
-            for j in range(width):
-                if kinds[j] == 102:             # 'f'
-                    (<double*>cell)[j] = <double>row[j]
-                else:
-                    cell[j] = <long long>row[j]
+            self.put(row)
         rows.clear()
+        return 0
+
+    cdef int put(self, tuple row) except -1:
+        """A row of Python numbers, as `log.append(row)` would keep it."""
+        cdef long long* cell = self.row()
+        cdef const char* kinds = self.kinds
+        cdef Py_ssize_t j
+        for j in range(len(self.kinds)):
+            if kinds[j] == 102:                 # 'f'
+                (<double*>cell)[j] = <double>row[j]
+            else:
+                cell[j] = <long long>row[j]
         return 0
 
     cdef long long* row(self) except NULL:
@@ -145,35 +150,36 @@ cdef bint _exact_rows(list rows, bytes kinds):
 
 cdef object _sink(object log, str kinds):
     """A _Sink for `log` if its layout is `kinds` (8-byte cells, no padding), else None."""
-    if log is None or log.dtype != _layouts.get(kinds):
+    if log is None or log.dtype != _LAYOUTS[kinds]:
         return None
     return _Sink(log, kinds.encode())
 
 
-import numpy as _np
-_layouts = {k: _np.dtype([(f"c{j}", _np.float64 if c == "f" else _np.int64) for j, c in enumerate(k)])
-            for k in ("fiii", "ffiiii")}
+_LAYOUTS = {k: layout(k) for k in ("fiii", "ffiiii")}      # the replica's timeline and batches
 
 
 def window_max(object window) -> float:
     """float(numpy.maximum.reduce(window)) of a non-empty 1-d float64 gap window
     (`Replica._fold`), without numpy's per-call cost. Gaps are finite, so no NaN rules apply."""
     cdef Py_buffer buf
-    cdef Py_ssize_t k, size
     cdef double m
-    cdef double* p
     _cells(window, &buf, b"d", False)
     try:
-        size = buf.len // 8
-        if not size:
+        if not buf.len:
             raise ValueError("window_max needs a non-empty window")
-        p = <double*>buf.buf
-        m = p[0]
-        for k in range(1, size):
-            if p[k] > m:
-                m = p[k]
+        m = _max_of(<double*>buf.buf, 0, buf.len // 8)
     finally:
         PyBuffer_Release(&buf)
+    return m
+
+
+cdef inline double _max_of(double* p, Py_ssize_t lo, Py_ssize_t hi):
+    """The largest of p[lo:hi] (hi > lo), compared as numpy's maximum does finite values."""
+    cdef double m = p[lo]
+    cdef Py_ssize_t k
+    for k in range(lo + 1, hi):
+        if p[k] > m:
+            m = p[k]
     return m
 
 
@@ -243,7 +249,7 @@ def finish_due(object self, object c, double t):
     cdef long long bs = c.block_size, base = c._base, lo, hi, c0, k0, steps, kvt
     cdef long long k = 0, ctx_sum = 0, blocks_sum = 0
     cdef bint plain_kv = self.cache is None
-    cdef Py_ssize_t j, glen
+    cdef Py_ssize_t glen
     cdef double m
     cdef double* gp
     cdef double* itl_max
@@ -253,20 +259,14 @@ def finish_due(object self, object c, double t):
     recent = self.recent_finished.append
     gaps = c._gaps
     glen = len(gaps)
-    _cells(gaps, &gb, b'd', False)
+    _untaken(&gb)
+    _untaken(&mb)
+    _untaken(&fb)
     try:
+        _cells(gaps, &gb, b'd', False)
         _cells(r.itl_max, &mb, b'd', True)
-    except BaseException:
-        PyBuffer_Release(&gb)
-        raise
-    try:
         _cells(r.finished, &fb, b'd', True)
-    except BaseException:
-        PyBuffer_Release(&gb)
-        PyBuffer_Release(&mb)
-        raise
-    gp, itl_max, finished = <double*>gb.buf, <double*>mb.buf, <double*>fb.buf
-    try:
+        gp, itl_max, finished = <double*>gb.buf, <double*>mb.buf, <double*>fb.buf
         for i in due:
             if where.pop(i) is not c:
                 raise RuntimeError(f"request {i} finished in a cohort it is not in")
@@ -282,10 +282,7 @@ def finish_due(object self, object c, double t):
             if lo < 0 or hi > glen:
                 raise RuntimeError(f"request {i}'s gap window [{lo}, {hi}) is outside the buffer")
             if hi > lo:
-                m = gp[lo]
-                for j in range(lo + 1, hi):
-                    if gp[j] > m:
-                        m = gp[j]
+                m = _max_of(gp, lo, hi)
                 if m > itl_max[i]:
                     itl_max[i] = m
             status[i] = DONE                        # Replica._finish
@@ -424,15 +421,13 @@ def plain_decodes(object self, object c, double until, tuple roof):
             if clock >= f:
                 self._write_back(c, clock, ctx, now, allocated, used)
                 allocated = 0
-                if hooks:
+                if hooks:                       # what a hook may look at: the figures so far
                     self.kv_integral, self.busy, self.peak_kv, self.iterations = kv_integral, busy, peak, k
                     self.now, self._last_kind = now, 2
                     itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
-                if hooks:
+                if hooks or not finish_due(self, c, now):
                     for i in c.due():
                         self._finish(i, now, self._leave_decode(i))
-                else:
-                    finish_due(self, c, now)
                 if self._finishing:
                     self._free_finished()
                 f = heap[0][0] if heap else NEVER
@@ -508,15 +503,14 @@ def first_gaps(object itl, object reqs, dict fresh, double end):
     cdef long long hn = itl.n
     cdef Py_ssize_t i
     cdef Py_buffer mb, vb
-    _cells(reqs.itl_max, &mb, b'd', True)
+    cdef double* itl_max
+    cdef long long* viol
+    _untaken(&mb)
+    _untaken(&vb)
     try:
+        _cells(reqs.itl_max, &mb, b'd', True)
         _cells(reqs.viol, &vb, b'q', True)
-    except BaseException:
-        PyBuffer_Release(&mb)
-        raise
-    cdef double* itl_max = <double*>mb.buf
-    cdef long long* viol = <long long*>vb.buf
-    try:
+        itl_max, viol = <double*>mb.buf, <long long*>vb.buf
         for i in fresh:
             g = end - <double>last[i]
             counts[_bin(g, low, log_low, scale, top)] += 1
@@ -537,6 +531,11 @@ def first_gaps(object itl, object reqs, dict fresh, double end):
     return True
 
 
+cdef inline void _untaken(Py_buffer* view):
+    """A buffer not taken yet: releasing it does nothing (its object is NULL)."""
+    memset(view, 0, sizeof(Py_buffer))
+
+
 cdef int _cells(object array, Py_buffer* view, char kind, bint writable) except -1:
     """A contiguous one-dimensional buffer of 8-byte items of `kind` (b'd' float64, b'q' int64)."""
     cdef const char* f
@@ -554,17 +553,10 @@ cdef int _cells(object array, Py_buffer* view, char kind, bint writable) except 
 def sink_rows(log, str kinds, list rows) -> None:
     """Write `rows` into `log` as the compiled decode run does (tests: the RowLog seams)."""
     cdef _Sink sink = _sink(log, kinds)
-    cdef long long* cell
-    cdef Py_ssize_t j
     if sink is None:
         raise ValueError(f"the log's layout is not {kinds!r}")
     try:
         for row in rows:
-            cell = sink.row()
-            for j in range(len(kinds)):
-                if kinds[j] == "f":
-                    (<double*>cell)[j] = row[j]
-                else:
-                    cell[j] = row[j]
+            sink.put(row)
     finally:
         sink.close()

@@ -17,6 +17,11 @@ CHUNK = 1 << 16             # rows held in memory before they go to disk
 PIECE = 1 << 13             # rows converted, merged or written by the compiled run at once
 
 
+def layout(kinds: str) -> np.dtype:
+    """The row dtype of a column layout (`kinds`: 'f' float64 or 'i' int64 per column)."""
+    return np.dtype([(f"c{k}", np.float64 if c == "f" else np.int64) for k, c in enumerate(kinds)])
+
+
 class RowLog(Sequence):
     """Append-only rows of a fixed column layout (`kinds`: 'f' float64 or 'i' int64).
 
@@ -25,7 +30,7 @@ class RowLog(Sequence):
     (Python's appends)."""
 
     def __init__(self, kinds: str) -> None:
-        self.dtype = np.dtype([(f"c{k}", np.float64 if c == "f" else np.int64) for k, c in enumerate(kinds)])
+        self.dtype = layout(kinds)
         self._rows: list[tuple] = []
         self._blocks: list[list[tuple] | np.ndarray] = []
         self._held = 0                            # rows in _blocks
