@@ -398,3 +398,59 @@ def test_numpy_numbers_from_a_policy_leave_no_numpy_state(monkeypatch):
         return hashlib.sha256(pickle.dumps((sorted(summary.items(), key=str), rows))).hexdigest()
     blobs = twice(monkeypatch, run)
     assert blobs[0] == blobs[1]
+
+
+@needs_fast
+@settings(max_examples=300, deadline=None)
+@given(pt=st.integers(0, 5_000), chunks=st.integers(0, 4), nd=st.integers(0, 600), dctx=st.integers(0, 2_000_000),
+       pctx=st.integers(0, 100_000), frac=st.booleans(), model=st.sampled_from(["llama-2-7b", "qwen2-7b", "qwen3-0.6b"]),
+       gpu=st.sampled_from(["a100-80gb", "h100-sxm", "a30"]))
+def test_batch_time_is_the_roofline_s_time(pt, chunks, nd, dctx, pctx, frac, model, gpu):
+    """`batch_time` (what `_execute` takes for a dense roofline) is `RooflineCost.time` of the
+    same BatchShape bit for bit: int query-key pairs (0, no prefill) or float ones, an int or
+    a fractional kv_bytes."""
+    from kvsched.cost.shape import BatchShape
+    cost = RooflineCost(get_model(model), get_gpu(gpu))
+    if frac:
+        object.__setattr__(cost, "_kv_bytes", cost._kv_bytes * 0.37)
+    pattn = 0 if not pt else pt * (pctx / 3 + (pt + 1) / 2)
+    terms = _fast.roofline_terms(cost, cost.decode_time)
+    got = _fast.batch_time(terms, pt, pattn, pctx, nd, dctx)
+    want = cost.time(BatchShape(pt, chunks, pattn, pctx, nd, dctx, (), False))
+    assert type(got) is float and got == want
+
+
+@needs_fast
+def test_batch_time_leaves_what_c_cannot_hold_exactly_to_the_cost_model():
+    cost = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"))
+    terms = _fast.roofline_terms(cost, cost.decode_time)
+    assert _fast.batch_time(terms, 1, 1.5, 1, 0, 2**62) is None          # past LIMIT
+    assert _fast.batch_time(terms, 1, 1.5, 2**61, 0, 2**61 - 1) is None  # kv_bytes * context past 64 bits
+    assert _fast.batch_time(terms, 1, np.float64(1.5), 1, 0, 1) is None  # a numpy number: the Python code's types
+    assert _fast.batch_time(terms, -1, 1.5, 1, 0, 1) is None
+    with pytest.raises(OverflowError):
+        _fast.batch_time(terms, 2**64, 1.5, 1, 0, 1)
+    shadowed = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"))
+    object.__setattr__(shadowed, "time", lambda shape: 1.0)              # its own `time`: not the roofline's
+    assert _fast.roofline_terms(shadowed, shadowed.decode_time) is None
+
+
+@needs_fast
+@pytest.mark.parametrize("name", ["vllm-v1", "sarathi"])
+def test_compiled_runs_with_shared_prefixes_are_the_pure_python_runs(name, monkeypatch):
+    """Keyed prompts: the cache is not inert, so a decode run frees finishes through the cache's
+    own order and its allocations may evict cached blocks (a small pool)."""
+    from kvsched.workload.request import Ragged, Segments
+    g = np.random.default_rng(11)
+    n = 300
+    prompts = g.integers(40, 600, n)
+    shared = np.minimum(g.choice([0, 64, 160], n), prompts - 1)
+    segments = [[(int(s) % 7, int(s)), (100 + i, int(p - s))] if s else [(100 + i, int(p))]
+                for i, (p, s) in enumerate(zip(prompts, shared))]
+    off = np.concatenate(([0], np.cumsum([len(x) for x in segments]))).astype(np.int64)
+    seg = Segments(Ragged(np.array([k for x in segments for k, _ in x], np.int64), off),
+                   Ragged(np.array([t for x in segments for _, t in x], np.int64), off))
+    w = Workload.build(np.cumsum(g.exponential(1 / 25.0, n)), prompts, g.integers(1, 250, n), segments=seg)
+    for kv in (None, 6_000):
+        compiled, pure = both(monkeypatch, w, name, prefix_caching=True, kv_capacity=kv)
+        assert compiled == pure

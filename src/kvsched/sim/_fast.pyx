@@ -12,6 +12,7 @@ from libc.string cimport memset
 from heapq import heappop
 
 from kvsched.errors import KvschedError
+from kvsched.sim.prefix_cache import Run
 from kvsched.sim.requests import DONE
 from kvsched.sim.rowlog import CHUNK, layout
 
@@ -29,7 +30,8 @@ cdef extern from *:
 SOURCE_SHA256 = (<bytes>KVSCHED_PYX_SHA256).decode()
 # Replica takes these twins only where every count fits its 64-bit integers: KV capacity in
 # tokens below this (KV held, context sums, window positions and clocks are all bounded by it)
-TOKEN_LIMIT = 1 << 62
+cdef long long LIMIT = 1 << 62
+TOKEN_LIMIT = LIMIT
 
 
 cdef inline long long _mod(long long a, long long b):
@@ -184,12 +186,14 @@ cdef inline double _max_of(double* p, Py_ssize_t lo, Py_ssize_t hi):
 
 
 def roofline_terms(cost, decode_time):
-    """The constants of `RooflineCost.decode_time` when `decode_time` is exactly that method of
-    a dense RooflineCost (not a subclass) whose terms convert to C without changing a bit, else
-    None: then the compiled decode run is not used."""
+    """The constants of `RooflineCost.time` and `decode_time` when `decode_time` is exactly that
+    method of a dense RooflineCost (not a subclass) whose `time` is the class's too and whose
+    terms convert to C without changing a bit, else None: then the compiled decode run and
+    `batch_time` are not used."""
     from kvsched.cost.roofline import RooflineCost
     if type(cost) is not RooflineCost or getattr(decode_time, "__func__", None) is not RooflineCost.decode_time \
-            or getattr(decode_time, "__self__", None) is not cost or cost._dense is not True:
+            or getattr(decode_time, "__self__", None) is not cost or cost._dense is not True \
+            or getattr(cost.time, "__func__", None) is not RooflineCost.time:
         return None
     floats = (cost._gemm_flops, cost._attn_flops, cost._flop_rate, cost._weights, cost._byte_rate, cost.overhead)
     if any(type(x) is not float for x in floats) or type(cost._kv_bytes) not in (int, float):
@@ -200,20 +204,78 @@ def roofline_terms(cost, decode_time):
 
 
 cdef inline double _roofline(double gemm, double attn, double flop_rate, double weights, double byte_rate,
-                             double overhead, bint kv_int, long long kvb, double kvb_f,
-                             long long n, long long ctx):
-    """RooflineCost.decode_time(n, ctx), its operations in its order (kvsched/cost/roofline.py)."""
-    cdef double compute = (gemm * <double>n + attn * <double>ctx) / flop_rate
-    cdef double kvpart
-    if kv_int:                          # Python: int * int exact, then the float sum converts it
-        kvpart = <double>(kvb * ctx)
-    else:
-        kvpart = kvb_f * <double>ctx
-    cdef double memory = (weights + 0.0 + kvpart) / byte_rate     # weights + 0 * n + ...
+                             double overhead, double tokens, double pairs, double kvpart):
+    """RooflineCost.time's last lines (kvsched/cost/roofline.py), its operations in its order:
+    flops, then compute and memory time, then their maximum written as (a + b + |a - b|) / 2."""
+    cdef double compute = (gemm * tokens + attn * pairs) / flop_rate
+    cdef double memory = (weights + 0.0 + kvpart) / byte_rate     # weights + 0 * tokens + kv
     return overhead + (compute + memory + fabs(compute - memory)) / 2
 
 
-def finish_due(object self, object c, double t):
+def batch_time(tuple roof, long long pt, object pattn, long long pctx, long long nd, long long dctx):
+    """`RooflineCost.time(BatchShape(pt, _, pattn, pctx, nd, dctx, _, _))` of the dense roofline
+    whose `roofline_terms` are `roof`, bit for bit: Python's int sums are exact in 64 bits
+    (the replica takes this twin only below TOKEN_LIMIT tokens), its int-to-float
+    conversions round as C's. None where `kv_bytes * (pctx + dctx)` or the query-key pairs
+    would pass what C holds exactly: then the caller asks the cost model."""
+    cdef double gemm = roof[0], attn = roof[1], flop_rate = roof[2], weights = roof[3]
+    cdef double byte_rate = roof[4], overhead = roof[5]
+    cdef double pairs, kvpart
+    cdef long long ctx
+    if not (0 <= pt < LIMIT and 0 <= nd < LIMIT and 0 <= pctx < LIMIT and 0 <= dctx < LIMIT):
+        return None
+    ctx = pctx + dctx
+    kv_bytes = roof[6]
+    if type(pattn) is float:
+        pairs = <double>pattn + <double>dctx       # float + int: the int converted first
+    elif type(pattn) is int and 0 <= pattn < LIMIT:
+        pairs = <double>(<long long>pattn + dctx)
+    else:
+        return None
+    if type(kv_bytes) is float:
+        kvpart = <double>kv_bytes * <double>ctx
+    elif not kv_bytes or ctx < LIMIT // <long long>kv_bytes:
+        kvpart = <double>(<long long>kv_bytes * ctx)
+    else:
+        return None
+    return _roofline(gemm, attn, flop_rate, weights, byte_rate, overhead, <double>(pt + nd), pairs, kvpart)
+
+
+cdef class Tables:
+    """A replica's containers the twins read and write, taken once: the request table's
+    per-request lists and arrays (the arrays `itl_max`, `finished`, `viol` held as buffers)
+    and the replica's own dicts and lists. Neither replaces any of them in its life
+    (kvsched/sim/requests.py, replica.py), so a call need not look them up again."""
+    cdef object reqs, decoders, kv, cache, recent
+    cdef dict where, running, order
+    cdef list finishing, status, gen, last_tok, output, prompt, computed, tbt
+    cdef Py_buffer mb, fb, vb
+    cdef double* itl_max
+    cdef double* finished
+    cdef long long* viol
+
+    def __cinit__(self, replica):
+        _untaken(&self.mb)
+        _untaken(&self.fb)
+        _untaken(&self.vb)
+        r = self.reqs = replica.reqs
+        _cells(r.itl_max, &self.mb, b'd', True)
+        _cells(r.finished, &self.fb, b'd', True)
+        _cells(r.viol, &self.vb, b'q', True)
+        self.itl_max, self.finished, self.viol = <double*>self.mb.buf, <double*>self.fb.buf, <long long*>self.vb.buf
+        self.status, self.gen, self.last_tok, self.output = r.status, r.gen, r.last_tok, r.output
+        self.prompt, self.computed, self.tbt = r.prompt, r.computed, r.tbt
+        self.decoders, self.kv, self.cache = replica._decoders, replica.kv, replica.cache
+        self.where, self.running, self.order = replica._decoders.where, replica._running, replica._order
+        self.finishing, self.recent = replica._finishing, replica.recent_finished.append
+
+    def __dealloc__(self):
+        PyBuffer_Release(&self.mb)
+        PyBuffer_Release(&self.fb)
+        PyBuffer_Release(&self.vb)
+
+
+def finish_due(object self, object c, double t, Tables tables):
     """`for i in c.due(): self._finish(i, t, self._leave_decode(i))` compiled, with Cohort.due,
     DecodeSet.leave, Cohort.leave, Replica._fold and Replica._finish inline, for a replica
     without tiers (so every TBT SLO is infinite: no gap counts as a violation) and without
@@ -221,9 +283,14 @@ def finish_due(object self, object c, double t):
     finishes (the same sums). True; False, having done nothing, where a number is not a
     Python float or int (numpy's would stay numpy's in the Python code). Keep in step with
     those: the tests run both."""
-    if not (type(t) is float and type(c.clock) is int and type(c.ctx) is int and type(c.n) is int
-            and type(self.kv.used) is int and type(self.outstanding) is int):
-        return False
+    return _finish_due(self, c, t, tables) == 1
+
+
+cdef int _finish_due(object self, object c, double t, Tables tb) except -1:
+    """finish_due's work: 1 done, 0 declined (nothing done)."""
+    if not (type(c.clock) is int and type(c.ctx) is int and type(c.n) is int
+            and type(tb.kv.used) is int and type(self.outstanding) is int):
+        return 0
     cdef list heap = c._heap
     cdef dict finish = c._finish, members = c.members, fresh = c.fresh
     cdef long long clock = c.clock
@@ -234,39 +301,34 @@ def finish_due(object self, object c, double t):
             del finish[i]
             due.append(i)
     if not due:
-        return True
+        return 1
     for i in due:
         state = members[i]
         if type(state[0]) is not int or type(state[1]) is not int:
             for i in due:                   # the Python code, on the due list it would have made
                 self._finish(i, t, self._leave_decode(i))
-            return True
-    ds = self._decoders
-    cdef dict where = ds.where, running = self._running
-    r = self.reqs
-    cdef list status = r.status, gen = r.gen, last_tok = r.last_tok, output = r.output, prompt = r.prompt
-    cdef list computed = r.computed, residue = c.residue
+            return 1
+    ds = tb.decoders
+    cdef dict where = tb.where, running = tb.running
+    r = tb.reqs
+    cdef list status = tb.status, gen = tb.gen, last_tok = tb.last_tok, output = tb.output, prompt = tb.prompt
+    cdef list computed = tb.computed, residue = c.residue
     cdef long long bs = c.block_size, base = c._base, lo, hi, c0, k0, steps, kvt
     cdef long long k = 0, ctx_sum = 0, blocks_sum = 0
-    cdef bint plain_kv = self.cache is None
+    cdef bint plain_kv = tb.cache is None
     cdef Py_ssize_t glen
     cdef double m
     cdef double* gp
-    cdef double* itl_max
-    cdef double* finished
-    cdef Py_buffer gb, mb, fb
-    finishing = self._finishing
-    recent = self.recent_finished.append
+    cdef double* itl_max = tb.itl_max
+    cdef double* finished = tb.finished
+    cdef Py_buffer gb
+    cdef list finishing = tb.finishing
+    recent = tb.recent
     gaps = c._gaps
     glen = len(gaps)
-    _untaken(&gb)
-    _untaken(&mb)
-    _untaken(&fb)
+    _cells(gaps, &gb, b'd', False)
     try:
-        _cells(gaps, &gb, b'd', False)
-        _cells(r.itl_max, &mb, b'd', True)
-        _cells(r.finished, &fb, b'd', True)
-        gp, itl_max, finished = <double*>gb.buf, <double*>mb.buf, <double*>fb.buf
+        gp = <double*>gb.buf
         for i in due:
             if where.pop(i) is not c:
                 raise RuntimeError(f"request {i} finished in a cohort it is not in")
@@ -298,8 +360,6 @@ def finish_due(object self, object c, double t):
             last_tok[i] = 0.0
     finally:
         PyBuffer_Release(&gb)
-        PyBuffer_Release(&mb)
-        PyBuffer_Release(&fb)
         if k:                                   # the counters, for the finishes done
             ds.n -= k
             c.n -= k
@@ -308,11 +368,11 @@ def finish_due(object self, object c, double t):
             r.in_flight -= k
             self.outstanding -= k
             if plain_kv:
-                self.kv.used -= blocks_sum
-    return True
+                tb.kv.used -= blocks_sum
+    return 1
 
 
-def plain_decodes(object self, object c, double until, tuple roof):
+def plain_decodes(object self, object c, double until, tuple roof, Tables tables):
     """`Replica._plain_decodes(c, until)` compiled, for a replica whose decode time is a dense
     roofline's (`roof` = `roofline_terms`); True. False, having done nothing, where the state
     holds other types than the Python code would keep (numpy scalars: a C run would turn them
@@ -379,7 +439,8 @@ def plain_decodes(object self, object c, double until, tuple roof):
             if track:
                 self._snap = (self.outstanding, held, self.prefill_backlog)
             if ctx + n < kv_limit:
-                dt = _roofline(gemm, attn, flop_rate, weights, byte_rate, overhead, kv_int, kvb, kvb_f, n, ctx + n)
+                dt = _roofline(gemm, attn, flop_rate, weights, byte_rate, overhead, <double>n, <double>(ctx + n),
+                               <double>(kvb * (ctx + n)) if kv_int else kvb_f * <double>(ctx + n))
             else:                               # kv_bytes * context past 64 bits: Python's exact ints
                 dt = self._decode_time(n, ctx + n, switch)
             switch = False
@@ -415,21 +476,22 @@ def plain_decodes(object self, object c, double until, tuple roof):
                     gmax = gap
             if nf:
                 itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
-                self._first_gaps(c, now)
+                if not _first_gaps(itl, self.reqs, fresh, now, tables):
+                    self._first_gaps(c, now)
                 total, total_sq, gmax, hn = itl.total, itl.total_sq, itl.max, itl.n
                 nf = 0
             if clock >= f:
-                self._write_back(c, clock, ctx, now, allocated, used)
+                _write_back(self, c, clock, ctx, now, allocated, used, tables)
                 allocated = 0
                 if hooks:                       # what a hook may look at: the figures so far
                     self.kv_integral, self.busy, self.peak_kv, self.iterations = kv_integral, busy, peak, k
                     self.now, self._last_kind = now, 2
                     itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
-                if hooks or not finish_due(self, c, now):
+                if hooks or not _finish_due(self, c, now, tables):
                     for i in c.due():
                         self._finish(i, now, self._leave_decode(i))
-                if self._finishing:
-                    self._free_finished()
+                if tables.finishing:
+                    _free_finished(self, tables)
                 f = heap[0][0] if heap else NEVER
                 n, ctx, used, running = c.n, c.ctx, kv.used, len(self._running)
                 if c._gaps is not gaps:
@@ -471,7 +533,7 @@ def plain_decodes(object self, object c, double until, tuple roof):
             tsink.close()
         if bsink is not None:
             bsink.close()
-    self._write_back(c, clock, ctx, now, allocated, used)
+    _write_back(self, c, clock, ctx, now, allocated, used, tables)
     itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
     self.kv_integral, self.busy, self.peak_kv, self.now = kv_integral, busy, peak, now
     self._last_kind = 2
@@ -485,50 +547,100 @@ def plain_decodes(object self, object c, double until, tuple roof):
     return True
 
 
-def first_gaps(object itl, object reqs, dict fresh, double end):
+cdef inline int _write_back(object self, object c, long long clock, long long ctx, double now,
+                            long long allocated, long long used, Tables tb) except -1:
+    """Replica._write_back, with PrefixCache.allocate's case without evictions inline."""
+    c.clock, c.ctx, c.last_time = clock, ctx, now
+    cache = tb.cache
+    if cache is None:
+        tb.kv.used = used
+    elif allocated:
+        kv = tb.kv
+        if type(kv.used) is int and type(cache.queued) is int and type(kv.capacity_blocks) is int \
+                and allocated <= kv.capacity_blocks - kv.used - cache.queued:
+            kv.used += allocated                # evict = n - (capacity - used - queued) <= 0
+        else:
+            cache.allocate(allocated)
+    return 0
+
+
+cdef int _free_finished(object self, Tables tb) except -1:
+    """Replica._free_finished, with its inert-cache case (PrefixCache.free_private and
+    _queue_run) inline."""
+    cdef list done = tb.finishing
+    cache = tb.cache
+    for item in done:
+        if type(item[1]) is not int or not 0 <= item[1] < LIMIT:
+            self._free_finished()
+            return 0
+    if cache.map or cache._shared:          # not PrefixCache.inert
+        self._free_finished()
+        return 0
+    cdef long long bs = cache.bs, full = 0, released = 0, kvt
+    cdef dict held = cache.held, keys = cache._keys, order = tb.order
+    for i, kv_tokens in done:
+        kvt = kv_tokens
+        full += kvt // bs
+        released += _blocks(kvt, bs)
+        held.pop(i, None)
+        keys.pop(i, None)
+    if full:
+        q = cache.free_q                    # _queue_run(full): runs side by side are one run
+        last = next(reversed(q), None) if q else None
+        if type(last) is Run:
+            last.n += full
+        else:
+            q[Run(full)] = None
+        cache.queued += full
+    cache.kv.used -= released
+    for i, _ in done:
+        order.pop(i, None)
+    done.clear()
+    return 0
+
+
+def first_gaps(object itl, object reqs, dict fresh, double end, Tables tables):
     """`Replica._first_gaps` compiled: each fresh decoder's first gap (end - its last token)
     into the histogram (`GapHistogram.add(g)`, inline) and its own records; `fresh` emptied;
     True. False, having done nothing, where a number is not a Python float or int (numpy's
     would stay numpy's in the Python code)."""
-    if not (type(end) is float and type(itl.total) is float and type(itl.total_sq) is float
+    return _first_gaps(itl, reqs, fresh, end, tables) == 1
+
+
+cdef int _first_gaps(object itl, object reqs, dict fresh, double end, Tables tb) except -1:
+    """first_gaps' work: 1 done, 0 declined (nothing done)."""
+    if not (type(itl.total) is float and type(itl.total_sq) is float
             and type(itl.max) is float and type(itl.n) is int):
-        return False
+        return 0
+    if reqs is not tb.reqs:
+        raise RuntimeError("these Tables hold another request table's")
+    cdef list last = tb.last_tok, tbt = tb.tbt
     for j in fresh:
-        if type(reqs.last_tok[j]) is not float:
-            return False
-    cdef list counts = itl.counts, last = reqs.last_tok, tbt = reqs.tbt
+        if type(last[j]) is not float:
+            return 0
+    cdef list counts = itl.counts
     cdef double log_low = itl._log_low, scale = itl._scale, low = itl.low
     cdef long long top = itl._top
     cdef double total = itl.total, total_sq = itl.total_sq, gmax = itl.max, g
     cdef long long hn = itl.n
     cdef Py_ssize_t i
-    cdef Py_buffer mb, vb
-    cdef double* itl_max
-    cdef long long* viol
-    _untaken(&mb)
-    _untaken(&vb)
-    try:
-        _cells(reqs.itl_max, &mb, b'd', True)
-        _cells(reqs.viol, &vb, b'q', True)
-        itl_max, viol = <double*>mb.buf, <long long*>vb.buf
-        for i in fresh:
-            g = end - <double>last[i]
-            counts[_bin(g, low, log_low, scale, top)] += 1
-            hn += 1
-            total += g * 1.0
-            total_sq += g * g * 1.0
-            if g > gmax:
-                gmax = g
-            if g > itl_max[i]:
-                itl_max[i] = g
-            if g > <double>tbt[i]:
-                viol[i] += 1
-    finally:
-        PyBuffer_Release(&mb)
-        PyBuffer_Release(&vb)
+    cdef double* itl_max = tb.itl_max
+    cdef long long* viol = tb.viol
+    for i in fresh:
+        g = end - <double>last[i]
+        counts[_bin(g, low, log_low, scale, top)] += 1
+        hn += 1
+        total += g * 1.0
+        total_sq += g * g * 1.0
+        if g > gmax:
+            gmax = g
+        if g > itl_max[i]:
+            itl_max[i] = g
+        if g > <double>tbt[i]:
+            viol[i] += 1
     itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
     fresh.clear()
-    return True
+    return 1
 
 
 cdef inline void _untaken(Py_buffer* view):

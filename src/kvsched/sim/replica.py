@@ -55,7 +55,7 @@ def _compiled():
     built_from = getattr(_fast, "SOURCE_SHA256", "")
     if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != built_from:
         why = "changed since its compiled module was built" if built_from else "has a compiled module of unknown origin"
-        warnings.warn(f"kvsched: src/kvsched/sim/_fast.pyx {why} (`pip install .` or `python setup.py "
+        warnings.warn(f"src/kvsched/sim/_fast.pyx {why} (`pip install .` or `python setup.py "
                       "build_ext --inplace` rebuilds it); running the pure-Python code", stacklevel=2)
         return None
     return _fast
@@ -164,6 +164,7 @@ class Replica:
         self._decode_time = _decode_time(cost)
         # the compiled decode run takes replicas whose decode time it computes itself (a roofline's)
         self._roof = fast.roofline_terms(cost, self._decode_time) if fast is not None else None
+        self._tables = fast.Tables(self) if fast is not None else None     # its containers, for the twins
         self.view = ReplicaView(self, {
             "index": index, "role": role, "block_size": bs, "kv_capacity_blocks": kv.capacity_blocks,
             "cost_model": cost, "waiting": ReadOnlySeq(self._queue), "running": self._running.keys(),
@@ -397,7 +398,7 @@ class Replica:
             until = 0.0
         if self._on_batch_end is None and self.tier_itl is None:
             c = self._decoders.cohorts[0]
-            if self._roof is None or not self._fast.plain_decodes(self, c, until, self._roof):
+            if self._roof is None or not self._fast.plain_decodes(self, c, until, self._roof, self._tables):
                 self._plain_decodes(c, until)       # (the compiled run declines state it cannot hold exactly)
             return
         while True:                             # tiers or a batch hook: the general batch
@@ -628,7 +629,10 @@ class Replica:
         kind = (pt > 0) + 2 * (nd > 0)          # 1 prefill-only, 2 decode-only, 3 mixed
         switch = kind != self._last_kind and self._last_kind != 0
         self._last_kind = kind
-        dt = self.cost.time(BatchShape(pt, len(chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
+        # a dense roofline's time compiled (sim/_fast.pyx), else (or where it declines) the cost model's
+        dt = None if self._roof is None else self._fast.batch_time(self._roof, pt, pattn, pctx, nd, dctx + nd)
+        if dt is None:
+            dt = self.cost.time(BatchShape(pt, len(chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
         if type(dt) is not float:               # an int or numpy scalar: the clock holds Python floats
             dt = _seconds(dt)
         start = self.now
@@ -863,7 +867,7 @@ class Replica:
             add(gap, ch.n - len(fresh))
             if fresh:
                 self._first_gaps(ch, end)
-            if self._finish_due is not None and self._finish_due(self, ch, end):
+            if self._finish_due is not None and self._finish_due(self, ch, end, self._tables):
                 continue
             for i in ch.due():
                 kv_tokens = self._leave_decode(i)
@@ -872,7 +876,7 @@ class Replica:
     def _first_gaps(self, ch: Cohort, end: float) -> None:
         """The first decode step of the cohort's fresh members: each gap is from its own last
         token (its first token, or one before it moved cohorts). sim/_fast.pyx compiles it."""
-        if self._fast is not None and self._fast.first_gaps(self.itl, self.reqs, ch.fresh, end):
+        if self._fast is not None and self._fast.first_gaps(self.itl, self.reqs, ch.fresh, end, self._tables):
             return
         add, r = self.itl.add, self.reqs
         itl_max, viol, tbt, last = r.itl_max, r.viol, r.tbt, r.last_tok
