@@ -421,6 +421,27 @@ def test_batch_time_is_the_roofline_s_time(pt, chunks, nd, dctx, pctx, frac, mod
 
 
 @needs_fast
+@settings(max_examples=300, deadline=None)
+@given(ctx=st.integers(2**53, 2**61), kv_bytes=st.sampled_from([3, 511, 4096, 524_288]), pattn=st.integers(0, 2**40),
+       pt=st.integers(0, 2**40), nd=st.integers(0, 2**40))
+def test_batch_time_is_exact_past_float_s_53_bits(ctx, kv_bytes, pattn, pt, nd):
+    """Contexts past 2**53 with a small int kv_bytes: Python multiplies the ints exactly and
+    rounds once; so must C (a float product would round twice). An int `pattn` too."""
+    from kvsched.cost.shape import BatchShape
+    cost = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"))
+    object.__setattr__(cost, "_kv_bytes", kv_bytes)
+    for term in ("_gemm_flops", "_attn_flops"):         # the memory time decides (else compute hides it)
+        object.__setattr__(cost, term, getattr(cost, term) * 1e-6)
+    terms = _fast.roofline_terms(cost, cost.decode_time)
+    got = _fast.batch_time(terms, pt, pattn, ctx // 3, nd, ctx - ctx // 3)
+    want = cost.time(BatchShape(pt, 1, pattn, ctx // 3, nd, ctx - ctx // 3, (), False))
+    if ctx * kv_bytes >= 2**62:
+        assert got is None
+    else:
+        assert type(got) is float and got == want
+
+
+@needs_fast
 def test_batch_time_leaves_what_c_cannot_hold_exactly_to_the_cost_model():
     cost = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"))
     terms = _fast.roofline_terms(cost, cost.decode_time)
@@ -428,11 +449,26 @@ def test_batch_time_leaves_what_c_cannot_hold_exactly_to_the_cost_model():
     assert _fast.batch_time(terms, 1, 1.5, 2**61, 0, 2**61 - 1) is None  # kv_bytes * context past 64 bits
     assert _fast.batch_time(terms, 1, np.float64(1.5), 1, 0, 1) is None  # a numpy number: the Python code's types
     assert _fast.batch_time(terms, -1, 1.5, 1, 0, 1) is None
-    with pytest.raises(OverflowError):
-        _fast.batch_time(terms, 2**64, 1.5, 1, 0, 1)
+    assert _fast.batch_time(terms, 2**64, 1.5, 1, 0, 1) is None
+    assert _fast.batch_time(terms, 1, 1.5, 1, 0, -2**70) is None
+    assert _fast.batch_time(terms, np.int64(1), 1.5, 1, 0, 1) is None
+    assert _fast.batch_time(terms, 1, "1.5", 1, 0, 1) is None
+    with pytest.raises(TypeError):
+        _fast.finish_due(object(), object(), 1.0, None)     # a replica's Tables, never None
     shadowed = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"))
     object.__setattr__(shadowed, "time", lambda shape: 1.0)              # its own `time`: not the roofline's
     assert _fast.roofline_terms(shadowed, shadowed.decode_time) is None
+
+
+@needs_fast
+@pytest.mark.parametrize("method", ["time", "decode_time"])
+def test_a_patched_roofline_class_is_asked_not_compiled(method, monkeypatch):
+    """A RooflineCost method patched on the class (before the run) is what both paths call."""
+    orig = getattr(RooflineCost, method)
+    monkeypatch.setattr(RooflineCost, method, lambda self, *a: 1.5 * orig(self, *a))
+    cost = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"))
+    assert _fast.roofline_terms(cost, cost.decode_time) is None
+    assert len(set(both(monkeypatch, workload(150, 20.0, 2), "vllm-v1"))) == 1
 
 
 @needs_fast

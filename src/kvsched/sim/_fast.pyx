@@ -187,13 +187,16 @@ cdef inline double _max_of(double* p, Py_ssize_t lo, Py_ssize_t hi):
 
 def roofline_terms(cost, decode_time):
     """The constants of `RooflineCost.time` and `decode_time` when `decode_time` is exactly that
-    method of a dense RooflineCost (not a subclass) whose `time` is the class's too and whose
+    method of a dense RooflineCost (not a subclass) whose `time` is the class's too, both as
+    kvsched/cost/roofline.py defines them (`COMPILED_TWINS`: not patched since), and whose
     terms convert to C without changing a bit, else None: then the compiled decode run and
-    `batch_time` are not used."""
-    from kvsched.cost.roofline import RooflineCost
-    if type(cost) is not RooflineCost or getattr(decode_time, "__func__", None) is not RooflineCost.decode_time \
-            or getattr(decode_time, "__self__", None) is not cost or cost._dense is not True \
-            or getattr(cost.time, "__func__", None) is not RooflineCost.time:
+    `batch_time` are not used. Read when a replica is built (as the Python code binds
+    `decode_time` then): a class patched during a run is not seen."""
+    from kvsched.cost.roofline import COMPILED_TWINS, RooflineCost
+    time, decode = COMPILED_TWINS
+    if type(cost) is not RooflineCost or getattr(decode_time, "__func__", None) is not decode \
+            or getattr(decode_time, "__self__", None) is not cost \
+            or getattr(cost.time, "__func__", None) is not time or cost._dense is not True:
         return None
     floats = (cost._gemm_flops, cost._attn_flops, cost._flop_rate, cost._weights, cost._byte_rate, cost.overhead)
     if any(type(x) is not float for x in floats) or type(cost._kv_bytes) not in (int, float):
@@ -212,24 +215,25 @@ cdef inline double _roofline(double gemm, double attn, double flop_rate, double 
     return overhead + (compute + memory + fabs(compute - memory)) / 2
 
 
-def batch_time(tuple roof, long long pt, object pattn, long long pctx, long long nd, long long dctx):
+def batch_time(tuple roof, object pt, object pattn, object pctx, object nd, object dctx):
     """`RooflineCost.time(BatchShape(pt, _, pattn, pctx, nd, dctx, _, _))` of the dense roofline
     whose `roofline_terms` are `roof`, bit for bit: Python's int sums are exact in 64 bits
     (the replica takes this twin only below TOKEN_LIMIT tokens), its int-to-float
-    conversions round as C's. None where `kv_bytes * (pctx + dctx)` or the query-key pairs
-    would pass what C holds exactly: then the caller asks the cost model."""
+    conversions round as C's. None where a count is not a Python int in [0, LIMIT) (numpy's
+    would give numpy results in the Python code), `pattn` is neither that nor a float, or
+    `kv_bytes * (pctx + dctx)` would pass 64 bits: then the caller asks the cost model."""
     cdef double gemm = roof[0], attn = roof[1], flop_rate = roof[2], weights = roof[3]
     cdef double byte_rate = roof[4], overhead = roof[5]
     cdef double pairs, kvpart
     cdef long long ctx
-    if not (0 <= pt < LIMIT and 0 <= nd < LIMIT and 0 <= pctx < LIMIT and 0 <= dctx < LIMIT):
+    if not (_count(pt) and _count(nd) and _count(pctx) and _count(dctx)):
         return None
-    ctx = pctx + dctx
+    ctx = <long long>pctx + <long long>dctx
     kv_bytes = roof[6]
     if type(pattn) is float:
         pairs = <double>pattn + <double>dctx       # float + int: the int converted first
-    elif type(pattn) is int and 0 <= pattn < LIMIT:
-        pairs = <double>(<long long>pattn + dctx)
+    elif _count(pattn):
+        pairs = <double>(<long long>pattn + <long long>dctx)
     else:
         return None
     if type(kv_bytes) is float:
@@ -238,7 +242,13 @@ def batch_time(tuple roof, long long pt, object pattn, long long pctx, long long
         kvpart = <double>(<long long>kv_bytes * ctx)
     else:
         return None
-    return _roofline(gemm, attn, flop_rate, weights, byte_rate, overhead, <double>(pt + nd), pairs, kvpart)
+    return _roofline(gemm, attn, flop_rate, weights, byte_rate, overhead, <double>(<long long>pt + <long long>nd),
+                     pairs, kvpart)
+
+
+cdef inline bint _count(object x):
+    """A Python int in [0, LIMIT): a count C holds and sums exactly."""
+    return type(x) is int and 0 <= x < LIMIT
 
 
 cdef class Tables:
@@ -275,7 +285,7 @@ cdef class Tables:
         PyBuffer_Release(&self.vb)
 
 
-def finish_due(object self, object c, double t, Tables tables):
+def finish_due(object self, object c, double t, Tables tables not None):
     """`for i in c.due(): self._finish(i, t, self._leave_decode(i))` compiled, with Cohort.due,
     DecodeSet.leave, Cohort.leave, Replica._fold and Replica._finish inline, for a replica
     without tiers (so every TBT SLO is infinite: no gap counts as a violation) and without
@@ -372,7 +382,7 @@ cdef int _finish_due(object self, object c, double t, Tables tb) except -1:
     return 1
 
 
-def plain_decodes(object self, object c, double until, tuple roof, Tables tables):
+def plain_decodes(object self, object c, double until, tuple roof, Tables tables not None):
     """`Replica._plain_decodes(c, until)` compiled, for a replica whose decode time is a dense
     roofline's (`roof` = `roofline_terms`); True. False, having done nothing, where the state
     holds other types than the Python code would keep (numpy scalars: a C run would turn them
@@ -573,7 +583,7 @@ cdef int _free_finished(object self, Tables tb) except -1:
         if type(item[1]) is not int or not 0 <= item[1] < LIMIT:
             self._free_finished()
             return 0
-    if cache.map or cache._shared:          # not PrefixCache.inert
+    if not cache.inert:
         self._free_finished()
         return 0
     cdef long long bs = cache.bs, full = 0, released = 0, kvt
@@ -599,7 +609,7 @@ cdef int _free_finished(object self, Tables tb) except -1:
     return 0
 
 
-def first_gaps(object itl, object reqs, dict fresh, double end, Tables tables):
+def first_gaps(object itl, object reqs, dict fresh, double end, Tables tables not None):
     """`Replica._first_gaps` compiled: each fresh decoder's first gap (end - its last token)
     into the histogram (`GapHistogram.add(g)`, inline) and its own records; `fresh` emptied;
     True. False, having done nothing, where a number is not a Python float or int (numpy's
