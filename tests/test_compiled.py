@@ -134,8 +134,6 @@ def _small_row_chunks(m, chunk: int, piece: int) -> None:
     m.setattr(rowlog, "CHUNK", chunk)
     m.setattr(rowlog, "PIECE", piece)
     m.setattr(replica, "CHUNK", chunk)
-    if _fast is not None:
-        m.setattr(_fast, "CHUNK", chunk)
 
 
 @needs_fast

@@ -14,7 +14,7 @@ from heapq import heappop
 from kvsched.errors import KvschedError
 from kvsched.sim.prefix_cache import Run
 from kvsched.sim.requests import DONE
-from kvsched.sim.rowlog import CHUNK, layout
+from kvsched.sim.rowlog import layout
 
 cdef double INF = float("inf")
 cdef long long NEVER = 1 << 62          # Replica._plain_decodes' "no finish ahead"
@@ -486,7 +486,7 @@ def plain_decodes(object self, object c, double until, tuple roof, Tables tables
                     gmax = gap
             if nf:
                 itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
-                if not _first_gaps(itl, self.reqs, fresh, now, tables):
+                if not _first_gaps(itl, fresh, now, tables):
                     self._first_gaps(c, now)
                 total, total_sq, gmax, hn = itl.total, itl.total_sq, itl.max, itl.n
                 nf = 0
@@ -545,15 +545,7 @@ def plain_decodes(object self, object c, double until, tuple roof, Tables tables
             bsink.close()
     _write_back(self, c, clock, ctx, now, allocated, used, tables)
     itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
-    self.kv_integral, self.busy, self.peak_kv, self.now = kv_integral, busy, peak, now
-    self._last_kind = 2
-    if self._stall:
-        self._stall = 0
-    self.iterations = k
-    if k0 // CHUNK != k // CHUNK:
-        for log_ in (self.timeline, self.batches):
-            if log_ is not None:
-                log_.check()
+    self._end_run(k0, k, kv_integral, busy, peak, now)
     return True
 
 
@@ -609,21 +601,19 @@ cdef int _free_finished(object self, Tables tb) except -1:
     return 0
 
 
-def first_gaps(object itl, object reqs, dict fresh, double end, Tables tables not None):
+def first_gaps(object itl, dict fresh, double end, Tables tables not None):
     """`Replica._first_gaps` compiled: each fresh decoder's first gap (end - its last token)
     into the histogram (`GapHistogram.add(g)`, inline) and its own records; `fresh` emptied;
     True. False, having done nothing, where a number is not a Python float or int (numpy's
     would stay numpy's in the Python code)."""
-    return _first_gaps(itl, reqs, fresh, end, tables) == 1
+    return _first_gaps(itl, fresh, end, tables) == 1
 
 
-cdef int _first_gaps(object itl, object reqs, dict fresh, double end, Tables tb) except -1:
+cdef int _first_gaps(object itl, dict fresh, double end, Tables tb) except -1:
     """first_gaps' work: 1 done, 0 declined (nothing done)."""
     if not (type(itl.total) is float and type(itl.total_sq) is float
             and type(itl.max) is float and type(itl.n) is int):
         return 0
-    if reqs is not tb.reqs:
-        raise RuntimeError("these Tables hold another request table's")
     cdef list last = tb.last_tok, tbt = tb.tbt
     for j in fresh:
         if type(last[j]) is not float:

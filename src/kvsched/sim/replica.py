@@ -508,15 +508,24 @@ class Replica:
                 break
         self._write_back(c, clock, ctx, now, allocated, used)
         itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
+        self._end_run(k0, k, kv_integral, busy, peak, now)
+
+    def _end_run(self, k0: int, k: int, kv_integral: float, busy: float, peak: int, now: float) -> None:
+        """The end of a decode run (`_plain_decodes` and its compiled twin): its figures written
+        back, batches k0..k done, decode-only, the row logs' full chunks spilled."""
         self.kv_integral, self.busy, self.peak_kv, self.now = kv_integral, busy, peak, now
         self._last_kind = 2
         if self._stall:
             self._stall = 0
         self.iterations = k
         if k0 // CHUNK != k // CHUNK:
-            for log in (self.timeline, self.batches):
-                if log is not None:
-                    log.check()
+            self._spill_logs()
+
+    def _spill_logs(self) -> None:
+        """Every CHUNK batches the row logs spill their full chunks to disk (memory stays flat)."""
+        for log in (self.timeline, self.batches):
+            if log is not None:
+                log.check()
 
     def _write_back(self, c: Cohort, clock: int, ctx: int, now: float, allocated: int, used: int) -> None:
         """A run's cohort and KV state, from `_plain_decodes`' locals: the blocks its batches
@@ -673,9 +682,7 @@ class Replica:
             self.peak_kv = held
         self.iterations += 1
         if not self.iterations % CHUNK:
-            for log in (self.timeline, self.batches):
-                if log is not None:
-                    log.check()
+            self._spill_logs()
         return True
 
     def _prefill_shape(self, plan: Plan, chunks, decode_blocks: int = 0) -> tuple[int, int, float, int, list[tuple[int, int]]]:
@@ -876,7 +883,7 @@ class Replica:
     def _first_gaps(self, ch: Cohort, end: float) -> None:
         """The first decode step of the cohort's fresh members: each gap is from its own last
         token (its first token, or one before it moved cohorts). sim/_fast.pyx compiles it."""
-        if self._fast is not None and self._fast.first_gaps(self.itl, self.reqs, ch.fresh, end, self._tables):
+        if self._fast is not None and self._fast.first_gaps(self.itl, ch.fresh, end, self._tables):
             return
         add, r = self.itl.add, self.reqs
         itl_max, viol, tbt, last = r.itl_max, r.viol, r.tbt, r.last_tok
