@@ -363,3 +363,9 @@ class RequestLevel(_Base):
             return Plan([], [], nd > 0, victims)
         admit, chunks = admit_whole_prompts(v, v.kv_free_blocks, 1 << 62, self.b, hits=hits)
         return Plan(admit, chunks, False, [])
+
+
+# The plans as this module defines them: sim/_fast.pyx plans and runs a batch of these itself
+# (`admit_step`) only for a policy of exactly this class whose `schedule` is still this one
+# (a subclass, or a class or instance patched since, is asked instead).
+COMPILED_PLANS = {VllmV1: VllmV1.schedule, Sarathi: Sarathi.schedule}

@@ -9,12 +9,12 @@ from cpython.buffer cimport PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, 
 from libc.math cimport fabs, log
 from libc.string cimport memset
 
-from heapq import heappop
+from heapq import heappop, heappush
 
 from kvsched.errors import KvschedError
 from kvsched.sim.prefix_cache import Run
-from kvsched.sim.requests import DONE
-from kvsched.sim.rowlog import layout
+from kvsched.sim.requests import DECODE, DONE, PREFILL
+from kvsched.sim.rowlog import CHUNK, layout
 
 cdef double INF = float("inf")
 cdef long long NEVER = 1 << 62          # Replica._plain_decodes' "no finish ahead"
@@ -222,28 +222,38 @@ def batch_time(tuple roof, object pt, object pattn, object pctx, object nd, obje
     conversions round as C's. None where a count is not a Python int in [0, LIMIT) (numpy's
     would give numpy results in the Python code), `pattn` is neither that nor a float, or
     `kv_bytes * (pctx + dctx)` would pass 64 bits: then the caller asks the cost model."""
+    cdef double dt
+    if not (_count(pt) and _count(nd) and _count(pctx) and _count(dctx)):
+        return None
+    if type(pattn) is float:
+        dt = _batch_time(roof, pt, True, pattn, 0, pctx, nd, dctx)
+    elif _count(pattn):
+        dt = _batch_time(roof, pt, False, 0.0, pattn, pctx, nd, dctx)
+    else:
+        return None
+    return None if dt < 0 else dt
+
+
+cdef double _batch_time(tuple roof, long long pt, bint float_pairs, double pattn_f, long long pattn_i,
+                        long long pctx, long long nd, long long dctx) except? -2:
+    """batch_time's arithmetic on counts in [0, LIMIT) and `pattn` as the float `pattn_f`
+    (`float_pairs`) or the int `pattn_i`; -1 where kv_bytes * context would pass 64 bits."""
     cdef double gemm = roof[0], attn = roof[1], flop_rate = roof[2], weights = roof[3]
     cdef double byte_rate = roof[4], overhead = roof[5]
     cdef double pairs, kvpart
-    cdef long long ctx
-    if not (_count(pt) and _count(nd) and _count(pctx) and _count(dctx)):
-        return None
-    ctx = <long long>pctx + <long long>dctx
+    cdef long long ctx = pctx + dctx
     kv_bytes = roof[6]
-    if type(pattn) is float:
-        pairs = <double>pattn + <double>dctx       # float + int: the int converted first
-    elif _count(pattn):
-        pairs = <double>(<long long>pattn + <long long>dctx)
+    if float_pairs:
+        pairs = pattn_f + <double>dctx          # float + int: the int converted first
     else:
-        return None
+        pairs = <double>(pattn_i + dctx)
     if type(kv_bytes) is float:
         kvpart = <double>kv_bytes * <double>ctx
     elif not kv_bytes or ctx < LIMIT // <long long>kv_bytes:
         kvpart = <double>(<long long>kv_bytes * ctx)
     else:
-        return None
-    return _roofline(gemm, attn, flop_rate, weights, byte_rate, overhead, <double>(<long long>pt + <long long>nd),
-                     pairs, kvpart)
+        return -1
+    return _roofline(gemm, attn, flop_rate, weights, byte_rate, overhead, <double>(pt + nd), pairs, kvpart)
 
 
 cdef inline bint _count(object x):
@@ -256,33 +266,46 @@ cdef class Tables:
     per-request lists and arrays (the arrays `itl_max`, `finished`, `viol` held as buffers)
     and the replica's own dicts and lists. Neither replaces any of them in its life
     (kvsched/sim/requests.py, replica.py), so a call need not look them up again."""
-    cdef object reqs, decoders, kv, cache, recent
-    cdef dict where, running, order
-    cdef list finishing, status, gen, last_tok, output, prompt, computed, tbt
-    cdef Py_buffer mb, fb, vb
+    cdef object reqs, decoders, kv, cache, recent, queue
+    cdef dict where, running, order, prefilling
+    cdef set fresh
+    cdef list finishing, status, gen, last_tok, output, prompt, computed, tbt, target
+    cdef Py_buffer mb, fb, vb, ab, sb
     cdef double* itl_max
     cdef double* finished
     cdef long long* viol
+    cdef double* admitted
+    cdef double* first
+    cdef long long bs
 
     def __cinit__(self, replica):
         _untaken(&self.mb)
         _untaken(&self.fb)
         _untaken(&self.vb)
+        _untaken(&self.ab)
+        _untaken(&self.sb)
         r = self.reqs = replica.reqs
         _cells(r.itl_max, &self.mb, b'd', True)
         _cells(r.finished, &self.fb, b'd', True)
         _cells(r.viol, &self.vb, b'q', True)
+        _cells(r.admitted, &self.ab, b'd', True)
+        _cells(r.first, &self.sb, b'd', True)
         self.itl_max, self.finished, self.viol = <double*>self.mb.buf, <double*>self.fb.buf, <long long*>self.vb.buf
+        self.admitted, self.first = <double*>self.ab.buf, <double*>self.sb.buf
         self.status, self.gen, self.last_tok, self.output = r.status, r.gen, r.last_tok, r.output
-        self.prompt, self.computed, self.tbt = r.prompt, r.computed, r.tbt
+        self.prompt, self.computed, self.tbt, self.target = r.prompt, r.computed, r.tbt, r.target
         self.decoders, self.kv, self.cache = replica._decoders, replica.kv, replica.cache
         self.where, self.running, self.order = replica._decoders.where, replica._running, replica._order
         self.finishing, self.recent = replica._finishing, replica.recent_finished.append
+        self.queue, self.prefilling, self.fresh = replica._queue, replica._prefilling, replica._fresh
+        self.bs = replica.block_size
 
     def __dealloc__(self):
         PyBuffer_Release(&self.mb)
         PyBuffer_Release(&self.fb)
         PyBuffer_Release(&self.vb)
+        PyBuffer_Release(&self.ab)
+        PyBuffer_Release(&self.sb)
 
 
 def finish_due(object self, object c, double t, Tables tables not None):
@@ -549,20 +572,352 @@ def plain_decodes(object self, object c, double until, tuple roof, Tables tables
     return True
 
 
+# ----- a baseline's batch, planned and run in one call ------------------------------------
+VLLM_V1, SARATHI = 1, 2                 # the policies `admit_step` plans for (Replica picks)
+cdef long long EXACT = 1 << 52          # token counts whose float sums below are exact
+
+
+def admit_step(object self, object policy, int kind, tuple roof, Tables tables not None):
+    """`self._execute(policy.schedule(self.view))` compiled, for `kind` VLLM_V1 (an exact
+    VllmV1, policies/baselines.py) or SARATHI (an exact Sarathi, order fcfs), where the plan
+    preempts nothing: it is planned here as `schedule` plans it (the same comparisons on the
+    same ints) and run as `_execute` runs it (`_admit`, `_prefill_shape` on no cache or an
+    inert one, `_decode_step` of the one cohort, `_prefill_complete`, the batch's records).
+    True; False, having done nothing, where the plan would preempt or be empty, the replica
+    is in a state this does not cover (a prefill replica, tiers, a batch hook, several
+    cohorts, a keyed cache), or a number is not what Python would hold (numpy's, or past the
+    64-bit or 2**52 bounds): then the policy plans and `_execute` runs. Keep in step with
+    those (tests/test_compiled.py runs both)."""
+    return _admit_step(self, policy, kind, roof, tables) == 1
+
+
+cdef inline bint _int(object x):
+    return type(x) is int and 0 <= x < EXACT
+
+
+cdef int _admit_step(object self, object policy, int kind, tuple roof, Tables tb) except -1:
+    """admit_step's work: 1 done, 0 declined (nothing changed)."""
+    cache = tb.cache
+    if self._handoff is not None or self._on_batch_end is not None or self.tier_itl is not None \
+            or cache is not None and not cache.inert:
+        return 0
+    ds, kv, itl = tb.decoders, tb.kv, self.itl
+    cdef list cohorts = ds.cohorts
+    if len(cohorts) != 1:
+        return 0
+    c = cohorts[0]
+    if not (_int(kv.used) and _int(kv.capacity_blocks) and _int(c.clock) and _int(c.ctx) and _int(c.n)
+            and _int(ds.n) and type(self.now) is float and type(self.prefill_backlog) is int
+            and type(c.last_time) is float and type(itl.total) is float and type(itl.total_sq) is float
+            and type(itl.max) is float and type(itl.n) is int and type(self.kv_integral) is float
+            and type(self.busy) is float and type(self.peak_kv) is int and type(self.iterations) is int):
+        return 0
+    cdef long long bs = tb.bs, used = kv.used, cap = kv.capacity_blocks
+    cdef long long nd = ds.n, clock = c.clock, dctx = c.ctx if nd else 0
+    cdef list residue = c.residue
+    cdef long long dnew = residue[_residue_index(clock, bs)]      # make_room's decode_new_blocks
+    cdef list chunks = []
+    cdef long long n_admit = 0, free, budget
+    if kind == VLLM_V1:
+        budget = _plan_vllm_v1(self, policy, tb, cap - used - dnew, nd, chunks, &n_admit)
+    else:
+        budget = _plan_sarathi(self, policy, tb, cap - used, dnew, nd, chunks, &n_admit)
+    if budget < 0 or not chunks and not nd:
+        return 0
+    # _prefill_shape's sums, and the checks _execute would make, before anything changes
+    cdef list computed = tb.computed, target = tb.target
+    cdef long long new_blocks = 0, pt = 0, pctx = 0, p, ck, i
+    cdef double pattn = 0.0
+    for i, ck in chunks:
+        p = computed[i]
+        if not 0 < ck <= <long long>target[i] - p:
+            return 0                            # _prefill_shape's error: the Python code raises it
+        new_blocks += _blocks(p + ck, bs) - _blocks(p, bs)
+        pt += ck
+        pattn += <double>ck * (<double>p + <double>(ck + 1) / 2.0)
+        pctx += p + ck
+    cdef long long held = used + new_blocks + (dnew if nd else 0)
+    if held > cap:
+        return 0
+    cdef double dt = _batch_time(roof, pt, pt > 0, pattn, 0, pctx, nd, dctx + nd)
+    if dt < 0:
+        return 0
+    # the plan runs (Replica._execute)
+    cdef double start = self.now, end = start + dt
+    cdef object q = tb.queue
+    cdef dict prefilling = tb.prefilling, running = tb.running, order = tb.order
+    cdef set fresh = tb.fresh
+    cdef list status = tb.status
+    cdef double* admitted = tb.admitted
+    for _ in range(n_admit):                    # _admit: the plan admits the queue's front
+        i = q.popleft()
+        status[i] = PREFILL
+        running[i] = None
+        prefilling[i] = None
+        if cache is not None:
+            fresh.add(i)
+            self._admissions += 1
+            order[i] = self._admissions
+        if admitted[i] == INF:
+            admitted[i] = start
+    cdef long long q_tokens = 0, q_blocks = 0
+    if cache is not None:                       # _prefill_shape on an inert cache: every lookup misses
+        for i, ck in chunks:
+            if i in fresh:
+                fresh.discard(i)
+                q_tokens += <long long>target[i]
+                q_blocks += (<long long>target[i] - 1) // bs
+        if q_tokens:
+            cache.query_tokens += q_tokens
+            cache.query_blocks += q_blocks
+        if held > used:                         # Replica._allocate(new_blocks + decode step)
+            _allocate(cache, kv, held - used)
+    cdef long long kind_now = (pt > 0) + 2 * (nd > 0)
+    self._last_kind = kind_now
+    if not start < end < INF:
+        end = self._batch_end(start, dt)
+    if self.track_start:
+        self._snap = (self.outstanding, held, self.prefill_backlog - pt)
+    kv.used = held
+    self.now = end
+    if nd:
+        _cohort_decode(self, c, end, tb)
+        if self._stall:
+            self._stall = 0
+    cdef bint out = nd > 0
+    if pt:
+        self.prefill_backlog -= pt
+        for i, ck in chunks:
+            computed[i] += ck
+            if computed[i] == target[i]:
+                _prefill_complete(self, i, end, tb)
+                out = True
+        if not out:
+            self._stalled(end)
+        elif self._stall:
+            self._stall = 0
+    if tb.finishing:
+        _free_finished(self, tb)
+    self.recent_batch_times.append(dt)
+    if self.timeline is not None:
+        self.timeline.append((end, len(q), len(running), <long long>kv.used * bs))
+    if self.batches is not None:
+        self.batches.append((start, dt, pt, len(chunks), nd, held * bs))
+    self.kv_integral += <double>held * dt
+    self.busy += dt
+    if held > self.peak_kv:
+        self.peak_kv = held
+    self.iterations += 1
+    if not self.iterations % CHUNK:
+        self._spill_logs()
+    return 1
+
+
+cdef long long _plan_vllm_v1(object self, object policy, Tables tb, long long free, long long nd,
+                             list chunks, long long* n_admit) except -2:
+    """VllmV1.schedule on the replica's state where it preempts nothing (make_room's decode
+    step fits, every running chunk fits): its chunks into `chunks`, the admitted count (the
+    queue's front) into n_admit; the budget left, or -1 where it would preempt (declined)."""
+    tokens, seqs, cap_tokens = policy.max_num_batched_tokens, policy.max_num_seqs, policy._cap
+    if free < 0 or not (_int(tokens) and _int(seqs) and (cap_tokens is None or _int(cap_tokens))):
+        return -1
+    cdef long long bs = tb.bs, budget = <long long>tokens - nd, capc = 0, done, ck, need, t
+    cdef object q = tb.queue
+    cdef dict running = tb.running
+    cdef list computed = tb.computed, target = tb.target
+    if cap_tokens and len(running) + len(q) > 1:    # a lone request is not capped
+        capc = cap_tokens
+    for i in tb.prefilling:
+        if not (_int(computed[i]) and _int(target[i])):
+            return -1
+        done = computed[i]
+        ck = _min3(budget, <long long>target[i] - done, capc if capc else budget)
+        if ck <= 0:
+            break
+        need = _blocks(done + ck, bs) - _blocks(done, bs)
+        if need > free:
+            return -1                           # it would preempt
+        chunks.append((i, ck))
+        free -= need
+        budget -= ck
+    cdef long long n = len(running)
+    cdef bint whole = policy.reserve_full_prompt
+    for i in q:
+        if n >= <long long>seqs or budget <= 0:
+            break
+        if not (_int(target[i]) and _int(computed[i])):
+            return -1
+        t = target[i]
+        ck = _min3(budget, t, capc if capc else budget)
+        if ck <= 0:
+            return -1
+        need = _blocks(ck, bs)
+        if need > free or whole and _blocks(t, bs) > free:
+            break
+        chunks.append((i, ck))
+        n_admit[0] += 1
+        free -= need
+        budget -= ck
+        n += 1
+    return budget
+
+
+cdef long long _plan_sarathi(object self, object policy, Tables tb, long long free, long long dnew,
+                             long long nd, list chunks, long long* n_admit) except -2:
+    """Sarathi.schedule (order fcfs) on the replica's state where make_room preempts nothing,
+    as _plan_vllm_v1: chunks, admitted count, budget left or -1."""
+    size, seqs, watermark = policy.chunk_size, policy.max_num_seqs, policy.watermark
+    if policy.order != "fcfs" or not (_int(size) and _int(seqs)) or type(watermark) not in (float, int):
+        return -1
+    cdef long long bs = tb.bs, budget, reserve = 0, ck, need, t, seats, keep = 0
+    cdef object q = tb.queue
+    cdef dict running = tb.running, prefilling = tb.prefilling
+    cdef list computed = tb.computed, target = tb.target
+    for i in prefilling:
+        if not (_int(computed[i]) and _int(target[i])):
+            return -1
+        reserve += _blocks(target[i], bs) - _blocks(computed[i], bs)
+    free -= reserve
+    if dnew > free:
+        return -1                               # make_room would preempt
+    free -= dnew
+    budget = <long long>size - nd
+    for i in prefilling:
+        if budget <= 0:
+            break
+        ck = _min3(budget, <long long>target[i] - <long long>computed[i], budget)
+        chunks.append((i, ck))
+        budget -= ck
+    if q and budget > 0:                        # admit_reserving
+        seats = <long long>seqs - len(running)
+        if running:
+            k = int(watermark * self.kv_capacity_blocks)
+            if not _int(k):
+                return -1
+            keep = k
+        for i in q:
+            if budget <= 0 or seats <= 0:
+                break
+            if not (_int(target[i]) and _int(computed[i])):
+                return -1
+            t = target[i]
+            need = _blocks(t, bs)
+            if free - need < keep:
+                break
+            ck = _min3(budget, t, budget)
+            if ck <= 0:
+                return -1
+            chunks.append((i, ck))
+            n_admit[0] += 1
+            free -= need
+            budget -= ck
+            seats -= 1
+    return budget
+
+
+cdef inline long long _min3(long long a, long long b, long long c):
+    if b < a:
+        a = b
+    return c if c < a else a
+
+
+cdef int _allocate(object cache, object kv, long long n) except -1:
+    """PrefixCache.allocate(n) (n > 0), its common cases inline: no eviction, or evictions the
+    oldest run of free blocks covers; any other case calls it."""
+    used, capacity, queued = kv.used, kv.capacity_blocks, cache.queued
+    if not (_count(used) and _count(capacity) and _count(queued)):
+        cache.allocate(n)
+        return 0
+    cdef long long evict = n - (<long long>capacity - <long long>used - <long long>queued)
+    if evict > 0:
+        q = cache.free_q
+        b = next(iter(q)) if q else None
+        if type(b) is not Run or not b.n > evict:
+            cache.allocate(n)
+            return 0
+        b.n -= evict
+        cache.evictions += evict
+        cache.queued = queued - evict
+    kv.used = used + n
+    return 0
+
+
+cdef int _cohort_decode(object self, object c, double end, Tables tb) except -1:
+    """Replica._decode_step(end, [c]) for a cohort with members: Cohort.step and
+    GapHistogram.add inline, the fresh members' first gaps and the due finishes compiled
+    (or their Python code where they decline)."""
+    cdef long long clock = c.clock + 1, base = c._base
+    cdef double gap = end - <double>c.last_time
+    gaps = c._gaps
+    if clock - base >= len(gaps):
+        c.clock = clock
+        c._trim()
+        base, gaps = c._base, c._gaps
+    cdef Py_buffer gb
+    _cells(gaps, &gb, b'd', True)
+    (<double*>gb.buf)[clock - base] = gap
+    PyBuffer_Release(&gb)
+    c.clock = clock
+    c.last_time = end
+    c.ctx += c.n
+    fresh = c.fresh
+    itl = self.itl
+    cdef long long m = <long long>c.n - len(fresh)
+    if m > 0:                                   # GapHistogram.add(gap, m)
+        itl.counts[_bin(gap, itl.low, itl._log_low, itl._scale, itl._top)] += m
+        itl.n += m
+        itl.total += gap * <double>m
+        itl.total_sq += gap * gap * <double>m
+        if gap > <double>itl.max:
+            itl.max = gap
+    if fresh and not _first_gaps(itl, fresh, end, tb):
+        self._first_gaps(c, end)
+    fd = self._finish_due
+    if fd is None or not fd(self, c, end, tb):
+        for i in c.due():
+            self._finish(i, end, self._leave_decode(i))
+    return 0
+
+
+cdef int _prefill_complete(object self, object i, double t, Tables tb) except -1:
+    """Replica._prefill_complete(i, t), its first-token case inline (DecodeSet.join and
+    Cohort.join with it); a resumed request, or one done at its first token, runs the Python
+    code."""
+    cdef list gen = tb.gen, output = tb.output
+    if gen[i] != 0 or not (type(output[i]) is int and output[i] > 1):
+        self._prefill_complete(i, t)
+        return 0
+    del tb.prefilling[i]
+    gen[i] = 1
+    tb.first[<Py_ssize_t>i] = t
+    tb.last_tok[i] = t
+    tb.status[i] = DECODE
+    ds = tb.decoders
+    c = ds.cohorts[0]
+    kvt = tb.computed[i]
+    clock = c.clock
+    c.members[i] = (clock, kvt, 1, t)
+    c.fresh[i] = None
+    c.n += 1
+    c.ctx += kvt
+    c.residue[(kvt - clock) % tb.bs] += 1
+    f = clock + output[i] - 1
+    c._finish[i] = f
+    heappush(c._heap, (f, i))
+    tb.where[i] = c
+    ds.n += 1
+    return 0
+
+
 cdef inline int _write_back(object self, object c, long long clock, long long ctx, double now,
                             long long allocated, long long used, Tables tb) except -1:
-    """Replica._write_back, with PrefixCache.allocate's case without evictions inline."""
+    """Replica._write_back, with PrefixCache.allocate's common cases inline (`_allocate`)."""
     c.clock, c.ctx, c.last_time = clock, ctx, now
     cache = tb.cache
     if cache is None:
         tb.kv.used = used
     elif allocated:
-        kv = tb.kv
-        if type(kv.used) is int and type(cache.queued) is int and type(kv.capacity_blocks) is int \
-                and allocated <= kv.capacity_blocks - kv.used - cache.queued:
-            kv.used += allocated                # evict = n - (capacity - used - queued) <= 0
-        else:
-            cache.allocate(allocated)
+        _allocate(cache, tb.kv, allocated)
     return 0
 
 

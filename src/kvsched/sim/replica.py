@@ -72,6 +72,17 @@ def _short(x, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _compiled_plan(policy, schedule) -> int:
+    """Which baseline `_fast.admit_step` plans for this policy (0: none): one of exactly a class
+    in `COMPILED_PLANS` whose bound `schedule` is still that class's own."""
+    from kvsched.policies.baselines import COMPILED_PLANS, Sarathi
+    original = COMPILED_PLANS.get(type(policy))
+    if original is None or getattr(schedule, "__func__", None) is not original \
+            or getattr(schedule, "__self__", None) is not policy:
+        return 0
+    return _fast.SARATHI if type(policy) is Sarathi else _fast.VLLM_V1
+
+
 class Arrivals:
     """What replicas may know of future arrivals (set by the loop that feeds them)."""
     __slots__ = ("pending", "next_time")
@@ -165,6 +176,8 @@ class Replica:
         # the compiled decode run takes replicas whose decode time it computes itself (a roofline's)
         self._roof = fast.roofline_terms(cost, self._decode_time) if fast is not None else None
         self._tables = fast.Tables(self) if fast is not None else None     # its containers, for the twins
+        # a baseline's batch planned and run compiled (`admit_step`), where its plan preempts nothing
+        self._plan_kind = _compiled_plan(policy, self._schedule) if self._roof is not None else 0
         self.view = ReplicaView(self, {
             "index": index, "role": role, "block_size": bs, "kv_capacity_blocks": kv.capacity_blocks,
             "cost_model": cost, "waiting": ReadOnlySeq(self._queue), "running": self._running.keys(),
@@ -359,6 +372,8 @@ class Replica:
         q = len(self._queue)
         if q > self.peak_queue:
             self.peak_queue = q
+        if self._plan_kind and self._fast.admit_step(self, self.policy, self._plan_kind, self._roof, self._tables):
+            return True
         try:
             plan = self._schedule(self.view)
         except KvschedError as exc:
