@@ -18,7 +18,9 @@ from kvsched.cost.roofline import RooflineCost
 from kvsched.hardware import get_gpu, get_model
 from kvsched.workload.request import Workload
 
-from test_fast_paths import STEADY, fingerprint, workload
+from kvsched.policies import make_policy
+from kvsched.policies.baselines import VllmV1
+from test_fast_paths import STEADY, fingerprint, policy_fingerprint, workload
 
 _fast = replica._fast
 
@@ -488,3 +490,99 @@ def test_compiled_runs_with_shared_prefixes_are_the_pure_python_runs(name, monke
     for kv in (None, 6_000):
         compiled, pure = both(monkeypatch, w, name, prefix_caching=True, kv_capacity=kv)
         assert compiled == pure
+
+
+# ----- a baseline's batch planned and run compiled (admit_step) --------------------------
+# The runs above wrap the policies (their `schedule` is not the class's own), so they never
+# take admit_step; these run the built-in classes themselves.
+
+class Counted:
+    """The compiled module with admit_step's answers counted."""
+
+    def __init__(self) -> None:
+        self.taken = self.declined = 0
+
+    def __getattr__(self, name: str):
+        return getattr(_fast, name)
+
+    def admit_step(self, *args) -> bool:
+        done = _fast.admit_step(*args)
+        self.taken += done
+        self.declined += not done
+        return done
+
+
+def real_runs(monkeypatch, w: Workload, name: str, params: dict, **kw) -> tuple[str, str, Counted]:
+    """Fingerprints of a run of the built-in policy compiled and in pure Python, and the
+    compiled run's admit_step counts."""
+    gpu = get_gpu("a100-80gb")
+    counted = Counted()
+    with monkeypatch.context() as m:
+        m.setattr(replica, "_fast", counted)
+        compiled = policy_fingerprint(w, make_policy(name, dict(params), gpu), **kw)[0]
+        m.setattr(replica, "_fast", None)
+        pure = policy_fingerprint(w, make_policy(name, dict(params), gpu), **kw)[0]
+    return compiled, pure, counted
+
+
+def short_and_long(n: int, rate: float, seed: int) -> Workload:
+    """Prompts from 1 to 3,000 tokens (chunked by small budgets), outputs from 1 (done at the
+    first token) to 400."""
+    g = np.random.default_rng(seed)
+    return Workload.build(np.cumsum(g.exponential(1 / rate, n)), g.integers(1, 3000, n),
+                          np.where(g.random(n) < 0.1, 1, g.integers(1, 400, n)))
+
+
+@needs_fast
+@pytest.mark.parametrize("name", ["vllm-v1", "sarathi"])
+def test_a_baseline_s_batches_are_planned_compiled_and_exact(name, monkeypatch):
+    compiled, pure, counted = real_runs(monkeypatch, workload(400, 20.0, 1), name, {})
+    assert compiled == pure
+    assert counted.taken > 150 and counted.taken > 5 * counted.declined
+
+
+@needs_fast
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), rate=st.floats(1.0, 80.0), caching=st.booleans(),
+       kv=st.sampled_from([None, 2_000, 6_000]), bs=st.sampled_from([1, 16]),
+       tokens=st.sampled_from([64, 700, 8192]), seqs=st.sampled_from([2, 16, 64]),
+       cap=st.sampled_from([0, 100]), whole=st.booleans())
+def test_vllm_v1_batches_compiled_are_exact(seed, rate, caching, kv, bs, tokens, seqs, cap, whole, monkeypatch):
+    params = dict(max_num_batched_tokens=tokens, max_num_seqs=seqs, long_prefill_token_threshold=cap,
+                  reserve_full_prompt=whole)
+    compiled, pure, counted = real_runs(monkeypatch, short_and_long(80, rate, seed), "vllm-v1", params,
+                                        prefix_caching=caching, kv_capacity=kv, block_size=bs)
+    assert compiled == pure
+    assert counted.taken
+
+
+@needs_fast
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), rate=st.floats(1.0, 80.0), caching=st.booleans(),
+       kv=st.sampled_from([None, 2_000, 6_000]), bs=st.sampled_from([1, 16]),
+       size=st.sampled_from([32, 256, 512]), seqs=st.sampled_from([2, 16, 32]),
+       watermark=st.sampled_from([0.0, 0.05]), order=st.sampled_from(["fcfs", "spf"]))
+def test_sarathi_batches_compiled_are_exact(seed, rate, caching, kv, bs, size, seqs, watermark, order, monkeypatch):
+    params = dict(chunk_size=size, max_num_seqs=seqs, watermark=watermark, order=order)
+    compiled, pure, counted = real_runs(monkeypatch, short_and_long(80, rate, seed), "sarathi", params,
+                                        prefix_caching=caching, kv_capacity=kv, block_size=bs)
+    assert compiled == pure
+    assert bool(counted.taken) == (order == "fcfs")     # shortest-prompt-first is planned by the policy
+
+
+@needs_fast
+def test_only_a_baseline_s_own_schedule_is_compiled():
+    gpu = get_gpu("a100-80gb")
+    v1 = make_policy("vllm-v1", {}, gpu)
+    assert replica._compiled_plan(v1, v1.schedule) == _fast.VLLM_V1
+    sarathi = make_policy("sarathi", {}, gpu)
+    assert replica._compiled_plan(sarathi, sarathi.schedule) == _fast.SARATHI
+
+    class Sub(VllmV1):
+        pass
+    sub = Sub(max_num_batched_tokens=2048, max_num_seqs=64)
+    assert replica._compiled_plan(sub, sub.schedule) == 0                  # a subclass may change anything
+    assert replica._compiled_plan(v1, sarathi.schedule) == 0               # another object's schedule
+    assert replica._compiled_plan(v1, lambda v: VllmV1.schedule(v1, v)) == 0

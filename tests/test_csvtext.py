@@ -7,9 +7,21 @@ import io
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvsched import csvtext
 from kvsched.csvtext import csv_lines as csv_blocks
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def layout(request, monkeypatch):
+    """Every test twice: the lines laid out by the compiled module (`_fast.csv_block`) and by numpy."""
+    if request.param == "numpy":
+        monkeypatch.setattr(csvtext, "_compiled", lambda: None)
+    elif csvtext._compiled() is None:
+        pytest.skip("kvsched.sim._fast is not built here")
+    return request.param
 
 
 def csv_lines(columns) -> bytes:
@@ -97,6 +109,21 @@ def test_other_dtypes_and_edges():
         b"%d,%d.0\r\n" % (k, k) for k in range(5))
 
 
+def test_ints_at_the_edges_of_64_bits():
+    edges = [-2 ** 63, -2 ** 63 + 1, -10 ** 18, -1, 0, 9, 10, 99, 100, 10 ** 18 - 1, 10 ** 18, 2 ** 63 - 1]
+    cols = [(np.array(edges, np.int64), None),
+            (np.array(edges[4:] + [10 ** 19 - 1, 10 ** 19, 2 ** 63, 2 ** 64 - 1], np.uint64), None)]
+    assert csv_lines(cols) == _reference(cols)
+
+
+@settings(max_examples=300, deadline=None)
+@given(xs=st.lists(st.one_of(st.floats(), st.floats(1e-4, 1e16), st.floats(1e-4, 1e5)), min_size=1, max_size=40))
+def test_any_float_is_its_repr(xs):
+    x = np.array(xs)
+    with np.errstate(invalid="ignore", over="ignore"):
+        assert csv_lines([(x, None), (-x, x == x)]) == _reference([(x, None), (-x, x == x)])
+
+
 @pytest.mark.parametrize("word", ["a,b", 'say "x"', "two\nlines", "cr\r", "caf\u00e9", "a\x00b"])
 def test_words_csv_would_quote_are_refused(word):
     with pytest.raises(ValueError, match="not a plain word"):
@@ -118,6 +145,22 @@ def test_the_fast_path_takes_nearly_every_float_of_a_run():
     for x in (t, np.diff(t), t * 7.3):
         cells, done = csvtext._float_cells(x)
         assert done.mean() > 0.97
+
+
+def test_the_compiled_digits_are_the_vectorized_ones():
+    """Where both are certain of a float's digits, they agree (each is checked against repr
+    above); the compiled one is certain about as often."""
+    fast = csvtext._compiled()
+    if fast is None or not csvtext._extended_works():
+        pytest.skip("no compiled module or no 80-bit long doubles here")
+    rng = np.random.default_rng(11)
+    x = np.concatenate([np.cumsum(rng.exponential(0.02, 20_000)), rng.exponential(0.03, 20_000)])
+    digits, ndigits, exp10, sure = csvtext._shortest(x)
+    mine = [fast.shortest_digits(v) for v in x.tolist()]
+    assert sum(m is not None for m in mine) >= 0.99 * sure.sum()
+    for m, d, nd, e, ok in zip(mine, digits.tolist(), ndigits.tolist(), exp10.tolist(), sure.tolist()):
+        if m is not None and ok:
+            assert m == (d, nd, e)
 
 
 def test_without_extended_precision_every_float_is_repr(monkeypatch):

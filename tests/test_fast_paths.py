@@ -60,6 +60,12 @@ class Hooked(Fast):
 def fingerprint(w: Workload, name: str, steady: bool, hook: bool = False, **kw) -> tuple[str, int, int]:
     """(hash of everything a run reports, schedule calls, iterations)."""
     p = (Hooked if hook else Fast if steady else Counting)(name)
+    digest, iterations = policy_fingerprint(w, p, **kw)
+    return digest, p.calls, iterations
+
+
+def policy_fingerprint(w: Workload, p, **kw) -> tuple[str, int]:
+    """(hash of everything a run of policy object `p` reports, iterations)."""
     kw.setdefault("model", "llama-2-7b")
     r = simulate(Scenario(w, gpu="a100-80gb", **kw), p, record_timeline=True, record_batches=True)
     summary = {k: v for k, v in r.summary.items() if k != "wall_seconds"}
@@ -67,7 +73,7 @@ def fingerprint(w: Workload, name: str, steady: bool, hook: bool = False, **kw) 
     per_request = [getattr(rec, k).tolist() for k in
                    ("first_token", "finished", "admitted", "itl_max", "tbt_violations", "preemptions", "recomputed")]
     blob = pickle.dumps((sorted(summary.items(), key=str), per_request, list(r.timeline), list(r.batches)))
-    return hashlib.sha256(blob).hexdigest(), p.calls, r.summary["iterations"]
+    return hashlib.sha256(blob).hexdigest(), r.summary["iterations"]
 
 
 @pytest.mark.parametrize("name", STEADY)

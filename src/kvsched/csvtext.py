@@ -66,6 +66,9 @@ def csv_lines(columns: Sequence[Column]) -> Iterator[bytes]:
 
 def _lines(columns: Sequence[Column]) -> bytes:
     n = len(columns[0][0])
+    fast = _compiled()
+    if fast is not None:                    # the same text, laid out in C
+        return fast.csv_block([_column(np.asarray(values), present) for values, present in columns], n)
     comma, crlf = np.full((n, 1), ord(","), np.uint8), np.tile(np.frombuffer(b"\r\n", np.uint8), (n, 1))
     pieces = []
     for values, present in columns:
@@ -75,23 +78,49 @@ def _lines(columns: Sequence[Column]) -> bytes:
     return np.compress(lines != 0, lines).tobytes()
 
 
+def _compiled():
+    """The compiled module (kvsched/sim/_fast.pyx, `csv_block`), or None where the simulator runs
+    its pure-Python code (no C compiler at install, KVSCHED_PURE_PYTHON=1)."""
+    from kvsched.sim import replica
+    return replica._fast
+
+
+def _column(values: np.ndarray, present: np.ndarray | None) -> tuple:
+    """A column as `_fast.csv_block` takes it: (kind, values, shown), or for words (kind,
+    byte matrix, width, shown); `shown` (uint8) is 0 where the cell is empty. It writes the
+    text `_cells` gives: repr's for floats (by `_shortest`'s rule, compiled), decimal ints."""
+    kind = _kind(values)
+    shown = np.ones(len(values), np.uint8) if present is None else np.asarray(present, bool).view(np.uint8)
+    if kind == "U":
+        words = np.ascontiguousarray(_word_cells(values))
+        return "w", words, words.shape[1], np.ascontiguousarray(shown)
+    dtype = {"f": np.float64, "i": np.int64, "u": np.uint64}[kind]
+    return kind, np.ascontiguousarray(values, dtype), np.ascontiguousarray(shown)
+
+
+def _kind(values: np.ndarray) -> str:
+    """The dtype kind of a column CSV cells can be made of ("f", "i", "u" or "U"), else TypeError."""
+    kind = values.dtype.kind
+    if kind == "f" and values.dtype.itemsize > 8:
+        raise TypeError(f"no CSV cells for {values.dtype} values (floats of more than 64 bits)")
+    if kind not in "fiuU":
+        raise TypeError(f"no CSV cells for {values.dtype} values")
+    return kind
+
+
 def _cells(values: np.ndarray, present: np.ndarray | None) -> np.ndarray:
     """A column's cells as an (n, width) byte matrix, NUL-padded: an absent value is all
     NULs, and a value the fast path leaves (`done` False) is Python's text."""
-    kind = values.dtype.kind
+    kind = _kind(values)
     if present is not None:
         present = np.asarray(present, bool)     # a mask of 0/1 ints would index rows under ~
-    if kind == "f" and values.dtype.itemsize > 8:
-        raise TypeError(f"no CSV cells for {values.dtype} values (floats of more than 64 bits)")
     if kind == "f":
         values = values.astype(np.float64)
         (cells, done), text = _float_cells(values), repr
     elif kind in "iu":
         (cells, done), text = _int_cells(values), str
-    elif kind == "U":
-        cells, done, text = _word_cells(values), np.ones(len(values), bool), str
     else:
-        raise TypeError(f"no CSV cells for {values.dtype} values")
+        cells, done, text = _word_cells(values), np.ones(len(values), bool), str
     cells[~done if present is None else ~(done & present)] = 0
     todo = ~done if present is None else ~done & present
     return _with_python_text(cells, values, todo, text) if todo.any() else cells

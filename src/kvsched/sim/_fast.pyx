@@ -5,9 +5,10 @@ float operations in the same order (built with -ffp-contract=off, so no fused mu
 the same calls back into Python for everything else. The Python originals stay the fallback
 (no C compiler, or KVSCHED_PURE_PYTHON=1) and the reference the tests compare with.
 """
-from cpython.buffer cimport PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release,
+                             PyObject_GetBuffer)
 from libc.math cimport fabs, log
-from libc.string cimport memset
+from libc.string cimport memcpy, memmove, memset, strlen
 
 from heapq import heappop, heappush
 
@@ -1027,3 +1028,260 @@ def sink_rows(log, str kinds, list rows) -> None:
             sink.put(row)
     finally:
         sink.close()
+
+
+# ----- CSV text (kvsched/csvtext.py) ---------------------------------------------------------
+cdef extern from "Python.h":
+    bytearray PyByteArray_FromStringAndSize(const char* s, Py_ssize_t n)
+    char* PyByteArray_AS_STRING(object o)
+    int PyByteArray_Resize(object o, Py_ssize_t n) except -1
+    char* PyOS_double_to_string(double val, char format_code, int precision, int flags, int* ptype) except NULL
+    void PyMem_Free(void* p)
+    int Py_DTSF_ADD_DOT_0
+
+cdef extern from "<float.h>":
+    int LDBL_MANT_DIG
+
+cdef extern from "<math.h>":
+    long long llrintl(long double x) nogil
+    double log10(double x) nogil
+    double floor(double x) nogil
+    double frexp(double x, int* e) nogil
+    double nextafter(double x, double y) nogil
+
+cdef enum:
+    FLOAT_CELL = 0
+    INT_CELL = 1
+    UINT_CELL = 2
+    WORD_CELL = 3
+
+cdef unsigned long long[19] POW10
+cdef double[28] POW10_FLOAT
+cdef long double[28] POW10_LONG
+POW10[0] = 1
+POW10_FLOAT[0] = 1.0
+POW10_LONG[0] = 1.0
+for _k in range(1, 28):
+    if _k < 19:
+        POW10[_k] = POW10[_k - 1] * 10
+    POW10_FLOAT[_k] = 10.0 ** _k                # as numpy's 10.0 ** arange(28): correctly rounded
+    POW10_LONG[_k] = POW10_LONG[_k - 1] * 10    # exact up to 10**27 in a 64-bit significand
+
+
+cdef class _Column:
+    """One column of `csv_block`: its kind and its arrays as buffers."""
+    cdef int kind
+    cdef Py_buffer values, shown
+    cdef Py_ssize_t stride
+
+    def __cinit__(self):
+        _untaken(&self.values)
+        _untaken(&self.shown)
+
+    def __dealloc__(self):
+        PyBuffer_Release(&self.values)
+        PyBuffer_Release(&self.shown)
+
+
+cdef int _bytes_of(object array, Py_buffer* view, Py_ssize_t n, Py_ssize_t itemsize) except -1:
+    """A C-contiguous buffer of n rows of `itemsize` bytes."""
+    PyObject_GetBuffer(array, view, PyBUF_C_CONTIGUOUS)
+    if view.len != n * itemsize:
+        PyBuffer_Release(view)
+        raise ValueError("a CSV column's array has the wrong length")
+    return 0
+
+
+def csv_block(list columns, Py_ssize_t n):
+    """The CSV lines (CRLF) of n rows of `columns`, as bytes: what kvsched/csvtext.py's `_lines`
+    lays out with numpy, laid out here (`_column` there prepares the columns). A column is
+    (kind, values, shown) or, for words, ("w", values, width, shown): "f" float64 values
+    (repr's text), "i" int64 and "u" uint64 (decimal), "w" a NUL-padded uint8 byte matrix n x
+    width (the bytes up to the first NUL); `shown` (uint8) is 0 where the cell is empty."""
+    cdef list cols = []
+    cdef _Column col
+    cdef Py_ssize_t width = 2
+    cdef bint extended = _extended_works()
+    for spec in columns:
+        col = _Column()
+        kind = spec[0]
+        if kind == "w":
+            col.kind, col.stride = WORD_CELL, spec[2]
+            width += col.stride + 1
+        else:
+            col.kind, col.stride = {"f": FLOAT_CELL, "i": INT_CELL, "u": UINT_CELL}[kind], 8
+            width += 33                         # repr of a float is at most 24 bytes, an int 20
+        _bytes_of(spec[1], &col.values, n, col.stride)
+        _bytes_of(spec[len(spec) - 1], &col.shown, n, 1)
+        cols.append(col)
+    out = PyByteArray_FromStringAndSize(NULL, n * width)
+    cdef char* start = PyByteArray_AS_STRING(out)
+    cdef char* p = start
+    cdef Py_ssize_t r, j, k, ncol = len(cols)
+    cdef long long v
+    cdef const unsigned char* w
+    for r in range(n):
+        for j in range(ncol):
+            col = <_Column>cols[j]
+            if j:
+                p[0] = 44                       # ','
+                p += 1
+            if not (<unsigned char*>col.shown.buf)[r]:
+                continue                        # an empty cell
+            if col.kind == FLOAT_CELL:
+                p += _float_text(p, (<double*>col.values.buf)[r], extended)
+            elif col.kind == INT_CELL:
+                v = (<long long*>col.values.buf)[r]
+                if v < 0:
+                    p[0] = 45                   # '-'
+                    p += 1
+                    p += _decimal(p, <unsigned long long>(-(v + 1)) + 1)
+                else:
+                    p += _decimal(p, <unsigned long long>v)
+            elif col.kind == UINT_CELL:
+                p += _decimal(p, (<unsigned long long*>col.values.buf)[r])
+            else:
+                w = <const unsigned char*>col.values.buf + r * col.stride
+                for k in range(col.stride):
+                    if not w[k]:
+                        break
+                    p[0] = w[k]
+                    p += 1
+        p[0] = 13                               # CRLF
+        p[1] = 10
+        p += 2
+    PyByteArray_Resize(out, p - start)
+    return bytes(out)
+
+
+cdef bint _extended_works():
+    """csvtext._extended_works: long doubles with their 64-bit significand, now (the x87 unit
+    may have been set to round to 53 bits)."""
+    cdef volatile long double one = 1.0, tiny = 1.0
+    cdef int k
+    for k in range(63):
+        tiny = tiny / 2
+    return LDBL_MANT_DIG == 64 and one + tiny != one
+
+
+cdef Py_ssize_t _float_text(char* out, double x, bint extended) except -1:
+    """repr(x) at out (its length): "whole.fraction" from `_shortest`'s digits where it is
+    certain of them, else Python's own repr (PyOS_double_to_string, as float.__repr__)."""
+    cdef unsigned long long digits
+    cdef long long nd, e10, after
+    cdef Py_ssize_t m
+    cdef char* text
+    cdef int e
+    if extended and 1e-4 <= x < 1e16 and frexp(x, &e) != 0.5 and _shortest(x, &digits, &nd, &e10):
+        after = nd - 1 - e10                    # digits after the point; <= 0: the point ends them
+        if after <= 0:                          # digits, zeros, ".0"
+            m = _padded(out, digits, nd)
+            memset(out + m, 48, -after)
+            m -= after
+            out[m], out[m + 1] = 46, 48
+            return m + 2
+        if after < nd:                          # digits with the point inside
+            _padded(out + 1, digits, nd)
+            memmove(out, out + 1, nd - after)
+            out[nd - after] = 46
+            return nd + 1
+        out[0], out[1] = 48, 46                 # "0.", zeros, digits
+        memset(out + 2, 48, after - nd)
+        return 2 + after - nd + _padded(out + 2 + after - nd, digits, nd)
+    text = PyOS_double_to_string(x, b'r', 0, Py_DTSF_ADD_DOT_0, NULL)
+    m = strlen(text)
+    memcpy(out, text, m)
+    PyMem_Free(text)
+    return m
+
+
+cdef bint _shortest(double x, unsigned long long* digits_out, long long* nd_out, long long* e10_out):
+    """csvtext._shortest for one float x in [1e-4, 1e16), not a power of two, its operations in
+    its order (80-bit long double products, float64 bounds): repr's significant digits, how
+    many, the power of ten of the first; False where it is not certain of them (see there)."""
+    cdef long long exp10 = <long long>floor(log10(x))
+    cdef double spacing = nextafter(x, INF) - x      # np.spacing of a positive float
+    cdef long long p0 = <long long>floor(<double>(exp10 + 1) - log10(spacing)) + 1
+    if p0 > 17:
+        p0 = 17
+    cdef long long scale = p0 - 1 - exp10
+    if not 0 <= scale < 28:
+        return False
+    cdef long double y = <long double>x * POW10_LONG[scale]
+    if not (y >= 1048576.0 and y < 4611686018427387904.0):         # [2**20, 2**62)
+        return False
+    cdef long long whole = llrintl(y)           # y's integer part (a rounding and a fix-up: C's
+    if <long double>whole > y:                  # truncating cast switches the x87 rounding mode)
+        whole -= 1
+    cdef double fraction = <double>(y - <long double>whole)
+    cdef double h = spacing * 0.5 * POW10_FLOAT[scale]
+    cdef double err = <double>y * 1.0842021724855044e-19 + 1e-12   # 2**-63
+    cdef double rests[4]
+    cdef double gap, rest, half
+    cdef long long j, k = -1, ten = 1, nd
+    cdef unsigned long long digits
+    rests[0] = <double>0 + fraction             # whole % 10**j, by constants (no division instruction)
+    rests[1] = <double>(whole % 10) + fraction
+    rests[2] = <double>(whole % 100) + fraction
+    rests[3] = <double>(whole % 1000) + fraction
+    for j in range(4):
+        gap = rests[j] if rests[j] < ten - rests[j] else ten - rests[j]
+        if k == j - 1:
+            if fabs(gap - h) <= err:
+                return False
+            if gap < h:
+                k = j
+        ten *= 10
+    if not 0 <= k < 3:
+        return False
+    rest, half = rests[k], <double>POW10[k] / 2
+    if fabs(rest - half) <= err:
+        return False
+    digits = <unsigned long long>(whole if k == 0 else whole // 10 if k == 1 else whole // 100) + (rest > half)
+    nd = p0 - k if p0 - k > 1 else 1
+    if not (POW10[nd - 1] <= digits < POW10[nd]):
+        return False
+    digits_out[0], nd_out[0], e10_out[0] = digits, nd, exp10
+    return True
+
+
+cdef inline Py_ssize_t _decimal(char* out, unsigned long long v):
+    """v in decimal at out; its length."""
+    cdef Py_ssize_t k = 1
+    cdef unsigned long long t = 10
+    while k < 20 and v >= t:                    # its digits: 10**19 is the last power below 2**64
+        k += 1
+        if k < 20:
+            t *= 10
+    return _padded(out, v, k)
+
+
+cdef char[200] PAIRS                    # "00".."99"
+for _k in range(100):
+    PAIRS[2 * _k], PAIRS[2 * _k + 1] = 48 + _k // 10, 48 + _k % 10
+
+
+cdef inline Py_ssize_t _padded(char* out, unsigned long long v, Py_ssize_t width):
+    """v in decimal with leading zeros to `width` digits (v < 10**width), two digits a step."""
+    cdef Py_ssize_t j = width
+    cdef unsigned long long q
+    while j >= 2:
+        q = v // 100
+        memcpy(out + j - 2, PAIRS + 2 * (v - q * 100), 2)
+        v = q
+        j -= 2
+    if j:
+        out[0] = <char>(48 + v % 10)
+    return width
+
+
+def shortest_digits(double x):
+    """(digits, how many, power of ten of the first) of repr(x) as `_float_text` finds them, or
+    None where it leaves x to Python's repr (tests: csvtext._shortest's twin)."""
+    cdef unsigned long long digits
+    cdef long long nd, e10
+    cdef int e
+    if _extended_works() and 1e-4 <= x < 1e16 and frexp(x, &e) != 0.5 and _shortest(x, &digits, &nd, &e10):
+        return digits, nd, e10
+    return None
+
