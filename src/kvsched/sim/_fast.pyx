@@ -153,9 +153,12 @@ cdef bint _exact_rows(list rows, bytes kinds):
 
 cdef object _sink(object log, str kinds):
     """A _Sink for `log` if its layout is `kinds` (8-byte cells, no padding), else None."""
-    if log is None or log.dtype != _LAYOUTS[kinds]:
-        return None
-    return _Sink(log, kinds.encode())
+    return _Sink(log, kinds.encode()) if _sinkable(log, kinds) else None
+
+
+cdef bint _sinkable(object log, str kinds):
+    """Whether `log` is a row log of layout `kinds` (a RowLog's layout is set when it is made)."""
+    return log is not None and log.dtype == _LAYOUTS[kinds]
 
 
 _LAYOUTS = {k: layout(k) for k in ("fiii", "ffiiii")}      # the replica's timeline and batches
@@ -177,13 +180,32 @@ def window_max(object window) -> float:
 
 
 cdef inline double _max_of(double* p, Py_ssize_t lo, Py_ssize_t hi):
-    """The largest of p[lo:hi] (hi > lo), compared as numpy's maximum does finite values."""
-    cdef double m = p[lo]
-    cdef Py_ssize_t k
-    for k in range(lo + 1, hi):
-        if p[k] > m:
-            m = p[k]
-    return m
+    """The largest of p[lo:hi] (hi > lo), compared as numpy's maximum does finite values: four
+    running maxima side by side (independent comparisons), then theirs (the same value: a
+    maximum of finite floats does not depend on the order)."""
+    cdef double m0 = p[lo], m1 = p[lo], m2 = p[lo], m3 = p[lo]
+    cdef Py_ssize_t k = lo + 1
+    while k + 4 <= hi:
+        if p[k] > m0:
+            m0 = p[k]
+        if p[k + 1] > m1:
+            m1 = p[k + 1]
+        if p[k + 2] > m2:
+            m2 = p[k + 2]
+        if p[k + 3] > m3:
+            m3 = p[k + 3]
+        k += 4
+    while k < hi:
+        if p[k] > m0:
+            m0 = p[k]
+        k += 1
+    if m1 > m0:
+        m0 = m1
+    if m2 > m0:
+        m0 = m2
+    if m3 > m0:
+        m0 = m3
+    return m0
 
 
 def roofline_terms(cost, decode_time):
@@ -267,7 +289,11 @@ cdef class Tables:
     per-request lists and arrays (the arrays `itl_max`, `finished`, `viol` held as buffers)
     and the replica's own dicts and lists. Neither replaces any of them in its life
     (kvsched/sim/requests.py, replica.py), so a call need not look them up again."""
-    cdef object reqs, decoders, kv, cache, recent, queue
+    cdef object reqs, decoders, kv, cache, recent, queue, itl, times, timeline, batches
+    cdef list counts
+    cdef double log_low, scale, low
+    cdef long long top
+    cdef bint sink_timeline, sink_batches
     cdef dict where, running, order, prefilling
     cdef set fresh
     cdef list finishing, status, gen, last_tok, output, prompt, computed, tbt, target
@@ -300,6 +326,12 @@ cdef class Tables:
         self.finishing, self.recent = replica._finishing, replica.recent_finished.append
         self.queue, self.prefilling, self.fresh = replica._queue, replica._prefilling, replica._fresh
         self.bs = replica.block_size
+        itl = self.itl = replica.itl            # its bins' constants are set once (kvsched/metrics.py)
+        self.counts, self.log_low, self.scale, self.low, self.top = itl.counts, itl._log_low, itl._scale, itl.low, itl._top
+        self.times = replica.recent_batch_times.append
+        self.timeline, self.batches = replica.timeline, replica.batches
+        self.sink_timeline = _sinkable(self.timeline, "fiii")
+        self.sink_batches = _sinkable(self.batches, "ffiiii")
 
     def __dealloc__(self):
         PyBuffer_Release(&self.mb)
@@ -406,19 +438,38 @@ cdef int _finish_due(object self, object c, double t, Tables tb) except -1:
     return 1
 
 
+def idle_run(object self, double until, tuple roof, Tables tables not None):
+    """`if self._idle_fits(): self._decode_run(until)` for a replica whose decode runs are
+    `_plain_decodes` (no tiers, no batch hook, no KV pulls) with a dense roofline: True where
+    it ran them compiled; False where the replica is not idle or `plain_decodes` declines
+    (nothing done: the caller's Python code decides)."""
+    if tables.queue or tables.prefilling:
+        return False
+    ds = tables.decoders
+    cdef list cohorts = ds.cohorts
+    if not ds.n or len(cohorts) != 1:
+        return False
+    c = cohorts[0]
+    kv = tables.kv
+    if not kv.used + c.residue[-c.clock % tables.bs] <= kv.capacity_blocks:     # _idle_fits, as Python computes it
+        return False
+    return plain_decodes(self, c, until, roof, tables)
+
+
 def plain_decodes(object self, object c, double until, tuple roof, Tables tables not None):
     """`Replica._plain_decodes(c, until)` compiled, for a replica whose decode time is a dense
     roofline's (`roof` = `roofline_terms`); True. False, having done nothing, where the state
     holds other types than the Python code would keep (numpy scalars: a C run would turn them
     into Python ones) or numbers past its 64-bit integers. Keep the two in step: the tests
     run both."""
-    kv = self.kv
-    itl = self.itl
-    if not (type(self.now) is float and type(c.last_time) is float and type(c.ctx) is int
-            and type(c.clock) is int and type(c.n) is int and type(kv.used) is int
-            and type(itl.total) is float and type(itl.total_sq) is float and type(itl.max) is float
-            and type(itl.n) is int and type(self.kv_integral) is float and type(self.busy) is float
-            and type(self.peak_kv) is int and type(self.iterations) is int) or c.ctx >= TOKEN_LIMIT:
+    kv, itl = tables.kv, tables.itl
+    now_o, last_o, n_o, clock_o, ctx_o, used_o = self.now, c.last_time, c.n, c.clock, c.ctx, kv.used
+    total_o, sq_o, max_o, hn_o = itl.total, itl.total_sq, itl.max, itl.n
+    kvi_o, busy_o, peak_o, k_o = self.kv_integral, self.busy, self.peak_kv, self.iterations
+    if not (type(now_o) is float and type(last_o) is float and type(ctx_o) is int and type(clock_o) is int
+            and type(n_o) is int and type(used_o) is int and type(total_o) is float and type(sq_o) is float
+            and type(max_o) is float and type(hn_o) is int and type(kvi_o) is float and type(busy_o) is float
+            and type(peak_o) is int and type(k_o) is int) or ctx_o >= TOKEN_LIMIT:
         return False
     cdef double gemm = roof[0], attn = roof[1], flop_rate = roof[2], weights = roof[3]
     cdef double byte_rate = roof[4], overhead = roof[5]
@@ -427,30 +478,30 @@ def plain_decodes(object self, object c, double until, tuple roof, Tables tables
     cdef long long kvb = kv_bytes if kv_int else 0
     cdef double kvb_f = 0.0 if kv_int else kv_bytes
     cdef long long kv_limit = TOKEN_LIMIT // kvb if kv_int and kvb else TOKEN_LIMIT   # kvb * ctx exact below it
-    cdef long long bs = self.block_size
+    cdef long long bs = tables.bs
     cdef long long cap = kv.capacity_blocks
     cdef list residue = c.residue
     fresh = c.fresh
     cdef list heap = c._heap
-    cdef long long n = c.n, clock = c.clock, ctx = c.ctx, used = kv.used
+    cdef long long n = n_o, clock = clock_o, ctx = ctx_o, used = used_o
     cdef long long f = heap[0][0] if heap else NEVER
     last_kind = self._last_kind
     cdef bint switch = last_kind != 2 and last_kind != 0
-    cdef double now = self.now, last = c.last_time
-    cdef list counts = itl.counts
-    cdef double log_low = itl._log_low, scale = itl._scale, low = itl.low
-    cdef long long top = itl._top
-    cdef double total = itl.total, total_sq = itl.total_sq, gmax = itl.max
-    cdef long long hn = itl.n
-    cdef double kv_integral = self.kv_integral, busy = self.busy
-    cdef long long peak = self.peak_kv, k = self.iterations
+    cdef double now = now_o, last = last_o
+    cdef list counts = tables.counts
+    cdef double log_low = tables.log_low, scale = tables.scale, low = tables.low
+    cdef long long top = tables.top
+    cdef double total = total_o, total_sq = sq_o, gmax = max_o
+    cdef long long hn = hn_o
+    cdef double kv_integral = kvi_o, busy = busy_o
+    cdef long long peak = peak_o, k = k_o
     cdef long long k0 = k
-    recent = self.recent_batch_times.append
-    timeline = self.timeline.append if self.timeline is not None else None
-    batches = self.batches.append if self.batches is not None else None
+    recent = tables.times
+    timeline = tables.timeline.append if tables.timeline is not None else None
+    batches = tables.batches.append if tables.batches is not None else None
     cdef _Sink tsink = None, bsink = None
     cdef long long* cell
-    cdef long long running = len(self._running)
+    cdef long long running = len(tables.running)
     cdef long long base = c._base
     gaps = c._gaps
     cdef long long glen = len(gaps)
@@ -465,8 +516,10 @@ def plain_decodes(object self, object c, double until, tuple roof, Tables tables
     cdef double* gp
     _cells(gaps, &gb, b'd', True)
     try:
-        tsink = _sink(self.timeline, "fiii")
-        bsink = _sink(self.batches, "ffiiii")
+        if tables.sink_timeline:
+            tsink = _Sink(tables.timeline, b"fiii")
+        if tables.sink_batches:
+            bsink = _Sink(tables.batches, b"ffiiii")
         while True:
             held = used + dnew
             nb = n
@@ -527,7 +580,7 @@ def plain_decodes(object self, object c, double until, tuple roof, Tables tables
                 if tables.finishing:
                     _free_finished(self, tables)
                 f = heap[0][0] if heap else NEVER
-                n, ctx, used, running = c.n, c.ctx, kv.used, len(self._running)
+                n, ctx, used, running = c.n, c.ctx, kv.used, len(tables.running)
                 if c._gaps is not gaps:
                     PyBuffer_Release(&gb)
                     gaps = c._gaps
@@ -569,7 +622,13 @@ def plain_decodes(object self, object c, double until, tuple roof, Tables tables
             bsink.close()
     _write_back(self, c, clock, ctx, now, allocated, used, tables)
     itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
-    self._end_run(k0, k, kv_integral, busy, peak, now)
+    self.kv_integral, self.busy, self.peak_kv, self.now = kv_integral, busy, peak, now   # Replica._end_run
+    self._last_kind = 2
+    if self._stall:
+        self._stall = 0
+    self.iterations = k
+    if k0 // CHUNK != k // CHUNK:
+        self._spill_logs()
     return True
 
 
@@ -602,7 +661,7 @@ cdef int _admit_step(object self, object policy, int kind, tuple roof, Tables tb
     if self._handoff is not None or self._on_batch_end is not None or self.tier_itl is not None \
             or cache is not None and not cache.inert:
         return 0
-    ds, kv, itl = tb.decoders, tb.kv, self.itl
+    ds, kv, itl = tb.decoders, tb.kv, tb.itl
     cdef list cohorts = ds.cohorts
     if len(cohorts) != 1:
         return 0
@@ -699,11 +758,11 @@ cdef int _admit_step(object self, object policy, int kind, tuple roof, Tables tb
             self._stall = 0
     if tb.finishing:
         _free_finished(self, tb)
-    self.recent_batch_times.append(dt)
-    if self.timeline is not None:
-        self.timeline.append((end, len(q), len(running), <long long>kv.used * bs))
-    if self.batches is not None:
-        self.batches.append((start, dt, pt, len(chunks), nd, held * bs))
+    tb.times(dt)
+    if tb.timeline is not None:
+        tb.timeline.append((end, len(q), len(running), <long long>kv.used * bs))
+    if tb.batches is not None:
+        tb.batches.append((start, dt, pt, len(chunks), nd, held * bs))
     self.kv_integral += <double>held * dt
     self.busy += dt
     if held > self.peak_kv:
@@ -862,10 +921,10 @@ cdef int _cohort_decode(object self, object c, double end, Tables tb) except -1:
     c.last_time = end
     c.ctx += c.n
     fresh = c.fresh
-    itl = self.itl
+    itl = tb.itl
     cdef long long m = <long long>c.n - len(fresh)
     if m > 0:                                   # GapHistogram.add(gap, m)
-        itl.counts[_bin(gap, itl.low, itl._log_low, itl._scale, itl._top)] += m
+        tb.counts[_bin(gap, tb.low, tb.log_low, tb.scale, tb.top)] += m
         itl.n += m
         itl.total += gap * <double>m
         itl.total_sq += gap * gap * <double>m
@@ -1037,6 +1096,7 @@ cdef extern from "Python.h":
     int PyByteArray_Resize(object o, Py_ssize_t n) except -1
     char* PyOS_double_to_string(double val, char format_code, int precision, int flags, int* ptype) except NULL
     void PyMem_Free(void* p)
+    void* PyMem_Malloc(size_t n)
     int Py_DTSF_ADD_DOT_0
 
 cdef extern from "<float.h>":
@@ -1069,7 +1129,7 @@ for _k in range(1, 28):
 
 
 cdef class _Column:
-    """One column of `csv_block`: its kind and its arrays as buffers."""
+    """One column of `csv_block`: its arrays held as buffers while it writes."""
     cdef int kind
     cdef Py_buffer values, shown
     cdef Py_ssize_t stride
@@ -1083,6 +1143,13 @@ cdef class _Column:
         PyBuffer_Release(&self.shown)
 
 
+ctypedef struct _Cells:                 # a column as the layout loop reads it (without the GIL)
+    int kind
+    const char* values
+    const unsigned char* shown
+    Py_ssize_t stride
+
+
 cdef int _bytes_of(object array, Py_buffer* view, Py_ssize_t n, Py_ssize_t itemsize) except -1:
     """A C-contiguous buffer of n rows of `itemsize` bytes."""
     PyObject_GetBuffer(array, view, PyBUF_C_CONTIGUOUS)
@@ -1094,13 +1161,14 @@ cdef int _bytes_of(object array, Py_buffer* view, Py_ssize_t n, Py_ssize_t items
 
 def csv_block(list columns, Py_ssize_t n):
     """The CSV lines (CRLF) of n rows of `columns`, as bytes: what kvsched/csvtext.py's `_lines`
-    lays out with numpy, laid out here (`_column` there prepares the columns). A column is
-    (kind, values, shown) or, for words, ("w", values, width, shown): "f" float64 values
-    (repr's text), "i" int64 and "u" uint64 (decimal), "w" a NUL-padded uint8 byte matrix n x
-    width (the bytes up to the first NUL); `shown` (uint8) is 0 where the cell is empty."""
+    lays out with numpy, laid out here (`_column` there prepares the columns), without the GIL
+    (another thread may write another file meanwhile). A column is (kind, values, shown) or,
+    for words, ("w", values, width, shown): "f" float64 values (repr's text), "i" int64 and
+    "u" uint64 (decimal), "w" a NUL-padded uint8 byte matrix n x width (the bytes up to the
+    first NUL); `shown` (uint8) is 0 where the cell is empty."""
     cdef list cols = []
     cdef _Column col
-    cdef Py_ssize_t width = 2
+    cdef Py_ssize_t width = 2, j, ncol = len(columns)
     cdef bint extended = _extended_works()
     for spec in columns:
         col = _Column()
@@ -1114,24 +1182,43 @@ def csv_block(list columns, Py_ssize_t n):
         _bytes_of(spec[1], &col.values, n, col.stride)
         _bytes_of(spec[len(spec) - 1], &col.shown, n, 1)
         cols.append(col)
+    cdef _Cells* cells = <_Cells*>PyMem_Malloc(ncol * sizeof(_Cells) + 1)
+    if cells == NULL:
+        raise MemoryError()
     out = PyByteArray_FromStringAndSize(NULL, n * width)
     cdef char* start = PyByteArray_AS_STRING(out)
-    cdef char* p = start
-    cdef Py_ssize_t r, j, k, ncol = len(cols)
-    cdef long long v
-    cdef const unsigned char* w
-    for r in range(n):
+    cdef char* end
+    try:
         for j in range(ncol):
             col = <_Column>cols[j]
+            cells[j].kind, cells[j].stride = col.kind, col.stride
+            cells[j].values, cells[j].shown = <const char*>col.values.buf, <const unsigned char*>col.shown.buf
+        with nogil:
+            end = _layout(start, cells, ncol, n, extended)
+    finally:
+        PyMem_Free(cells)
+    PyByteArray_Resize(out, end - start)
+    return bytes(out)
+
+
+cdef char* _layout(char* p, _Cells* cells, Py_ssize_t ncol, Py_ssize_t n, bint extended) except NULL nogil:
+    """csv_block's lines from p on; the end of them."""
+    cdef Py_ssize_t r, j, k
+    cdef long long v
+    cdef const unsigned char* w
+    cdef _Cells* col
+    for r in range(n):
+        for j in range(ncol):
+            col = &cells[j]
             if j:
                 p[0] = 44                       # ','
                 p += 1
-            if not (<unsigned char*>col.shown.buf)[r]:
+            if not col.shown[r]:
                 continue                        # an empty cell
             if col.kind == FLOAT_CELL:
-                p += _float_text(p, (<double*>col.values.buf)[r], extended)
+                p += _float_text(p, (<const double*>col.values)[r], extended)
             elif col.kind == INT_CELL:
-                v = (<long long*>col.values.buf)[r]
+                v = (<const long long*>col.values)[r]
                 if v < 0:
                     p[0] = 45                   # '-'
                     p += 1
@@ -1139,9 +1226,9 @@ def csv_block(list columns, Py_ssize_t n):
                 else:
                     p += _decimal(p, <unsigned long long>v)
             elif col.kind == UINT_CELL:
-                p += _decimal(p, (<unsigned long long*>col.values.buf)[r])
+                p += _decimal(p, (<const unsigned long long*>col.values)[r])
             else:
-                w = <const unsigned char*>col.values.buf + r * col.stride
+                w = <const unsigned char*>col.values + r * col.stride
                 for k in range(col.stride):
                     if not w[k]:
                         break
@@ -1150,8 +1237,7 @@ def csv_block(list columns, Py_ssize_t n):
         p[0] = 13                               # CRLF
         p[1] = 10
         p += 2
-    PyByteArray_Resize(out, p - start)
-    return bytes(out)
+    return p
 
 
 cdef bint _extended_works():
@@ -1164,7 +1250,7 @@ cdef bint _extended_works():
     return LDBL_MANT_DIG == 64 and one + tiny != one
 
 
-cdef Py_ssize_t _float_text(char* out, double x, bint extended) except -1:
+cdef Py_ssize_t _float_text(char* out, double x, bint extended) except -1 nogil:
     """repr(x) at out (its length): "whole.fraction" from `_shortest`'s digits where it is
     certain of them, else Python's own repr (PyOS_double_to_string, as float.__repr__)."""
     cdef unsigned long long digits
@@ -1188,14 +1274,15 @@ cdef Py_ssize_t _float_text(char* out, double x, bint extended) except -1:
         out[0], out[1] = 48, 46                 # "0.", zeros, digits
         memset(out + 2, 48, after - nd)
         return 2 + after - nd + _padded(out + 2 + after - nd, digits, nd)
-    text = PyOS_double_to_string(x, b'r', 0, Py_DTSF_ADD_DOT_0, NULL)
-    m = strlen(text)
-    memcpy(out, text, m)
-    PyMem_Free(text)
+    with gil:                                   # Python's repr (about 1% of a run's floats)
+        text = PyOS_double_to_string(x, b'r', 0, Py_DTSF_ADD_DOT_0, NULL)
+        m = strlen(text)
+        memcpy(out, text, m)
+        PyMem_Free(text)
     return m
 
 
-cdef bint _shortest(double x, unsigned long long* digits_out, long long* nd_out, long long* e10_out):
+cdef bint _shortest(double x, unsigned long long* digits_out, long long* nd_out, long long* e10_out) noexcept nogil:
     """csvtext._shortest for one float x in [1e-4, 1e16), not a power of two, its operations in
     its order (80-bit long double products, float64 bounds): repr's significant digits, how
     many, the power of ten of the first; False where it is not certain of them (see there)."""
@@ -1245,7 +1332,7 @@ cdef bint _shortest(double x, unsigned long long* digits_out, long long* nd_out,
     return True
 
 
-cdef inline Py_ssize_t _decimal(char* out, unsigned long long v):
+cdef inline Py_ssize_t _decimal(char* out, unsigned long long v) noexcept nogil:
     """v in decimal at out; its length."""
     cdef Py_ssize_t k = 1
     cdef unsigned long long t = 10
@@ -1261,7 +1348,7 @@ for _k in range(100):
     PAIRS[2 * _k], PAIRS[2 * _k + 1] = 48 + _k // 10, 48 + _k % 10
 
 
-cdef inline Py_ssize_t _padded(char* out, unsigned long long v, Py_ssize_t width):
+cdef inline Py_ssize_t _padded(char* out, unsigned long long v, Py_ssize_t width) noexcept nogil:
     """v in decimal with leading zeros to `width` digits (v < 10**width), two digits a step."""
     cdef Py_ssize_t j = width
     cdef unsigned long long q

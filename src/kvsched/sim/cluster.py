@@ -228,6 +228,8 @@ class Cluster:
         else:
             self._set_next(0, 0.0)
         single = reps[0] if len(reps) == 1 else None
+        index = single.index if single is not None else -1
+        replica_of, servable_not, arrival_of = reqs.replica, reqs.rejected_list, reqs.arrival   # _set_next's
         # a replica may run several decode-only batches in one step() until the next thing that
         # happens elsewhere; a closed loop and sessions react to each batch's finishes
         chain = closed is None and turns is None
@@ -251,11 +253,26 @@ class Cluster:
             if t_arr <= t_rep or events:           # else the common case: the replica runs a batch
                 t_ev = events[0][0] if events else INF
                 if t_arr <= t_rep and t_arr <= t_ev and t_arr < INF:
-                    if not rejected[nxt]:
+                    if rejected[nxt]:
+                        pass
+                    elif single is not None:        # _arrive, inline: one replica takes every request
+                        single.accept(nxt, t_arr)
+                        replica_of[nxt] = index
+                    else:
                         self._arrive(nxt, t_arr)
                     nxt += 1
                     reqs.issued = nxt
-                    self._set_next(nxt, t_arr)
+                    if turns is not None:
+                        self._set_next(nxt, t_arr)
+                        continue
+                    k = nxt                         # _set_next, inline
+                    while k < n and servable_not[k]:
+                        k += 1
+                    if k < n:
+                        arr.pending, arr.next_time = True, arrival_of[k]
+                    else:
+                        self._pending(False, t_arr)
+                        arr.next_time = None
                     continue
                 if t_ev <= t_rep and t_ev < INF:
                     self._event(heapq.heappop(events), closed)
