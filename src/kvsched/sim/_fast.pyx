@@ -293,7 +293,8 @@ cdef class Tables:
     cdef list counts
     cdef double log_low, scale, low
     cdef long long top
-    cdef bint sink_timeline, sink_batches
+    cdef bint sink_timeline, sink_batches, shared
+    cdef dict keyed
     cdef dict where, running, order, prefilling
     cdef set fresh
     cdef list finishing, status, gen, last_tok, output, prompt, computed, tbt, target
@@ -332,6 +333,8 @@ cdef class Tables:
         self.timeline, self.batches = replica.timeline, replica.batches
         self.sink_timeline = _sinkable(self.timeline, "fiii")
         self.sink_batches = _sinkable(self.batches, "ffiiii")
+        if self.cache is not None:              # PrefixCache.inert's terms: its map, and whether
+            self.keyed, self.shared = self.cache.map, self.cache._shared    # requests share (both fixed)
 
     def __dealloc__(self):
         PyBuffer_Release(&self.mb)
@@ -643,12 +646,18 @@ def admit_step(object self, object policy, int kind, tuple roof, Tables tables n
     preempts nothing: it is planned here as `schedule` plans it (the same comparisons on the
     same ints) and run as `_execute` runs it (`_admit`, `_prefill_shape` on no cache or an
     inert one, `_decode_step` of the one cohort, `_prefill_complete`, the batch's records).
-    True; False, having done nothing, where the plan would preempt or be empty, the replica
-    is in a state this does not cover (a prefill replica, tiers, a batch hook, several
+    The replica has no tiers, no batch hook and no hand-off (it is not a prefill replica: the
+    caller's `_compiled_plan` decides that once). True; False, having done nothing, where the
+    plan would preempt or be empty, the replica is in a state this does not cover (several
     cohorts, a keyed cache), or a number is not what Python would hold (numpy's, or past the
     64-bit or 2**52 bounds): then the policy plans and `_execute` runs. Keep in step with
     those (tests/test_compiled.py runs both)."""
     return _admit_step(self, policy, kind, roof, tables) == 1
+
+
+cdef inline bint _inert(Tables tb):
+    """PrefixCache.inert of the replica's cache: nothing keyed, no request sharing blocks."""
+    return not tb.keyed and not tb.shared
 
 
 cdef inline bint _int(object x):
@@ -658,8 +667,7 @@ cdef inline bint _int(object x):
 cdef int _admit_step(object self, object policy, int kind, tuple roof, Tables tb) except -1:
     """admit_step's work: 1 done, 0 declined (nothing changed)."""
     cache = tb.cache
-    if self._handoff is not None or self._on_batch_end is not None or self.tier_itl is not None \
-            or cache is not None and not cache.inert:
+    if cache is not None and not _inert(tb):
         return 0
     ds, kv, itl = tb.decoders, tb.kv, tb.itl
     cdef list cohorts = ds.cohorts
@@ -990,7 +998,7 @@ cdef int _free_finished(object self, Tables tb) except -1:
         if type(item[1]) is not int or not 0 <= item[1] < LIMIT:
             self._free_finished()
             return 0
-    if not cache.inert:
+    if not _inert(tb):
         self._free_finished()
         return 0
     cdef long long bs = cache.bs, full = 0, released = 0, kvt

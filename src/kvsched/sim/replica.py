@@ -179,7 +179,8 @@ class Replica:
         # decode runs compiled in one call with the idle check (`idle_run`): `_decode_run`'s plain case
         self._idle_compiled = self._roof is not None and self._on_batch_end is None and self.tier_itl is None
         # a baseline's batch planned and run compiled (`admit_step`), where its plan preempts nothing
-        self._plan_kind = _compiled_plan(policy, self._schedule) if self._roof is not None else 0
+        self._plan_kind = (_compiled_plan(policy, self._schedule) if self._roof is not None and handoff is None
+                           and self._on_batch_end is None and self.tier_itl is None else 0)
         self.view = ReplicaView(self, {
             "index": index, "role": role, "block_size": bs, "kv_capacity_blocks": kv.capacity_blocks,
             "cost_model": cost, "waiting": ReadOnlySeq(self._queue), "running": self._running.keys(),
