@@ -625,13 +625,7 @@ def plain_decodes(object self, object c, double until, tuple roof, Tables tables
             bsink.close()
     _write_back(self, c, clock, ctx, now, allocated, used, tables)
     itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
-    self.kv_integral, self.busy, self.peak_kv, self.now = kv_integral, busy, peak, now   # Replica._end_run
-    self._last_kind = 2
-    if self._stall:
-        self._stall = 0
-    self.iterations = k
-    if k0 // CHUNK != k // CHUNK:
-        self._spill_logs()
+    self._end_run(k0, k, kv_integral, busy, peak, now)
     return True
 
 

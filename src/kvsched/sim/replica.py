@@ -532,8 +532,8 @@ class Replica:
         self._end_run(k0, k, kv_integral, busy, peak, now)
 
     def _end_run(self, k0: int, k: int, kv_integral: float, busy: float, peak: int, now: float) -> None:
-        """The end of a decode run (`_plain_decodes`; its compiled twin does the same inline): its
-        figures written back, batches k0..k done, decode-only, the row logs' full chunks spilled."""
+        """The end of a decode run (`_plain_decodes` and its compiled twin): its figures written
+        back, batches k0..k done, decode-only, the row logs' full chunks spilled."""
         self.kv_integral, self.busy, self.peak_kv, self.now = kv_integral, busy, peak, now
         self._last_kind = 2
         if self._stall:
