@@ -586,3 +586,32 @@ def test_only_a_baseline_s_own_schedule_is_compiled():
     assert replica._compiled_plan(sub, sub.schedule) == 0                  # a subclass may change anything
     assert replica._compiled_plan(v1, sarathi.schedule) == 0               # another object's schedule
     assert replica._compiled_plan(v1, lambda v: VllmV1.schedule(v1, v)) == 0
+
+
+@needs_fast
+@pytest.mark.parametrize("name,attr", [("sarathi", "chunk_size"), ("vllm-v1", "max_num_batched_tokens")])
+@pytest.mark.parametrize("below", [1, 2, 3])
+def test_a_token_budget_cut_below_the_decoders_mid_run_is_planned_as_python_plans_it(name, attr, below,
+                                                                                      monkeypatch):
+    """A policy's budget set mid-run (its checks bypassed) to `below` fewer tokens than the
+    replica has decoders leaves a negative rest: no value of it may read as the compiled
+    plan's decline or error (a rest of -2 once did: "error return without exception set")."""
+    from kvsched.cost.roofline import RooflineCost
+    from kvsched.kvcache import PagedKV
+    from kvsched.sim.server import Server
+    gpu, model = get_gpu("a100-80gb"), get_model("llama-2-7b")
+    runs = []
+    for fast in (_fast, None):
+        monkeypatch.setattr(replica, "_fast", fast)
+        policy = make_policy(name, {}, gpu)
+        server = Server(short_and_long(3000, 40.0, 5), policy, RooflineCost(model, gpu), PagedKV(40_000, 16),
+                        record_timeline=True, record_batches=True)
+
+        full = getattr(policy, attr)
+
+        def cut(done: int, remaining: int) -> None:     # called every 4,096 steps: cut, restore, ...
+            cutting = getattr(policy, attr) == full
+            setattr(policy, attr, max(1, server.replica._decoders.n - below) if cutting else full)
+        r = server.run(cut)
+        runs.append((r.first_token.tolist(), r.finished.tolist(), list(server.replica.timeline)))
+    assert runs[0] == runs[1]

@@ -679,12 +679,13 @@ cdef int _admit_step(object self, object policy, int kind, tuple roof, Tables tb
     cdef list residue = c.residue
     cdef long long dnew = residue[_residue_index(clock, bs)]      # make_room's decode_new_blocks
     cdef list chunks = []
-    cdef long long n_admit = 0, free, budget
+    cdef long long n_admit = 0
+    cdef int planned
     if kind == VLLM_V1:
-        budget = _plan_vllm_v1(self, policy, tb, cap - used - dnew, nd, chunks, &n_admit)
+        planned = _plan_vllm_v1(self, policy, tb, cap - used - dnew, nd, chunks, &n_admit)
     else:
-        budget = _plan_sarathi(self, policy, tb, cap - used, dnew, nd, chunks, &n_admit)
-    if budget < 0 or not chunks and not nd:
+        planned = _plan_sarathi(self, policy, tb, cap - used, dnew, nd, chunks, &n_admit)
+    if not planned or not chunks and not nd:
         return 0
     # _prefill_shape's sums, and the checks _execute would make, before anything changes
     cdef list computed = tb.computed, target = tb.target
@@ -775,14 +776,15 @@ cdef int _admit_step(object self, object policy, int kind, tuple roof, Tables tb
     return 1
 
 
-cdef long long _plan_vllm_v1(object self, object policy, Tables tb, long long free, long long nd,
-                             list chunks, long long* n_admit) except -2:
+cdef int _plan_vllm_v1(object self, object policy, Tables tb, long long free, long long nd,
+                       list chunks, long long* n_admit) except -1:
     """VllmV1.schedule on the replica's state where it preempts nothing (make_room's decode
     step fits, every running chunk fits): its chunks into `chunks`, the admitted count (the
-    queue's front) into n_admit; the budget left, or -1 where it would preempt (declined)."""
+    queue's front) into n_admit; 1, or 0 where it would preempt or a number is not a count
+    C holds (declined: `chunks` is then not used)."""
     tokens, seqs, cap_tokens = policy.max_num_batched_tokens, policy.max_num_seqs, policy._cap
     if free < 0 or not (_int(tokens) and _int(seqs) and (cap_tokens is None or _int(cap_tokens))):
-        return -1
+        return 0
     cdef long long bs = tb.bs, budget = <long long>tokens - nd, capc = 0, done, ck, need, t
     cdef object q = tb.queue
     cdef dict running = tb.running
@@ -791,14 +793,14 @@ cdef long long _plan_vllm_v1(object self, object policy, Tables tb, long long fr
         capc = cap_tokens
     for i in tb.prefilling:
         if not (_int(computed[i]) and _int(target[i])):
-            return -1
+            return 0
         done = computed[i]
         ck = _min3(budget, <long long>target[i] - done, capc if capc else budget)
         if ck <= 0:
             break
         need = _blocks(done + ck, bs) - _blocks(done, bs)
         if need > free:
-            return -1                           # it would preempt
+            return 0                           # it would preempt
         chunks.append((i, ck))
         free -= need
         budget -= ck
@@ -808,11 +810,11 @@ cdef long long _plan_vllm_v1(object self, object policy, Tables tb, long long fr
         if n >= <long long>seqs or budget <= 0:
             break
         if not (_int(target[i]) and _int(computed[i])):
-            return -1
+            return 0
         t = target[i]
         ck = _min3(budget, t, capc if capc else budget)
         if ck <= 0:
-            return -1
+            return 0
         need = _blocks(ck, bs)
         if need > free or whole and _blocks(t, bs) > free:
             break
@@ -821,27 +823,27 @@ cdef long long _plan_vllm_v1(object self, object policy, Tables tb, long long fr
         free -= need
         budget -= ck
         n += 1
-    return budget
+    return 1
 
 
-cdef long long _plan_sarathi(object self, object policy, Tables tb, long long free, long long dnew,
-                             long long nd, list chunks, long long* n_admit) except -2:
+cdef int _plan_sarathi(object self, object policy, Tables tb, long long free, long long dnew,
+                       long long nd, list chunks, long long* n_admit) except -1:
     """Sarathi.schedule (order fcfs) on the replica's state where make_room preempts nothing,
-    as _plan_vllm_v1: chunks, admitted count, budget left or -1."""
+    as _plan_vllm_v1: chunks, admitted count; 1, or 0 (declined)."""
     size, seqs, watermark = policy.chunk_size, policy.max_num_seqs, policy.watermark
     if policy.order != "fcfs" or not (_int(size) and _int(seqs)) or type(watermark) not in (float, int):
-        return -1
+        return 0
     cdef long long bs = tb.bs, budget, reserve = 0, ck, need, t, seats, keep = 0
     cdef object q = tb.queue
     cdef dict running = tb.running, prefilling = tb.prefilling
     cdef list computed = tb.computed, target = tb.target
     for i in prefilling:
         if not (_int(computed[i]) and _int(target[i])):
-            return -1
+            return 0
         reserve += _blocks(target[i], bs) - _blocks(computed[i], bs)
     free -= reserve
     if dnew > free:
-        return -1                               # make_room would preempt
+        return 0                               # make_room would preempt
     free -= dnew
     budget = <long long>size - nd
     for i in prefilling:
@@ -855,26 +857,26 @@ cdef long long _plan_sarathi(object self, object policy, Tables tb, long long fr
         if running:
             k = int(watermark * self.kv_capacity_blocks)
             if not _int(k):
-                return -1
+                return 0
             keep = k
         for i in q:
             if budget <= 0 or seats <= 0:
                 break
             if not (_int(target[i]) and _int(computed[i])):
-                return -1
+                return 0
             t = target[i]
             need = _blocks(t, bs)
             if free - need < keep:
                 break
             ck = _min3(budget, t, budget)
             if ck <= 0:
-                return -1
+                return 0
             chunks.append((i, ck))
             n_admit[0] += 1
             free -= need
             budget -= ck
             seats -= 1
-    return budget
+    return 1
 
 
 cdef inline long long _min3(long long a, long long b, long long c):
