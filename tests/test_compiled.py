@@ -589,6 +589,33 @@ def test_only_a_baseline_s_own_schedule_is_compiled():
 
 
 @needs_fast
+def test_a_patched_helper_of_the_baselines_is_asked_not_compiled(monkeypatch):
+    from kvsched.policies import baselines
+    v1 = make_policy("vllm-v1", {}, get_gpu("a100-80gb"))
+    for name in ("make_room", "admit_reserving"):
+        with monkeypatch.context() as m:
+            m.setattr(baselines, name, lambda *a, **k: None)
+            assert replica._compiled_plan(v1, v1.schedule) == 0
+    assert replica._compiled_plan(v1, v1.schedule) == _fast.VLLM_V1
+
+
+@needs_fast
+@pytest.mark.parametrize("watermark", [float("inf"), float("nan")])
+def test_a_watermark_python_cannot_use_fails_as_in_python(watermark, monkeypatch):
+    """Set past its checks: the policy's own error (a PlanError naming it), compiled too."""
+    from kvsched.errors import PlanError
+    errors = []
+    for fast in (_fast, None):
+        monkeypatch.setattr(replica, "_fast", fast)
+        p = make_policy("sarathi", {}, get_gpu("a100-80gb"))
+        p.watermark = watermark
+        with pytest.raises(PlanError) as e:
+            policy_fingerprint(workload(60, 30.0, 3), p)
+        errors.append(str(e.value).split(" at t=")[0])
+    assert errors[0] == errors[1]
+
+
+@needs_fast
 @pytest.mark.parametrize("name,attr", [("sarathi", "chunk_size"), ("vllm-v1", "max_num_batched_tokens")])
 @pytest.mark.parametrize("below", [1, 2, 3])
 def test_a_token_budget_cut_below_the_decoders_mid_run_is_planned_as_python_plans_it(name, attr, below,

@@ -366,6 +366,8 @@ class RequestLevel(_Base):
 
 
 # The plans as this module defines them: sim/_fast.pyx plans and runs a batch of these itself
-# (`admit_step`) only for a policy of exactly this class whose `schedule` is still this one
-# (a subclass, or a class or instance patched since, is asked instead).
+# (`admit_step`) only for a policy of exactly this class whose `schedule` is still this one,
+# while the helpers they call are still these (a subclass, or a class, instance or helper
+# patched since, is asked instead).
 COMPILED_PLANS = {VllmV1: VllmV1.schedule, Sarathi: Sarathi.schedule}
+COMPILED_HELPERS = {"make_room": make_room, "admit_reserving": admit_reserving}

@@ -805,7 +805,10 @@ cdef int _plan_vllm_v1(object self, object policy, Tables tb, long long free, lo
         free -= need
         budget -= ck
     cdef long long n = len(running)
-    cdef bint whole = policy.reserve_full_prompt
+    whole_o = policy.reserve_full_prompt
+    if type(whole_o) is not bool:               # Python reads its truth only where it decides
+        return 0
+    cdef bint whole = whole_o
     for i in q:
         if n >= <long long>seqs or budget <= 0:
             break
@@ -855,6 +858,8 @@ cdef int _plan_sarathi(object self, object policy, Tables tb, long long free, lo
     if q and budget > 0:                        # admit_reserving
         seats = <long long>seqs - len(running)
         if running:
+            if not -INF < watermark < INF:      # int() of it raises: the policy's own error, in Python
+                return 0
             k = int(watermark * self.kv_capacity_blocks)
             if not _int(k):
                 return 0

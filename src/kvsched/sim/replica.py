@@ -74,13 +74,15 @@ def _short(x, limit: int = 60) -> str:
 
 def _compiled_plan(policy, schedule) -> int:
     """Which baseline `_fast.admit_step` plans for this policy (0: none): one of exactly a class
-    in `COMPILED_PLANS` whose bound `schedule` is still that class's own."""
-    from kvsched.policies.baselines import COMPILED_PLANS, Sarathi
-    original = COMPILED_PLANS.get(type(policy))
+    in `COMPILED_PLANS` whose bound `schedule` is still that class's own, the module's helpers
+    (`COMPILED_HELPERS`) unpatched."""
+    from kvsched.policies import baselines
+    original = baselines.COMPILED_PLANS.get(type(policy))
     if original is None or getattr(schedule, "__func__", None) is not original \
-            or getattr(schedule, "__self__", None) is not policy:
+            or getattr(schedule, "__self__", None) is not policy \
+            or any(getattr(baselines, name) is not f for name, f in baselines.COMPILED_HELPERS.items()):
         return 0
-    return _fast.SARATHI if type(policy) is Sarathi else _fast.VLLM_V1
+    return _fast.SARATHI if type(policy) is baselines.Sarathi else _fast.VLLM_V1
 
 
 class Arrivals:
