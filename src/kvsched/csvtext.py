@@ -68,7 +68,8 @@ def _lines(columns: Sequence[Column]) -> bytes:
     n = len(columns[0][0])
     fast = _compiled()
     if fast is not None:                    # the same text, laid out in C
-        return fast.csv_block([_column(np.asarray(values), present) for values, present in columns], n)
+        return fast.csv_block([_column(np.asarray(values), present) for values, present in columns], n,
+                              _extended_works())
     comma, crlf = np.full((n, 1), ord(","), np.uint8), np.tile(np.frombuffer(b"\r\n", np.uint8), (n, 1))
     pieces = []
     for values, present in columns:

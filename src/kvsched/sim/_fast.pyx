@@ -441,24 +441,6 @@ cdef int _finish_due(object self, object c, double t, Tables tb) except -1:
     return 1
 
 
-def idle_run(object self, double until, tuple roof, Tables tables not None):
-    """`if self._idle_fits(): self._decode_run(until)` for a replica whose decode runs are
-    `_plain_decodes` (no tiers, no batch hook, no KV pulls) with a dense roofline: True where
-    it ran them compiled; False where the replica is not idle or `plain_decodes` declines
-    (nothing done: the caller's Python code decides)."""
-    if tables.queue or tables.prefilling:
-        return False
-    ds = tables.decoders
-    cdef list cohorts = ds.cohorts
-    if not ds.n or len(cohorts) != 1:
-        return False
-    c = cohorts[0]
-    kv = tables.kv
-    if not kv.used + c.residue[-c.clock % tables.bs] <= kv.capacity_blocks:     # _idle_fits, as Python computes it
-        return False
-    return plain_decodes(self, c, until, roof, tables)
-
-
 def plain_decodes(object self, object c, double until, tuple roof, Tables tables not None):
     """`Replica._plain_decodes(c, until)` compiled, for a replica whose decode time is a dense
     roofline's (`roof` = `roofline_terms`); True. False, having done nothing, where the state
@@ -1168,17 +1150,17 @@ cdef int _bytes_of(object array, Py_buffer* view, Py_ssize_t n, Py_ssize_t items
     return 0
 
 
-def csv_block(list columns, Py_ssize_t n):
+def csv_block(list columns, Py_ssize_t n, bint extended):
     """The CSV lines (CRLF) of n rows of `columns`, as bytes: what kvsched/csvtext.py's `_lines`
     lays out with numpy, laid out here (`_column` there prepares the columns), without the GIL
     (another thread may write another file meanwhile). A column is (kind, values, shown) or,
     for words, ("w", values, width, shown): "f" float64 values (repr's text), "i" int64 and
     "u" uint64 (decimal), "w" a NUL-padded uint8 byte matrix n x width (the bytes up to the
-    first NUL); `shown` (uint8) is 0 where the cell is empty."""
+    first NUL); `shown` (uint8) is 0 where the cell is empty. `extended`: csvtext's
+    `_extended_works()` (80-bit long doubles now; without them every float is Python's repr)."""
     cdef list cols = []
     cdef _Column col
     cdef Py_ssize_t width = 2, j, ncol = len(columns)
-    cdef bint extended = _extended_works()
     for spec in columns:
         col = _Column()
         kind = spec[0]
@@ -1247,16 +1229,6 @@ cdef char* _layout(char* p, _Cells* cells, Py_ssize_t ncol, Py_ssize_t n, bint e
         p[1] = 10
         p += 2
     return p
-
-
-cdef bint _extended_works():
-    """csvtext._extended_works: long doubles with their 64-bit significand, now (the x87 unit
-    may have been set to round to 53 bits)."""
-    cdef volatile long double one = 1.0, tiny = 1.0
-    cdef int k
-    for k in range(63):
-        tiny = tiny / 2
-    return LDBL_MANT_DIG == 64 and one + tiny != one
 
 
 cdef Py_ssize_t _float_text(char* out, double x, bint extended) except -1 nogil:
@@ -1372,12 +1344,13 @@ cdef inline Py_ssize_t _padded(char* out, unsigned long long v, Py_ssize_t width
 
 
 def shortest_digits(double x):
-    """(digits, how many, power of ten of the first) of repr(x) as `_float_text` finds them, or
-    None where it leaves x to Python's repr (tests: csvtext._shortest's twin)."""
+    """(digits, how many, power of ten of the first) of repr(x) as `_float_text` finds them with
+    80-bit long doubles, or None where it leaves x to Python's repr (tests: csvtext._shortest's
+    twin)."""
     cdef unsigned long long digits
     cdef long long nd, e10
     cdef int e
-    if _extended_works() and 1e-4 <= x < 1e16 and frexp(x, &e) != 0.5 and _shortest(x, &digits, &nd, &e10):
+    if 1e-4 <= x < 1e16 and frexp(x, &e) != 0.5 and _shortest(x, &digits, &nd, &e10):
         return digits, nd, e10
     return None
 

@@ -229,7 +229,6 @@ class Cluster:
             self._set_next(0, 0.0)
         single = reps[0] if len(reps) == 1 else None
         index = single.index if single is not None else -1
-        replica_of, servable_not, arrival_of = reqs.replica, reqs.rejected_list, reqs.arrival   # _set_next's
         # a replica may run several decode-only batches in one step() until the next thing that
         # happens elsewhere; a closed loop and sessions react to each batch's finishes
         chain = closed is None and turns is None
@@ -257,7 +256,7 @@ class Cluster:
                         pass
                     elif single is not None:        # _arrive, inline: one replica takes every request
                         single.accept(nxt, t_arr)
-                        replica_of[nxt] = index
+                        reqs.replica[nxt] = index
                     else:
                         self._arrive(nxt, t_arr)
                     nxt += 1
@@ -265,11 +264,11 @@ class Cluster:
                     if turns is not None:
                         self._set_next(nxt, t_arr)
                         continue
-                    k = nxt                         # _set_next, inline
-                    while k < n and servable_not[k]:
+                    k = nxt                         # _set_next, inline (without sessions `rejected` and
+                    while k < n and rejected[k]:    # `arrival` are the table's)
                         k += 1
                     if k < n:
-                        arr.pending, arr.next_time = True, arrival_of[k]
+                        arr.pending, arr.next_time = True, arrival[k]
                     else:
                         self._pending(False, t_arr)
                         arr.next_time = None

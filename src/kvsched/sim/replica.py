@@ -178,8 +178,6 @@ class Replica:
         # the compiled decode run takes replicas whose decode time it computes itself (a roofline's)
         self._roof = fast.roofline_terms(cost, self._decode_time) if fast is not None else None
         self._tables = fast.Tables(self) if fast is not None else None     # its containers, for the twins
-        # decode runs compiled in one call with the idle check (`idle_run`): `_decode_run`'s plain case
-        self._idle_compiled = self._roof is not None and self._on_batch_end is None and self.tier_itl is None
         # a baseline's batch planned and run compiled (`admit_step`), where its plan preempts nothing
         self._plan_kind = (_compiled_plan(policy, self._schedule) if self._roof is not None and handoff is None
                            and self._on_batch_end is None and self.tier_itl is None else 0)
@@ -371,12 +369,9 @@ class Replica:
         `until` (the caller's next event: nothing else may happen before it)."""
         if self._landing:
             self._land_ready()
-        if self._steady and not self._queue:
-            if self._idle_compiled and not self.pulls and self._fast.idle_run(self, until, self._roof, self._tables):
-                return True
-            if self._idle_fits():
-                self._decode_run(until)
-                return True
+        if self._steady and not self._queue and self._idle_fits():
+            self._decode_run(until)
+            return True
         q = len(self._queue)
         if q > self.peak_queue:
             self.peak_queue = q
