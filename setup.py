@@ -1,6 +1,7 @@
 """The compiled fast path (src/kvsched/sim/_fast.pyx, issue "Speed"): built when Cython and a C
 compiler are at hand on a 64-bit machine; without them kvsched installs and runs its
 pure-Python code, with the same results bit for bit. Everything else is in pyproject.toml."""
+import ast
 import hashlib
 import sys
 from pathlib import Path
@@ -8,7 +9,8 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-PYX = Path(__file__).resolve().parent / "src/kvsched/sim/_fast.pyx"
+PACKAGE = Path(__file__).resolve().parent / "src/kvsched"
+PYX = PACKAGE / "sim/_fast.pyx"
 # no fused multiply-add or fast-math: C must round every float operation as Python does
 FLAGS = ["-O2", "-ffp-contract=off", "-fno-fast-math"]
 
@@ -33,6 +35,15 @@ class OptionalBuildExt(build_ext):
             warn(str(exc))
 
 
+def mirrors() -> tuple[str, ...]:
+    """kvsched.sim.compiled.MIRRORS, read as a literal (kvsched is not importable at build time)."""
+    tree = ast.parse((PACKAGE / "sim/compiled.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "MIRRORS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise RuntimeError("MIRRORS not found in src/kvsched/sim/compiled.py")
+
+
 def extensions() -> list:
     if sys.maxsize < 2 ** 62:           # 32-bit x86 rounds in 80-bit registers: results could differ
         warn("not a 64-bit Python")
@@ -40,9 +51,11 @@ def extensions() -> list:
     if not PYX.exists():
         warn(f"{PYX} is missing")
         return []
-    sha = hashlib.sha256(PYX.read_bytes()).hexdigest()      # replica.py checks it against the .pyx
+    # the sha256 of every file the module mirrors, recorded in it: kvsched/sim/compiled.py uses
+    # the module only while the installed files still match (an edit runs the Python code)
+    sources = ";".join(f"{rel}={hashlib.sha256((PACKAGE / rel).read_bytes()).hexdigest()}" for rel in mirrors())
     ext = Extension("kvsched.sim._fast", ["src/kvsched/sim/_fast.pyx"], extra_compile_args=FLAGS,
-                    define_macros=[("KVSCHED_PYX_SHA256", f'"{sha}"')])
+                    define_macros=[("KVSCHED_SOURCES", f'"{sources}"')])
     try:
         from Cython.Build import cythonize
         return cythonize([ext], quiet=True)

@@ -1,7 +1,7 @@
 """Prefix caching (docs/prefix-caching.md): its effect on the Mooncake traces and the
 simulator's speed with it on.
 
-1. Mooncake: `mooncake-conversation.jsonl` and `mooncake-synthetic.jsonl` (../shared/traces),
+1. Mooncake: `mooncake-conversation.jsonl` and `mooncake-synthetic.jsonl` (bundled with kvsched),
    each replayed at its own times (the conversation trace spans an hour), qwen2-7b on 4 x
    H200 (roofline cost, max_model_len 200,000 so that no prompt is rejected), vllm-v1:
    `least-outstanding` with caching off and on, and `prefix-affinity` with caching on.
@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from kvsched.run import Scenario, simulate
 from kvsched.workload import load_trace
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 RUNS = [("least-outstanding", False), ("least-outstanding", True), ("prefix-affinity", True)]
 COLUMNS = [("prefix_hit_rate", "hit tok", "{:.1%}"), ("prefix_block_hit_rate", "hit blk", "{:.1%}"),
            ("prefix_evictions", "evicted", "{:,}"), ("request_throughput", "req/s", "{:.3f}"),
@@ -42,7 +40,7 @@ def mooncake(names: list[str], replicas: int) -> None:
     print(f"{'trace':14} {'router':18} {'cache':5} " + " ".join(f"{label:>10}" for _, label, _ in COLUMNS)
           + f" {'wall s':>7} {'sim req/s':>9}")
     for name in names:
-        w = load_trace(TRACES / f"mooncake-{name}.jsonl")
+        w = load_trace(f"mooncake-{name}")          # bundled
         for router, caching in RUNS:
             sc = Scenario(w, model="qwen2-7b", gpu="h200", max_model_len=200_000, replicas=replicas,
                           router=router, prefix_caching=caching)
@@ -55,8 +53,8 @@ def mooncake(names: list[str], replicas: int) -> None:
 
 
 def speed(n: int) -> None:
-    w = load_trace(TRACES / "sharegpt-vidur-10k-lengths.csv", rate=7.0, num_requests=n, seed=0)
-    print(f"\n2. speed: vllm-v1 on {TRACES.name}/sharegpt-vidur-10k-lengths.csv resampled to {n:,}, "
+    w = load_trace("sharegpt-vidur-10k-lengths", rate=7.0, num_requests=n, seed=0)
+    print(f"\n2. speed: vllm-v1 on sharegpt-vidur-10k-lengths resampled to {n:,}, "
           "qwen2-7b on a30, Poisson 7 req/s")
     for caching in (False, True):
         sc = Scenario(w, model="qwen2-7b", gpu="a30", prefix_caching=caching)
@@ -75,9 +73,6 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=50_000)
     ap.add_argument("--skip-speed", action="store_true")
     args = ap.parse_args()
-    if not TRACES.exists():
-        print(f"traces not found: {TRACES}", file=sys.stderr)
-        return 2
     mooncake(args.traces.split(","), args.replicas)
     if not args.skip_speed:
         speed(args.requests)

@@ -1,5 +1,5 @@
 """Simulator speed from start-up to the last request, on the workload of the side-by-side
-with Vidur (issue "Speed"): Vidur's ShareGPT sample (../shared/traces/sharegpt-vidur-10k-lengths.csv,
+with Vidur (issue "Speed"): Vidur's ShareGPT sample (bundled: sharegpt-vidur-10k-lengths,
 resampled), `--model llama-2-7b --gpu a100-80gb --cap-len 4096`, roofline, Poisson arrivals
 at 7 req/s per replica.
 

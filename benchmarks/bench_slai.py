@@ -40,7 +40,7 @@ import numpy as np
 
 from kvsched.run import Scenario, simulate
 from kvsched.workload.arrivals import Closed
-from kvsched.workload.presets import SHAREGPT_FILE, sharegpt_phase, slai_workload, traces_dir
+from kvsched.workload.presets import sharegpt_phase, slai_workload
 from kvsched.workload.spec import WorkloadSpec
 
 COST = "tiled-mistral-7b-rtx-6000-ada"
@@ -208,7 +208,7 @@ def section_bcd(seeds: int, workers: int, m: float, rates: list[float]) -> None:
 
 def sharegpt_closed(n: int, c: int):
     """n ShareGPT requests (seeded permutation, capped at 8,192 tokens) in a closed loop of c."""
-    return WorkloadSpec((sharegpt_phase(traces_dir(), n, Closed(c), sample="permutation"),),
+    return WorkloadSpec((sharegpt_phase(n, Closed(c), sample="permutation"),),
                         cap_len=8192, seed=0).build()
 
 
@@ -301,8 +301,6 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="one seed, coarse grids (a smoke run)")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
-    if traces_dir() is None:
-        print(f"{SHAREGPT_FILE} not found (set KVSCHED_TRACES): the runs use the ShareGPT stand-in")
     seeds = 1 if args.quick else args.seeds
     rates = ([0.2, 0.6, 1.0, 1.2, 1.4, 1.6, 2.0] if args.quick else
              [0.2, 0.6, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 2.0])

@@ -32,7 +32,8 @@ from kvsched.run import Scenario, simulate
 from kvsched.theory import fluid, wait as theory
 from kvsched.theory.fluid import FluidType
 from kvsched.workload.arrivals import Poisson
-from kvsched.workload.presets import get_preset, traces_dir
+from kvsched.workload.presets import get_preset
+from kvsched.workload.readers import read_trace
 
 BASELINES = ("vllm-v1", "vllm-v0", "sarathi")
 
@@ -215,17 +216,10 @@ def section_c(scale: float, plots: dict, claims: list) -> None:
 # ----- (d) the memory bound against L ------------------------------------------------------
 
 def sharegpt_types(m: int = 500) -> tuple[list[float], list[float], str]:
-    """Decode lengths 1..m with frequencies from the ShareGPT trace (Figure 15), or a
-    geometric stand-in when the trace is absent."""
-    folder = traces_dir()
-    path = folder / "sharegpt-lengths.csv" if folder else None
-    if path is not None and path.is_file():
-        out = np.loadtxt(path, delimiter=",", skiprows=1, usecols=1).astype(int)
-        freq = np.bincount(np.clip(out, 1, None), minlength=m + 1)[1:m + 1].astype(float)
-        src = "ShareGPT frequencies"
-    else:
-        freq = 0.99 ** np.arange(m)
-        src = "geometric stand-in (trace absent)"
+    """Decode lengths 1..m with frequencies from the ShareGPT trace (Figure 15)."""
+    out = read_trace("sharegpt-lengths").output
+    freq = np.bincount(np.clip(out, 1, None), minlength=m + 1)[1:m + 1].astype(float)
+    src = "ShareGPT frequencies"
     freq = np.maximum(freq, 1e-9)
     return list(range(1, m + 1)), list(freq / freq.sum()), src
 

@@ -1,7 +1,7 @@
 """Workload speed: reading large traces (rows per second, peak memory against file size) and
 simulating closed-loop workloads (requests per wall second).
 
-Writes synthetic traces in the formats of ../shared/traces (Azure 2023 CSV, Mooncake JSONL
+Writes synthetic traces in the formats of the bundled traces (kvsched/data/traces) (Azure 2023 CSV, Mooncake JSONL
 with hash_ids) to a temporary folder, reads them with kvsched's streaming readers, and runs
 the EB balanced preset at c = 2048 scaled up. Peak memory is traced Python + numpy
 allocations during the read.

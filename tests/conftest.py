@@ -14,12 +14,12 @@ from kvsched.kvcache import PagedKV
 from kvsched.policies import make_policy
 from kvsched.sim.server import Server
 
-settings.register_profile("default", max_examples=150)
-settings.register_profile("ci", max_examples=400)
-settings.register_profile("deep", max_examples=2000)
+# no deadlines: a test's outcome must not depend on how busy the machine is
+settings.register_profile("default", max_examples=150, deadline=None)
+settings.register_profile("ci", max_examples=400, deadline=None)
+settings.register_profile("deep", max_examples=2000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 
 
 class Forwarding:
@@ -78,8 +78,15 @@ def run(workload, policy="vllm-v1", params=None, *, cost="constant", cost_params
     return server, server.run(), pol
 
 
-@pytest.fixture
-def traces_dir() -> Path:
-    if not TRACES.is_dir():
-        pytest.skip(f"shared traces not found at {TRACES}")
-    return TRACES
+@pytest.fixture(scope="session")
+def traces_dir(tmp_path_factory) -> Path:
+    """The bundled traces (kvsched/data/traces) as plain files in a temporary folder, with their
+    README.md, for tests that need a file path; tests of the bundled files name them instead."""
+    import shutil
+    from kvsched.workload.bundled import DATA, catalogue, open_trace
+    folder = tmp_path_factory.mktemp("traces")
+    for t in catalogue().values():
+        with open_trace(t.path) as f:
+            (folder / t.file).write_bytes(f.read())
+    shutil.copy(DATA / "README.md", folder / "README.md")
+    return folder

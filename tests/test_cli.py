@@ -82,7 +82,7 @@ def test_same_seed_same_result():
     (["--set", "chunk=3"], "has no parameter 'chunk'"),
     (["--cost", "constant", "--cost-set", "b=-1"], "b must be > 0"),
     (["--cost", "quantum"], "unknown cost model 'quantum'"),
-    (["--trace", "/no/such/file.csv"], "cannot read trace /no/such/file.csv"),
+    (["--trace", "/no/such/file.csv"], "trace '/no/such/file.csv' not found: no such file"),
     (["--kv-capacity", "0"], "--kv-capacity must be >= 1"),
     (["--model", "llama-2-13b", "--gpu", "a30"], "do not fit"),
     (["--prompt-len", "zipf:3"], "unknown length distribution"),

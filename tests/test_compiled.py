@@ -4,9 +4,12 @@ KVSCHED_PURE_PYTHON=1 or an install without a C compiler runs), and everything a
 is compared. CI builds the module (`pip install .`), so there these tests cannot skip."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvsched.sim.replica as replica
+from kvsched.sim import compiled
 from kvsched.cost.roofline import RooflineCost
 from kvsched.hardware import get_gpu, get_model
 from kvsched.workload.request import Workload
@@ -277,25 +281,69 @@ def test_replicas_beyond_64_bit_counts_run_the_pure_python_code():
     from kvsched.sim.requests import RequestTable
     cost = RooflineCost(get_model("llama-2-7b"), get_gpu("a100-80gb"))
     w = workload(5, 1.0, 0)
-    for tokens, compiled in ((2**40, True), (2**62, False)):
+    for tokens, fast in ((2**40, True), (2**62, False)):
         kv = PagedKV(tokens, 16)
         rep = replica.Replica(RequestTable(w, 16, kv.capacity_blocks), Watching(), cost, kv)
-        assert (rep._fast is not None, rep._roof is not None) == (compiled, compiled)
+        assert (rep._fast is not None, rep._roof is not None) == (fast, fast)
 
 
 @needs_fast
-def test_a_module_built_from_another_pyx_is_not_used(tmp_path, monkeypatch):
-    from pathlib import Path
-    source = Path(replica.__file__).with_name("_fast.pyx")
-    assert source.exists()                      # a source tree (CI too: the wheel carries the .pyx)
-    monkeypatch.setattr(replica, "__file__", str(tmp_path / "replica.py"))
-    (tmp_path / "_fast.pyx").write_bytes(source.read_bytes())
-    assert replica._compiled() is _fast
-    (tmp_path / "_fast.pyx").write_bytes(source.read_bytes() + b"# edited\n")
-    with pytest.warns(UserWarning, match="changed since its compiled module was built"):
-        assert replica._compiled() is None
+def test_the_module_records_every_mirrored_file_and_any_edit_is_seen(tmp_path, monkeypatch):
+    """The module is used only while the .pyx and every Python file it mirrors are as built."""
+    recorded = compiled.parse_sources(_fast.SOURCES)
+    assert sorted(recorded) == sorted(compiled.MIRRORS) and compiled.changed(recorded) == []
+    assert compiled.load() is _fast
+    for rel in compiled.MIRRORS:                # an edit to any one of them is found, by name
+        copy = tmp_path / rel
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes((compiled.PACKAGE / rel).read_bytes())
+    assert compiled.changed(recorded, tmp_path) == []
+    for rel in compiled.MIRRORS:
+        original = (tmp_path / rel).read_bytes()
+        (tmp_path / rel).write_bytes(original + b"\n")
+        assert compiled.changed(recorded, tmp_path) == [rel]
+        (tmp_path / rel).write_bytes(original)
+    (tmp_path / "cost/roofline.py").unlink()
+    assert compiled.changed(recorded, tmp_path) == ["cost/roofline.py"]
+    monkeypatch.setattr(compiled, "PACKAGE", tmp_path)
+    with pytest.warns(UserWarning, match=r"kvsched/cost/roofline\.py: running the pure-Python code"):
+        assert compiled.load() is None
+    monkeypatch.setattr(compiled, "PACKAGE", compiled.PACKAGE)
     monkeypatch.setenv("KVSCHED_PURE_PYTHON", "1")
-    assert replica._compiled() is None
+    assert compiled.load() is None
+
+
+RUN = ("import json, sys; from kvsched.run import Scenario, simulate; from kvsched.workload import Jitter, synthetic\n"
+       "r = simulate(Scenario(synthetic(Jitter(512), Jitter(256), rate=20.0, n=400, seed=3)), 'vllm-v1')\n"
+       "from kvsched.sim import replica\n"
+       "print(json.dumps([replica._fast is not None, r.summary['mean_ttft_ms'], r.summary['mean_itl_ms'], "
+       "r.summary['duration']]))")
+
+
+def run_copy(root, pure: bool) -> tuple[list, str]:
+    """RUN on the kvsched package copied under `root`: (whether it ran compiled, its figures, its stderr)."""
+    env = {**os.environ, "PYTHONPATH": str(root), "KVSCHED_PURE_PYTHON": "1" if pure else ""}
+    p = subprocess.run([sys.executable, "-c", RUN], capture_output=True, text=True, env=env, cwd=root, check=True)
+    fast, *figures = json.loads(p.stdout)
+    return fast, figures, p.stderr
+
+
+@needs_fast
+def test_an_edited_mirrored_file_runs_as_edited_with_a_warning(tmp_path):
+    """As in an editable install: the roofline changed in place after the build. The copy's
+    compiled module must not run the old formula: the results are the edited pure-Python ones."""
+    import kvsched
+    root = tmp_path / "site"
+    shutil.copytree(Path(kvsched.__file__).parent, root / "kvsched", ignore=shutil.ignore_patterns("__pycache__"))
+    fast, before, err = run_copy(root, pure=False)
+    assert fast and "pure-Python" not in err and before == run_copy(root, pure=True)[1]
+    source = root / "kvsched/cost/roofline.py"
+    text = source.read_text()
+    assert text.count("return self.overhead + ") == 2
+    source.write_text(text.replace("return self.overhead + ", "return 2 * self.overhead + "))   # the formula changed
+    fast, after, err = run_copy(root, pure=False)
+    assert not fast and "kvsched/cost/roofline.py: running the pure-Python code" in err and "pip install" in err
+    assert after != before and after == run_copy(root, pure=True)[1]
 
 
 def test_tier_slos_are_positive_float_seconds():

@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 from kvsched.errors import KvschedError
 from kvsched.workload.arrivals import Poisson, PoissonTruncated, parse_arrivals
 from kvsched.workload.config import load_workload_file
+from kvsched.workload.bundled import find_trace
 from kvsched.workload.presets import PRESETS, SHAREGPT_FILE, slai_workload
 from kvsched.workload.readers import read_trace
 from kvsched.workload.source import WorkloadOptions, load, resolve
@@ -23,17 +24,13 @@ E3 = 1 - math.exp(-3)
 
 
 @pytest.fixture
-def sharegpt(traces_dir, monkeypatch):
-    """The shared ShareGPT length file, with presets pointed at its folder (skips without it)."""
-    path = traces_dir / SHAREGPT_FILE
-    if not path.is_file():
-        pytest.skip(f"{path} not found")
-    monkeypatch.setenv("KVSCHED_TRACES", str(traces_dir))
-    return path
+def sharegpt():
+    """The bundled ShareGPT length file."""
+    return find_trace(SHAREGPT_FILE)
 
 
 def quiet(fn, *args, **kw):
-    """Call without the stand-in warning (count checks hold with or without the trace)."""
+    """Call without warnings (the 8,192-token cap's, for one)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return fn(*args, **kw)
@@ -224,12 +221,11 @@ def test_slai_too_many_requests_for_the_file(sharegpt):
         slai_workload(0.05, 1.6, duration=50_000).build()
 
 
-def test_slai_stand_in_without_the_trace(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVSCHED_TRACES", str(tmp_path))
-    with pytest.warns(UserWarning, match="stand-in"):
-        spec = PRESETS["slai-paying-5"].make()
-    assert spec.phases[0].trace is None and spec.phases[0].arrivals == PoissonTruncated(1.0, 3.0)
-    w = quiet(spec.build)                                     # the stand-in's cap warning
+def test_slai_reads_the_bundled_trace_when_kvsched_traces_lacks_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSCHED_TRACES", str(tmp_path))       # an empty folder: never a stand-in
+    spec = PRESETS["slai-paying-5"].make()
+    assert spec.phases[0].trace == find_trace(SHAREGPT_FILE) and spec.phases[0].arrivals == PoissonTruncated(1.0, 3.0)
+    w = quiet(spec.build)
     assert len(w) == 2211 and np.diff(w.arrival, prepend=0.0).max() <= 3.0 + 1e-9
 
 

@@ -42,14 +42,14 @@ def test_names_equal_the_registries():
     """The help texts' copies (kvsched.cli.names) cannot drift from the real registries."""
     from kvsched.cost import COST_MODELS
     from kvsched.cost.calibrate import MODELS
-    from kvsched.policies import POLICIES
+    from kvsched.policies import BASELINES, POLICIES
     from kvsched.sim.replica import DEFAULT_STALL_BATCHES
     from kvsched.sim.routers import ROUTERS
     from kvsched.workload.readers import FORMATS
     from kvsched.workload.source import DEFAULT_LENGTH, DEFAULT_RATE
     assert names.COST_MODELS == tuple(COST_MODELS)
     assert names.CALIBRATION_MODELS == tuple(MODELS)
-    assert names.POLICIES == tuple(POLICIES)
+    assert names.POLICIES == tuple(POLICIES) and names.BASELINES == BASELINES
     assert names.ROUTERS == tuple(ROUTERS)
     assert names.FORMATS == tuple(FORMATS)
     assert (names.DEFAULT_RATE, names.DEFAULT_LENGTH) == (DEFAULT_RATE, DEFAULT_LENGTH)

@@ -4,6 +4,7 @@ on, the same figures whatever --jobs, and the Ray backend."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import subprocess
 import sys
@@ -109,7 +110,7 @@ BAD_FILES = {
     "cap-len": ('rates = [1]\ncap_len = [100, 0]\n', "--cap-len must be an integer >= 2"),
     "kv-below-block": ('rates = [1]\nkv_capacity = [20000, 10]\n',
                        "bad.toml: kv_capacity = 10: --kv-capacity (10 tokens) is smaller than one block (16 tokens)"),
-    "no-trace": ('rates = [1]\ntrace = "no-such-trace.csv"\n', "bad.toml: cannot read trace no-such-trace.csv"),
+    "no-trace": ('rates = [1]\ntrace = "no-such-trace.csv"\n', "bad.toml: trace 'no-such-trace.csv' not found: no such file"),
     "closed-file": ('rates = [1]\narrivals = ["poisson:2", "closed:4"]\n',
                     'bad.toml: arrivals = "closed:4": a sweep\'s rates need open-loop arrivals'),
     "decode-policy": ('rates = [1]\nprefill_replicas = 1\ndecode_replicas = 1\ndecode_policy = ["sarathi", "fifo"]\n',
@@ -185,14 +186,18 @@ def test_a_foreign_folder_is_refused_untouched(tmp_path):
 
 # ---- the folder and the table --------------------------------------------------------------
 
-def test_folder_table_and_parquet(tmp_path):
-    out = tmp_path / "s"
+def small_grid(out):
     r = sweep("--policies", "vllm-v1,orca", "--rates", "2,6", "--seeds", "0-1", "--set", "max_num_seqs=4,64",
               *SMALL, "--out", str(out), "--json")
     assert r.exit_code == 0, r.output
-    summary = json.loads(r.stdout)
+    return json.loads(r.stdout)
+
+
+def test_folder_and_table(tmp_path):
+    out = tmp_path / "s"
+    summary = small_grid(out)
     assert summary["points"] == summary["done"] == 16 and summary["skipped"] == summary["failed"] == 0
-    assert summary["tables"] == [str(out / "sweep.csv"), str(out / "sweep.parquet")]
+    assert summary["tables"][0] == str(out / "sweep.csv")      # sweep.parquet with the parquet extra
     table = rows(out / "sweep.csv")
     columns = list(table[0])
     assert columns[:7] == ["policy", "rate", "seed", "param.max_num_seqs", "status", "error", "seconds"]
@@ -206,7 +211,14 @@ def test_folder_table_and_parquet(tmp_path):
     assert set(one) == {"key", "axes", "status", "error", "seconds", "figures"}
     assert set(one["axes"]) == {"policy", "rate", "seed", "params"}
     assert len(one["figures"]["ttft_quantiles_ms"]) == 101 and one["figures"]["timeline"]
+
+
+@pytest.mark.parquet
+def test_parquet_table(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
+    out = tmp_path / "s"
+    assert small_grid(out)["tables"] == [str(out / "sweep.csv"), str(out / "sweep.parquet")]
+    table = rows(out / "sweep.csv")
     data = pq.read_table(out / "sweep.parquet").to_pylist()
     assert [d["mean_ttft_ms"] for d in data] == [float(r["mean_ttft_ms"]) for r in table]
     assert [d["param.max_num_seqs"] for d in data][:5] == [4, 4, 4, 4, 64]
@@ -277,7 +289,9 @@ def test_same_figures_whatever_jobs(tmp_path):
     assert one.keys() == two.keys() and len(one) == 12
     assert all(one[k]["figures"] == two[k]["figures"] for k in one)
     assert figures_only(rows(tmp_path / "1" / "sweep.csv")) == figures_only(rows(tmp_path / "2" / "sweep.csv"))
-    pq = pytest.importorskip("pyarrow.parquet")       # seconds: the one column that differs (docs/sweep.md)
+    if importlib.util.find_spec("pyarrow") is None:     # the parquet extra
+        return
+    import pyarrow.parquet as pq        # seconds: the one column that differs (docs/sweep.md)
     one, two = (pq.read_table(tmp_path / j / "sweep.parquet").drop(["seconds"]) for j in ("1", "2"))
     assert one.equals(two) and one.num_rows == 12
 

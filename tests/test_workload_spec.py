@@ -13,7 +13,7 @@ from kvsched.cli import app
 from kvsched.errors import KvschedError
 from kvsched.workload import load_trace
 from kvsched.workload.config import load_workload_file
-from kvsched.workload.presets import PRESETS, SHAREGPT_OUTPUT, SHAREGPT_PROMPT, sharegpt_phase
+from kvsched.workload.presets import PRESETS, SHAREGPT_FILE
 from kvsched.workload.source import WorkloadOptions, load
 from kvsched.workload.stats import describe
 
@@ -101,21 +101,20 @@ def test_every_preset_builds_and_overrides_apply():
         load(WorkloadOptions(workload="eb-balanced", rate=5.0))
 
 
-def test_sharegpt_stand_in_matches_median_and_p90():
-    with pytest.warns(UserWarning, match="stand-in whose median and p90 match"):
-        phase = sharegpt_phase(None, 40_000, 1.0)
-    from kvsched.workload.spec import WorkloadSpec
-    w = WorkloadSpec((phase,)).build()
-    for x, knots in ((w.prompt, SHAREGPT_PROMPT), (w.output, SHAREGPT_OUTPUT)):
-        assert abs(np.median(x) / knots[1][1] - 1) < 0.03
-        assert abs(np.percentile(x, 90) / knots[2][1] - 1) < 0.03
-
-
-def test_sharegpt_preset_says_when_it_uses_the_stand_in(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVSCHED_TRACES", str(tmp_path))
+def test_sharegpt_preset_reads_the_trace_whatever_kvsched_traces_holds(tmp_path, monkeypatch):
+    """Never a stand-in: KVSCHED_TRACES is searched first, then the bundled copy."""
+    bundled = load(WorkloadOptions(workload="sharegpt", num_requests=300))
+    assert np.median(bundled.prompt) > 1000         # ShareGPT's lengths (median prompt 1730)
+    monkeypatch.setenv("KVSCHED_TRACES", str(tmp_path))                 # lacks the file: the bundled one
     r = invoke("workload", "stats", "sharegpt", "--json")
-    assert r.exit_code == 0 and "stand-in" in r.stderr
-    assert json.loads(r.stdout)["requests"] == 2000
+    assert r.exit_code == 0 and r.stderr == "" and json.loads(r.stdout)["requests"] == 2000
+    assert np.array_equal(load(WorkloadOptions(workload="sharegpt", num_requests=300)).prompt, bundled.prompt)
+    (tmp_path / SHAREGPT_FILE).write_text("num_prefill_tokens,num_decode_tokens\n7,9\n")   # the user's own
+    w = load(WorkloadOptions(workload="sharegpt", num_requests=30))
+    assert set(w.prompt.tolist()) == {7} and set(w.output.tolist()) == {9}
+    monkeypatch.setenv("KVSCHED_TRACES", str(tmp_path / "missing"))
+    r = invoke("simulate", "-w", "sharegpt")
+    assert r.exit_code == 2 and "KVSCHED_TRACES" in r.stderr and "is not a folder" in r.stderr
 
 
 def test_tiers_from_flags_and_generic_trace_tier_column(tmp_path):

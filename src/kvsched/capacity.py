@@ -24,12 +24,12 @@ import math
 import os
 import statistics
 import warnings
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from kvsched import workers
 from kvsched.errors import KvschedError
 from kvsched.metrics import Goodput
 from kvsched.point import Point, figures
@@ -316,8 +316,8 @@ def replicas_needed(point: Point, criteria: Criteria, rate: float, mu: float, ma
 
 def process_pool(jobs: int):
     """A map over evaluation jobs: in this process for one job, else in worker processes."""
-    workers = jobs or os.cpu_count() or 1
-    if workers == 1:
+    count = jobs or os.cpu_count() or 1
+    if count == 1:
         return (lambda js: [evaluate(j) for j in js]), None
-    ex = ProcessPoolExecutor(workers)
+    ex = workers.pool(count)                # workers that die with this process, however it dies
     return (lambda js: list(ex.map(evaluate, js))), ex

@@ -16,8 +16,6 @@ import itertools
 import json
 import math
 import os
-import signal
-import threading
 import time
 import tomllib
 import typing
@@ -26,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from kvsched import workers
 from kvsched.errors import KvschedError
 from kvsched.files import atomic_file
 from kvsched.point import Point, check_rate, figures
@@ -458,9 +457,9 @@ def run_task(task: Task) -> dict[str, Any]:
 def run_processes(tasks: list[Task], jobs: int, save: Callable[[dict], None]) -> None:
     """Run tasks in `jobs` worker processes; `save` each record as it arrives (in this
     process, so a point file is complete or absent)."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import as_completed
     from concurrent.futures.process import BrokenProcessPool
-    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), initializer=_worker_start) as pool:
+    with workers.pool(min(jobs, len(tasks))) as pool:
         futures = [pool.submit(run_task, t) for t in tasks]
         try:
             for future in as_completed(futures):
@@ -471,19 +470,6 @@ def run_processes(tasks: list[Task], jobs: int, save: Callable[[dict], None]) ->
         finally:
             for future in futures:
                 future.cancel()
-
-
-def _worker_start() -> None:
-    """Ctrl-C stops the driver, which stops the workers; a worker whose driver was killed
-    (its parent changed) exits instead of computing points nobody will store."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def ray_module():

@@ -9,6 +9,7 @@ COST_MODELS = ("roofline", "constant", "linear", "phase", "eb-h200-qwen3-8b", "e
 CALIBRATION_MODELS = ("phase", "linear", "roofline", "tiled")               # kvsched.cost.calibrate.MODELS
 POLICIES = ("vllm-v1", "sarathi", "vllm-v0", "orca", "request-level", "eb", "eb-adaptive", "eb-plus", "wait",
             "nested-wait", "rad", "slai", "distserve")                       # kvsched.policies.POLICIES
+BASELINES = ("vllm-v1", "sarathi", "vllm-v0", "orca", "request-level")       # kvsched.policies.BASELINES
 ROUTERS = ("round-robin", "random", "least-outstanding", "least-kv", "least-prefill",
            "prefix-affinity")                                                # kvsched.sim.routers.ROUTERS
 FORMATS = ("azure", "mooncake", "lengths", "csv", "jsonl", "auto")          # kvsched.workload.readers.FORMATS

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from kvsched.cli.common import (ClusterOptions, HardwareOptions, MemUtil, OutputOptions, Progress, app, cluster_flags,
                                 emit, guard, hardware_flags, output_flags, workload_flags)
-from kvsched.cli.names import POLICIES as POLICY_NAMES
+from kvsched.cli.names import BASELINES
 from kvsched.errors import KvschedError
 
 if TYPE_CHECKING:       # the engine is imported when a command runs (fast `kvsched --help`)
@@ -42,7 +42,9 @@ def simulate_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOpti
 @cluster_flags
 @output_flags
 def compare_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOptions, outs: OutputOptions,
-                policies: str = typer.Option(",".join(POLICY_NAMES), "--policies", help="comma-separated policy names"),
+                policies: str = typer.Option(",".join(BASELINES), "--policies",
+                                             help="comma-separated policy names (default: the baselines, "
+                                                  "which run on any workload; `kvsched policies` lists all)"),
                 set_: list[str] = typer.Option([], "--set", help="POLICY.key=value, or key=value for every policy that has key")) -> None:
     """Run several policies on one workload and show them side by side."""
     def body() -> None:

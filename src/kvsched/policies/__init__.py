@@ -17,6 +17,9 @@ from kvsched.policies.wait import NestedWait, Wait
 POLICIES: dict[str, type] = {cls.name: cls for cls in (VllmV1, Sarathi, VllmV0, Orca, RequestLevel,
                                                         ExclusiveBatching, EbAdaptive, EbPlus, Wait, NestedWait,
                                                         Rad, Slai, DistServe)}
+# `kvsched compare`'s default: today's engines' schedulers, which run on any workload (the
+# papers' policies need known output lengths, a cost model of their own or disaggregated pools)
+BASELINES = tuple(cls.name for cls in (VllmV1, Sarathi, VllmV0, Orca, RequestLevel))
 ENGINE_LIMITS = (VllmV1, VllmV0, Orca, ExclusiveBatching)   # take vLLM's token budget and max_num_seqs
 
 SOURCES = {
@@ -55,4 +58,4 @@ def make_policy(name: str, overrides: dict[str, Any], gpu: GPU) -> Policy:
     return build(cls, f"policy {name}", overrides, defaults)
 
 
-__all__ = ["POLICIES", "SOURCES", "Plan", "Policy", "ServerView", "make_policy", "engine_defaults"]
+__all__ = ["BASELINES", "POLICIES", "SOURCES", "Plan", "Policy", "ServerView", "make_policy", "engine_defaults"]

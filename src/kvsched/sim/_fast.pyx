@@ -3,7 +3,8 @@
 kvsched/sim/replica.py. Each gives the results of its Python original bit for bit: the same
 float operations in the same order (built with -ffp-contract=off, so no fused multiply-add),
 the same calls back into Python for everything else. The Python originals stay the fallback
-(no C compiler, or KVSCHED_PURE_PYTHON=1) and the reference the tests compare with.
+(no C compiler, KVSCHED_PURE_PYTHON=1, or a mirrored file edited since the build:
+kvsched/sim/compiled.py) and the reference the tests compare with.
 """
 from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release,
                              PyObject_GetBuffer)
@@ -20,15 +21,16 @@ from kvsched.sim.rowlog import CHUNK, layout
 cdef double INF = float("inf")
 cdef long long NEVER = 1 << 62          # Replica._plain_decodes' "no finish ahead"
 
-# the SHA-256 of the .pyx this module was built from (setup.py passes it; replica.py compares)
+# 'path=sha256;...' of the .pyx and every Python file it mirrors, as built (setup.py passes it;
+# kvsched/sim/compiled.py compares it with the installed files before using this module)
 cdef extern from *:
     """
-    #ifndef KVSCHED_PYX_SHA256
-    #define KVSCHED_PYX_SHA256 ""
+    #ifndef KVSCHED_SOURCES
+    #define KVSCHED_SOURCES ""
     #endif
     """
-    const char* KVSCHED_PYX_SHA256
-SOURCE_SHA256 = (<bytes>KVSCHED_PYX_SHA256).decode()
+    const char* KVSCHED_SOURCES
+SOURCES = (<bytes>KVSCHED_SOURCES).decode()
 # Replica takes these twins only where every count fits its 64-bit integers: KV capacity in
 # tokens below this (KV held, context sums, window positions and clocks are all bounded by it)
 cdef long long LIMIT = 1 << 62

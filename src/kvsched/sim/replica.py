@@ -18,11 +18,7 @@ summary), plus the requests routed to it since.
 """
 from __future__ import annotations
 
-import hashlib
-import os
-import warnings
 from collections import deque
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -34,6 +30,7 @@ from kvsched.errors import KvschedError, PlanError
 from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram
 from kvsched.policies.base import NOOP_HOOKS, Plan, decodes_when_idle, defined_in
+from kvsched.sim import compiled
 from kvsched.sim.decode_set import Cohort, DecodeSet
 from kvsched.sim.prefix_cache import HitPlanner, LazyPlanner, PrefixCache
 from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING, RequestTable
@@ -41,27 +38,7 @@ from kvsched.sim.rowlog import CHUNK, RowLog
 from kvsched.sim.view import ReadOnlySeq, ReplicaView
 
 
-def _compiled():
-    """The compiled twins of this module's hottest code (sim/_fast.pyx; setup.py builds it when
-    it can): the same results bit for bit. None: KVSCHED_PURE_PYTHON=1 is set, the module is
-    not built, or it was built from another version of its .pyx (a source tree edited since)."""
-    if os.environ.get("KVSCHED_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    try:
-        from kvsched.sim import _fast
-    except ImportError:
-        return None
-    source = Path(__file__).with_name("_fast.pyx")
-    built_from = getattr(_fast, "SOURCE_SHA256", "")
-    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != built_from:
-        why = "changed since its compiled module was built" if built_from else "has a compiled module of unknown origin"
-        warnings.warn(f"src/kvsched/sim/_fast.pyx {why} (`pip install .` or `python setup.py "
-                      "build_ext --inplace` rebuilds it); running the pure-Python code", stacklevel=2)
-        return None
-    return _fast
-
-
-_fast = _compiled()
+_fast = compiled.load()      # the compiled twins (sim/_fast.pyx), or None: pure Python
 DEFAULT_STALL_BATCHES = 100_000
 IDLE_PLAN = Plan([], [], True, [])      # what a `decodes_when_idle` policy plans when idle (read only)
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvsched.errors import KvschedError
 from kvsched.workload.arrivals import Replay, parse_arrivals
+from kvsched.workload.bundled import find_trace
 from kvsched.workload.lengths import parse_length
 from kvsched.workload.readers import FORMATS
 from kvsched.workload.request import Tier
@@ -93,9 +94,10 @@ def parse_phase(where: str, table: dict, base: Path | None = None) -> Phase:
         types = tuple(_type(f"{where}, type {j + 1}", t) for j, t in enumerate(table["types"]))
     trace = None
     if "trace" in table:
-        trace = Path(_text(where, "trace", table["trace"])).expanduser()
-        if base is not None and not trace.is_absolute():
-            trace = base / trace
+        try:            # a path relative to the file, else a name ($KVSCHED_TRACES, the bundled traces)
+            trace = find_trace(_text(where, "trace", table["trace"]), base)
+        except KvschedError as exc:
+            raise KvschedError(f"{where}: {exc}") from None
     fmt = _text(where, "format", table.get("format", "auto"))
     if fmt not in FORMATS:
         raise KvschedError(f"{where}: format must be one of {', '.join(FORMATS)}, got {fmt!r}")

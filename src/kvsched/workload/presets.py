@@ -7,15 +7,13 @@ override any of them.
 from __future__ import annotations
 
 import math
-import os
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from kvsched.errors import KvschedError
 from kvsched.workload.arrivals import Arrivals, Closed, Poisson, PoissonTruncated, _check_rate
-from kvsched.workload.lengths import Fixed, Jitter, Quantiles, Uniform
+from kvsched.workload.bundled import find_trace
+from kvsched.workload.lengths import Fixed, Jitter, Uniform
 from kvsched.workload.request import Tier
 from kvsched.workload.spec import Phase, RequestType, TierShare, WorkloadSpec
 
@@ -24,12 +22,9 @@ STAB = "stability-capacity.txt"
 FLUID = "fluid-wait-nested-wait.txt"
 SLAI = "rad-slai.txt"
 
-# ShareGPT (openchat_sharegpt4) percentiles from ../shared/traces/README.md (min, median,
-# p90, p99, max); the stand-in matches median and p90 (rad-slai.txt, Table 1: 1730/5696
-# prompt, 415/834 decode).
+# ShareGPT (openchat_sharegpt4) lengths, the SLAI evaluation's workload (rad-slai.txt, Table 1:
+# median / p90 prompt 1730 / 5696, decode 415 / 834); bundled (kvsched/data/traces)
 SHAREGPT_FILE = "sharegpt-lengths.csv"
-SHAREGPT_PROMPT = ((0.0, 1.0), (0.5, 1730.0), (0.9, 5696.0), (0.99, 7434.0), (1.0, 8141.0))
-SHAREGPT_OUTPUT = ((0.0, 1.0), (0.5, 415.0), (0.9, 834.0), (0.99, 998.0), (1.0, 1024.0))
 
 
 @dataclass(frozen=True)
@@ -40,34 +35,13 @@ class Preset:
     make: Callable[[], WorkloadSpec]
 
 
-def traces_dir() -> Path | None:
-    """The shared trace folder: $KVSCHED_TRACES, else `shared/traces` in the working
-    folder or one of its parents (the project layout puts it at ../shared/traces)."""
-    env = os.environ.get("KVSCHED_TRACES")
-    if env:
-        return Path(env) if Path(env).is_dir() else None
-    here = Path.cwd()
-    for d in (here, *here.parents):
-        if (d / "shared" / "traces").is_dir():
-            return d / "shared" / "traces"
-    return None
-
-
-def sharegpt_phase(folder: Path | None, requests: int, rate: float | Arrivals,
-                   sample: bool | str = True) -> Phase:
-    """ShareGPT lengths from the shared trace, its rows picked by `sample` (True: with
-    replacement; "permutation": without, the file shuffled once by the seed, as the SLAI
-    authors read it, rad-slai.txt section 7), or (trace absent) the percentile stand-in, with a
-    warning. `rate` is a Poisson rate or an arrival process."""
+def sharegpt_phase(requests: int, rate: float | Arrivals, sample: bool | str = True) -> Phase:
+    """ShareGPT lengths (sharegpt-lengths.csv: $KVSCHED_TRACES, else the bundled copy), its rows
+    picked by `sample` (True: with replacement; "permutation": without, the file shuffled once by
+    the seed, as the SLAI authors read it, rad-slai.txt section 7). `rate` is a Poisson rate or an
+    arrival process."""
     arrivals = Poisson(rate) if isinstance(rate, (int, float)) else rate
-    if folder is not None and (folder / SHAREGPT_FILE).is_file():
-        return Phase(requests, trace=folder / SHAREGPT_FILE, arrivals=arrivals, name="sharegpt",
-                     sample=sample)
-    warnings.warn(f"{SHAREGPT_FILE} not found (set KVSCHED_TRACES to the traces folder); using a "
-                  "synthetic stand-in whose median and p90 match ShareGPT's "
-                  "(prompt 1730 / 5696, output 415 / 834 tokens)", stacklevel=2)
-    return Phase(requests, (RequestType(Quantiles(SHAREGPT_PROMPT), Quantiles(SHAREGPT_OUTPUT)),),
-                 arrivals=arrivals, name="sharegpt (stand-in)")
+    return Phase(requests, trace=find_trace(SHAREGPT_FILE), arrivals=arrivals, name="sharegpt", sample=sample)
 
 
 def _one(requests: int, prompt, output, arrivals, name: str = "") -> Phase:
@@ -119,8 +93,7 @@ def slai_workload(paying: float, rate: float, seed: int = 0, duration: float = S
 
     Each request is paying with probability `paying` (TBT SLO 0.1 s, priority 0), else free
     (TBT SLO 0.5 s, priority 1), drawn independently per request (`TierShare` shares are
-    per-request probabilities: numpy `choice` with p, seeded by `seed`). Without the shared
-    trace the percentile stand-in is used, with a warning. The paper's warm-up before
+    per-request probabilities: numpy `choice` with p, seeded by `seed`). The paper's warm-up before
     measurement is not given in seconds; use `Scenario.trim` for one."""
     if isinstance(paying, bool) or not (isinstance(paying, (int, float)) and 0 <= paying <= 1):
         raise KvschedError(f"slai_workload: paying must be a share in [0, 1], got {paying!r}")
@@ -131,12 +104,12 @@ def slai_workload(paying: float, rate: float, seed: int = 0, duration: float = S
     n = max(1, math.ceil(round(arrivals.mean_rate * duration, 9)))
     tiers = (TierShare(Tier("paying", tbt_slo=0.1, priority=0), float(paying)),
              TierShare(Tier("free", tbt_slo=0.5, priority=1), round(1 - paying, 12)))
-    return WorkloadSpec((sharegpt_phase(traces_dir(), n, arrivals, sample="permutation"),), tiers=tiers,
+    return WorkloadSpec((sharegpt_phase(n, arrivals, sample="permutation"),), tiers=tiers,
                         seed=seed, cap_len=8192, name=f"slai-paying-{paying * 100:g}")
 
 
 def _sharegpt() -> WorkloadSpec:
-    return WorkloadSpec((sharegpt_phase(traces_dir(), 2000, 1.0),), cap_len=8192, name="sharegpt")
+    return WorkloadSpec((sharegpt_phase(2000, 1.0),), cap_len=8192, name="sharegpt")
 
 
 def _slai(paying: float) -> Callable[[], WorkloadSpec]:
@@ -192,8 +165,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
                           tuple(55 * w / 66 for w in (23, 11, 8, 7, 6, 4, 3, 2, 1, 1)), 5500, False,
                           "nested-wait-10type")),
     Preset("sharegpt", f"{SLAI} section 7 ({SHAREGPT_FILE})", "ShareGPT lengths (rows with replacement), "
-           "total capped at 8,192, Poisson 1 req/s, 2,000 requests (a percentile-matched stand-in when the "
-           "trace is absent)", _sharegpt),
+           "total capped at 8,192, Poisson 1 req/s, 2,000 requests", _sharegpt),
     Preset("slai-paying-5", f"{SLAI} section 7, Fig. 7", _SLAI_TEXT.format(paying=5), _slai(0.05)),
     Preset("slai-paying-50", f"{SLAI} appendix F.3", _SLAI_TEXT.format(paying=50), _slai(0.5)),
     Preset("slai-paying-95", f"{SLAI} appendix F.3", _SLAI_TEXT.format(paying=95), _slai(0.95)),

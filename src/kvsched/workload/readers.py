@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import csv
 import functools
+import gzip
 import itertools
 import json
+import lzma
 import math
 import re
+import zlib
 from array import array
 from dataclasses import dataclass
 from datetime import datetime
@@ -29,6 +32,7 @@ from typing import Iterator
 import numpy as np
 
 from kvsched.errors import KvschedError
+from kvsched.workload.bundled import find_trace, open_trace
 from kvsched.workload.lengths import MAX_TOKENS
 from kvsched.workload.request import Ragged, Segments
 
@@ -78,7 +82,10 @@ def _lines(f, where: _Where) -> Iterator[str]:
     """Decoded non-blank lines, tracking the line number; a line is read at most MAX_LINE
     bytes at a time, so a file without newlines cannot fill memory."""
     while True:
-        raw = f.readline(MAX_LINE + 1)
+        try:
+            raw = f.readline(MAX_LINE + 1)
+        except (EOFError, lzma.LZMAError, gzip.BadGzipFile, zlib.error) as exc:    # a damaged .xz/.gz
+            raise where.error(f"cannot decompress: {exc or type(exc).__name__}") from None
         if not raw:
             return
         where.line += 1
@@ -215,14 +222,15 @@ class _Collector:
 
 def read_trace(path: str | Path, *, format: str = "auto", window: tuple[float, float] | None = None,
                first: int | None = None, keep_hashes: bool = False) -> TraceRows:
-    """Read a trace. `window` = (start, end) seconds from the first row keeps rows with
-    start <= t < end, re-timed to start at `start`; `first` stops after that many rows."""
-    path = Path(path)
+    """Read a trace, a file or a name (`bundled.find_trace`: $KVSCHED_TRACES, then the bundled
+    traces). `window` = (start, end) seconds from the first row keeps rows with start <= t < end,
+    re-timed to start at `start`; `first` stops after that many rows."""
     if format not in FORMATS:
         raise KvschedError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
+    path = find_trace(path)
     where = _Where(path)
     try:
-        f = open(path, "rb")
+        f = open_trace(path)
     except OSError as exc:
         raise KvschedError(f"cannot read trace {path}: {exc.strerror or exc}") from None
     with f:

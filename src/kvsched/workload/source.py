@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvsched.errors import KvschedError
 from kvsched.workload.arrivals import Closed, Poisson, parse_arrivals
+from kvsched.workload.bundled import catalogue, find_trace, user_folder
 from kvsched.workload.config import (load_workload_file, parse_phase_flag, parse_tier_flag,
                                      parse_window, with_spread)
 from kvsched.workload.lengths import parse_length
@@ -60,10 +61,14 @@ def base_spec(opts: WorkloadOptions) -> WorkloadSpec:
         path = Path(opts.workload)
         if path.suffix == ".toml":
             return load_workload_file(path)
-        if path.exists():
-            return WorkloadSpec((Phase(trace=path),), name=str(path))
-        raise KvschedError(f"unknown workload {opts.workload!r}: not a preset (`kvsched workloads` lists "
-                           "them), a .toml workload file or an existing trace file")
+        user_folder()                   # a bad KVSCHED_TRACES is its own error
+        try:
+            path = find_trace(path)
+        except KvschedError:
+            raise KvschedError(f"unknown workload {opts.workload!r}: not a preset (`kvsched workloads` lists "
+                               "them), a .toml workload file, a trace file or a bundled trace's name "
+                               f"({', '.join(catalogue())})") from None
+        return WorkloadSpec((Phase(trace=path),), name=str(opts.workload))
     return WorkloadSpec((Phase(DEFAULT_REQUESTS, (RequestType(parse_length(DEFAULT_LENGTH),
                                                                parse_length(DEFAULT_LENGTH)),),
                                arrivals=Poisson(DEFAULT_RATE)),), name="built-in")

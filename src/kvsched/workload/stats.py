@@ -1,4 +1,4 @@
-"""A workload in numbers (`kvsched workload stats`), computed as ../shared/traces/README.md
+"""A workload in numbers (`kvsched workload stats`), computed as the bundled traces' README.md (kvsched/data/traces)
 states: percentiles by numpy's linear interpolation; span = last - first arrival; mean rate
 = (n - 1) / span; CV = population std / mean of the gaps between consecutive arrivals, zero
 gaps kept; repeated prefix share = blocks whose hash appeared earlier / all blocks. With
