@@ -37,7 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "sharegpt-vidur-10k-lengths.csv"
+TRACE_NAME = "sharegpt-vidur-10k-lengths"      # bundled; written out as a plain file so --before's older
+TRACE = Path(tempfile.gettempdir()) / f"kvsched-bench-{os.getpid()}-{TRACE_NAME}.csv"    # checkouts read it too
 RATE = 7.0
 HARDWARE = ["--model", "llama-2-7b", "--gpu", "a100-80gb", "--cap-len", "4096"]
 KNOWN_OUTPUTS = {"wait", "nested-wait"}     # they schedule on output lengths: --output-known
@@ -118,9 +119,9 @@ def main() -> int:
     if args.repeat < 1 or args.runs < 1:
         print("--repeat and --runs must be at least 1", file=sys.stderr)
         return 2
-    if not TRACE.exists():
-        print(f"trace not found: {TRACE}", file=sys.stderr)
-        return 2
+    from kvsched.workload.bundled import find_trace, open_trace
+    with open_trace(find_trace(TRACE_NAME)) as f:
+        TRACE.write_bytes(f.read())
     py, env = args.python, child_env(os.environ.get("PYTHONPATH"))
     sizes = [int(x) for x in args.sizes.split(",")]
     if args.policies:
@@ -130,7 +131,7 @@ def main() -> int:
         policies = list(POLICIES)
     rows = [(p, p, 1) for p in policies] + ([] if args.no_cluster else [("8 replicas (vllm-v1)", "vllm-v1", 8)])
     run([py, "-m", "kvsched", "simulate", "--num-requests", "20", "--json"], env)     # warm the bytecode caches
-    print(f"workload: {TRACE.name} resampled; {' '.join(HARDWARE)}; roofline; Poisson {RATE:g} req/s per replica")
+    print(f"workload: {TRACE_NAME} resampled; {' '.join(HARDWARE)}; roofline; Poisson {RATE:g} req/s per replica")
     print(f"whole: the process, start-up to exit; loop: the simulation; runs of {OUT_AT:,} requests or more write --out"
           + (f"; best of {args.repeat} runs" if args.repeat > 1 else ""))
     probe = "import kvsched.sim.replica as r; print('yes' if r._fast is not None else 'no')"
@@ -171,4 +172,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    finally:
+        TRACE.unlink(missing_ok=True)

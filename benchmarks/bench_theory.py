@@ -30,7 +30,7 @@ from kvsched.workload.source import WorkloadOptions, load  # noqa: E402
 M, CHUNK = 131_000, 512
 PAPER_B = {"1:1": 0.0372, "2:1": 0.0430, "1:2": 0.0337}
 PD = {"1:1": (1600, 1600), "2:1": (2133, 1066), "1:2": (1066, 2133), "8:1": (2844, 356)}
-AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure2023-conv.csv"
+AZURE = "azure2023-conv"          # bundled
 
 
 def mu_of(hp: int, ho: int, b: float) -> float:
@@ -98,9 +98,6 @@ def fluid_check() -> None:
 
 
 def azure_plan() -> None:
-    if not AZURE.exists():
-        print("4. skipped: trace not found")
-        return
     w = load_trace(AZURE)
     print("4. plan: azure2023-conv, llama-3-8b / h100-sxm, 40 req/s, roofline cost")
     for est in ("median", "mean"):
