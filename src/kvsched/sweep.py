@@ -29,6 +29,7 @@ from kvsched.errors import KvschedError
 from kvsched.files import atomic_file
 from kvsched.point import Point, check_rate, figures
 from kvsched.run import Scenario, check_out, jsonable
+from kvsched.workload.bundled import find_trace
 
 VERSION = 1                         # of the folder format and of the key's definition
 KEY_LENGTH = 16                     # hex digits of the SHA-256 kept as a point's key
@@ -415,8 +416,19 @@ def key_common(workload: Any, template: Scenario, decode: dict[str, Any], hashes
     return {"version": VERSION, "decode": decode,
             "workload": dataclasses.asdict(dataclasses.replace(workload, rate=None, seed=0)),
             "scenario": jsonable(_plain(fields)),
-            "files": {str(p): _file_hash(Path(p), hashes) for p in (workload.workload, workload.trace, template.cost)
-                      if p is not None and Path(p).is_file()}}
+            "files": {str(p): _file_hash(f, hashes) for p in (workload.workload, workload.trace, template.cost)
+                      if p is not None and (f := _named_file(p)) is not None}}
+
+
+def _named_file(given: Any) -> Path | None:
+    """The file a workload, trace or cost option names: a path, or a trace's name (its file in
+    $KVSCHED_TRACES or the bundled one, so that a different file of that name is a new key)."""
+    if Path(given).is_file():
+        return Path(given)
+    try:
+        return find_trace(given)
+    except KvschedError:
+        return None             # a preset or a model name: its definition is the version's
 
 
 def _plain(x: Any) -> Any:

@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parent.parent       # the kvsched package fol
 MIRRORS = ("sim/_fast.pyx", "sim/replica.py", "sim/decode_set.py", "sim/prefix_cache.py", "sim/requests.py",
            "sim/rowlog.py", "kvcache.py", "metrics.py", "csvtext.py", "cost/roofline.py", "cost/shape.py",
            "policies/base.py", "policies/baselines.py")
-REBUILD = "`pip install .` rebuilds it (`pip install -e .` for an editable install)"
+REBUILD = "`pip install .` rebuilds the module; `pip install -e .` in an editable install"
 
 
 def digest(path: Path) -> str | None:
@@ -62,6 +62,6 @@ def load() -> ModuleType | None:
     if stale:
         files = ", ".join(f"kvsched/{rel}" for rel in stale)
         warnings.warn(f"the compiled fast path was built from other versions of {files}: running the "
-                      f"pure-Python code, which is slower ({REBUILD})", stacklevel=2)
+                      f"pure-Python code, slower but current; {REBUILD}", stacklevel=2)
         return None
     return _fast

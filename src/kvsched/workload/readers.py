@@ -8,7 +8,8 @@ Formats (`--format`, or detected from the first line):
 - `lengths`:  length-only CSV: num_prefill_tokens, num_decode_tokens, ... (no times).
 - `csv`:      generic CSV: arrival_time (s), prompt_tokens, output_tokens[, tier].
 - `jsonl`:    generic JSONL with the same keys.
-Every malformed row is an error naming file:line; no row is skipped (blank lines are not rows).
+A trace is a path or a bundled trace's name (workload/bundled.py); .gz and .xz files are read
+decompressed. Every malformed row is an error naming file:line; no row is skipped (blank lines are not rows).
 Times come back in seconds: Azure's relative to the first row, the others as written; with a
 time window, relative to the window's start.
 """
