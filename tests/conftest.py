@@ -6,7 +6,7 @@ from pathlib import Path
 import os
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 from kvsched.cost import make_cost_model
 from kvsched.hardware import get_gpu, get_model
@@ -14,10 +14,11 @@ from kvsched.kvcache import PagedKV
 from kvsched.policies import make_policy
 from kvsched.sim.server import Server
 
-# no deadlines: a test's outcome must not depend on how busy the machine is
-settings.register_profile("default", max_examples=150, deadline=None)
-settings.register_profile("ci", max_examples=400, deadline=None)
-settings.register_profile("deep", max_examples=2000, deadline=None)
+# no deadlines and no too_slow health check: a test's outcome must not depend on how busy the machine is
+CALM = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("default", max_examples=150, **CALM)
+settings.register_profile("ci", max_examples=400, **CALM)
+settings.register_profile("deep", max_examples=2000, **CALM)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
 
 

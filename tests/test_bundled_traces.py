@@ -113,3 +113,79 @@ def test_compressed_trace_files_of_ones_own(tmp_path):
     (tmp_path / "bad.csv.gz").write_bytes(gzip.compress(text.encode())[:-12])
     with pytest.raises(KvschedError, match=r"bad\.csv\.gz:\d+: cannot decompress"):
         read_trace(tmp_path / "bad.csv.gz")
+
+
+def test_presets_never_read_the_working_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sharegpt-lengths.csv").write_text("num_prefill_tokens,num_decode_tokens\n7,9\n")
+    r = invoke("workload", "stats", "sharegpt", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["input_tokens"]["median"] > 1000, r.output
+
+
+def test_paths_are_paths_and_bad_ones_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for given in ("./azure2023-conv", "azure2023-conv/", "~nosuchuser-kvsched/x", "a" * 300):
+        for flag in ("--trace", "-w"):
+            r = invoke("simulate", flag, given, "--num-requests", "5")
+            assert r.exit_code == 2 and r.stderr.startswith("kvsched: error: ") and r.stderr.count("\n") == 1, \
+                (given, r.output)
+    (tmp_path / "w.toml").write_text('[[phases]]\ntrace = "~nosuchuser-kvsched/x"\n')
+    r = invoke("simulate", "-w", "w.toml")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+
+
+@pytest.mark.parametrize("entry", ["folder", "broken-link"])
+def test_a_bad_entry_in_kvsched_traces_is_an_error_not_the_bundled_copy(entry, tmp_path, monkeypatch):
+    if entry == "folder":
+        (tmp_path / "azure2023-conv.csv").mkdir()
+    else:
+        (tmp_path / "azure2023-conv.csv").symlink_to(tmp_path / "unmounted" / "x.csv")
+    monkeypatch.setenv("KVSCHED_TRACES", str(tmp_path))
+    r = invoke("simulate", "--trace", "azure2023-conv", "--num-requests", "5")
+    assert r.exit_code == 2 and "is not a readable file" in r.stderr, r.output
+
+
+def test_damage_past_the_rows_read_is_found(tmp_path):
+    """gzip checks its CRC at the end: a file read only in part is still read to the end."""
+    rows = "".join(f"{k},5,6\n" for k in range(2000))
+    raw = bytearray(gzip.compress(f"arrival_time,prompt_tokens,output_tokens\n{rows}".encode(), compresslevel=0))
+    at = raw.rindex(b",5,6\n")
+    raw[at + 1] = ord("9")              # the last row's prompt, 5 -> 9: still a trace, but the CRC fails
+    (tmp_path / "t.csv.gz").write_bytes(bytes(raw))
+    for args in ((), ("--num-requests", "10"), ("--window", "0:10")):
+        r = invoke("workload", "stats", str(tmp_path / "t.csv.gz"), *args)
+        assert r.exit_code == 2 and "cannot decompress" in r.stderr, (args, r.output)
+
+
+def test_a_damaged_manifest_is_one_line_and_leaves_other_files_alone(tmp_path, monkeypatch):
+    (tmp_path / "t.csv.gz").write_bytes(gzip.compress(b"arrival_time,prompt_tokens,output_tokens\n0,5,6\n"))
+    monkeypatch.setattr(bundled, "MANIFEST", tmp_path / "missing.toml")
+    bundled.catalogue.cache_clear()
+    try:
+        assert read_trace(tmp_path / "t.csv.gz").prompt.tolist() == [5]
+        r = invoke("simulate", "--trace", "azure2023-code")
+        assert r.exit_code == 2 and "reinstall kvsched" in r.stderr and r.stderr.count("\n") == 1, r.output
+    finally:
+        bundled.catalogue.cache_clear()
+
+
+def test_messages_name_a_bundled_trace_by_its_name():
+    r = invoke("simulate", "--trace", "sharegpt-lengths")          # length-only: needs a rate
+    assert r.exit_code == 2 and "sharegpt-lengths.csv (bundled) has no arrival times" in r.stderr, r.output
+
+
+def test_a_sweep_point_is_new_when_a_name_leads_to_another_file(tmp_path, monkeypatch):
+    """The sweep key holds the content of every trace a phase reads, wherever its name led."""
+    for name, prompt in (("a", 7), ("b", 8)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sharegpt-lengths.csv").write_text(
+            "num_prefill_tokens,num_decode_tokens\n" + f"{prompt},9\n" * 20)
+    args = ["sweep", "-w", "sharegpt", "--policies", "vllm-v1", "--rates", "1", "--seeds", "0",
+            "--num-requests", "20", "--out", str(tmp_path / "s"), "--json"]
+    runs = []
+    for name in ("a", "b", "a"):
+        monkeypatch.setenv("KVSCHED_TRACES", str(tmp_path / name))
+        r = invoke(*args)
+        assert r.exit_code == 0, r.output
+        runs.append(json.loads(r.stdout))
+    assert [(s["done"], s["skipped"]) for s in runs] == [(1, 0), (1, 0), (0, 1)]

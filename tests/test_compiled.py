@@ -313,6 +313,24 @@ def test_the_module_records_every_mirrored_file_and_any_edit_is_seen(tmp_path, m
     assert compiled.load() is None
 
 
+def test_every_module_the_compiled_code_depends_on_is_mirrored():
+    """A module the .pyx, the replica or the baselines import may hold logic the .pyx copies (the
+    view's free-block count, for one): it is in MIRRORS, so an edit to it is seen, or it is
+    named in NOT_MIRRORED with the reason."""
+    import re
+    imported = set()
+    for rel in ("sim/_fast.pyx", "sim/replica.py", "policies/baselines.py"):
+        text = (compiled.PACKAGE / rel).read_text()
+        for module in re.findall(r"^\s*from kvsched((?:\.\w+)+) import", text, re.M):
+            imported.add(module.strip(".").replace(".", "/") + ".py")
+        for module in re.findall(r"^\s*from kvsched\.(\w+) import (\w+)", text, re.M):
+            if (compiled.PACKAGE / module[0] / f"{module[1]}.py").is_file():      # from kvsched.sim import x
+                imported.add(f"{module[0]}/{module[1]}.py")
+    imported = {m for m in imported if (compiled.PACKAGE / m).is_file()}
+    assert "sim/view.py" in imported and "cost/roofline.py" in imported
+    assert imported <= set(compiled.MIRRORS) | set(compiled.NOT_MIRRORED), imported - set(compiled.MIRRORS)
+
+
 RUN = ("import json, sys; from kvsched.run import Scenario, simulate; from kvsched.workload import Jitter, synthetic\n"
        "r = simulate(Scenario(synthetic(Jitter(512), Jitter(256), rate=20.0, n=400, seed=3)), 'vllm-v1')\n"
        "from kvsched.sim import replica\n"

@@ -5,11 +5,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from typer.testing import CliRunner
 
+import kvsched.run
 from kvsched.cli import app
 
 runner = CliRunner()
@@ -183,12 +183,16 @@ def test_out_edge_cases_from_review(tmp_path, monkeypatch):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_early_out_check_before_simulating(tmp_path):
+def test_early_out_check_before_simulating(tmp_path, monkeypatch):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "mine.txt").write_text("keep")
-    t0 = time.perf_counter()
+
+    def never(*args, **kwargs):
+        raise AssertionError("simulated before checking --out")
+    monkeypatch.setattr(kvsched.run, "simulate", never)
     r = runner.invoke(app, ["simulate", "--num-requests", "5000", "--out", str(tmp_path / "x")])
-    assert r.exit_code == 2 and time.perf_counter() - t0 < 2.0
+    assert r.exit_code == 2 and "simulated before" not in r.output, r.output
+    assert (tmp_path / "x" / "mine.txt").read_text() == "keep"
 
 
 def test_tier_names_with_outer_spaces_refused():

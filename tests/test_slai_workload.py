@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from kvsched.errors import KvschedError
 from kvsched.workload.arrivals import Poisson, PoissonTruncated, parse_arrivals
 from kvsched.workload.config import load_workload_file
-from kvsched.workload.bundled import find_trace
+from kvsched.workload.bundled import find_named
 from kvsched.workload.presets import PRESETS, SHAREGPT_FILE, slai_workload
 from kvsched.workload.readers import read_trace
 from kvsched.workload.source import WorkloadOptions, load, resolve
@@ -26,7 +26,7 @@ E3 = 1 - math.exp(-3)
 @pytest.fixture
 def sharegpt():
     """The bundled ShareGPT length file."""
-    return find_trace(SHAREGPT_FILE)
+    return find_named(SHAREGPT_FILE)
 
 
 def quiet(fn, *args, **kw):
@@ -224,7 +224,7 @@ def test_slai_too_many_requests_for_the_file(sharegpt):
 def test_slai_reads_the_bundled_trace_when_kvsched_traces_lacks_it(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSCHED_TRACES", str(tmp_path))       # an empty folder: never a stand-in
     spec = PRESETS["slai-paying-5"].make()
-    assert spec.phases[0].trace == find_trace(SHAREGPT_FILE) and spec.phases[0].arrivals == PoissonTruncated(1.0, 3.0)
+    assert spec.phases[0].trace == find_named(SHAREGPT_FILE) and spec.phases[0].arrivals == PoissonTruncated(1.0, 3.0)
     w = quiet(spec.build)
     assert len(w) == 2211 and np.diff(w.arrival, prepend=0.0).max() <= 3.0 + 1e-9
 

@@ -1,4 +1,4 @@
-"""Trace readers: every format, the shared traces' published statistics, malformed input."""
+"""Trace readers: every format, the bundled traces' published statistics, malformed input."""
 from __future__ import annotations
 
 import json
@@ -69,7 +69,7 @@ def test_time_window(traces_dir):
 
 
 def _readme_stats(readme: str) -> dict[str, list[str]]:
-    """The statistics table of ../shared/traces/README.md: file -> printed cells."""
+    """The statistics table of the bundled traces' README.md (kvsched/data/traces): file -> printed cells."""
     out = {}
     for line in readme.splitlines():
         m = re.match(r"\| ([\w.-]+\.(?:csv|jsonl)) \| (.+) \|\s*$", line)

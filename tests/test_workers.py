@@ -76,3 +76,17 @@ def test_workers_exit_when_the_driver_is_killed(tmp_path, command):
     assert rerun.returncode == 0, rerun.stderr
     summary = json.loads(rerun.stdout)
     assert summary["skipped"] == stored and summary["done"] + stored == summary["points"] == 100
+
+
+def test_a_worker_killed_on_its_own_is_a_one_line_error(tmp_path):
+    """The OOM killer takes a worker: the driver says so in one line (exit 2), no traceback."""
+    args = [sys.executable, "-m", "kvsched", *COMMANDS["capacity"], "--jobs", "2"]
+    driver = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (workers := children(driver.pid)):
+        assert driver.poll() is None and time.monotonic() < deadline, driver.stderr.read()
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os.kill(workers[0], signal.SIGKILL)
+    _, err = driver.communicate(timeout=120)
+    assert driver.returncode == 2 and err.startswith("kvsched: error: a worker process died") and err.count("\n") == 1, err

@@ -320,4 +320,12 @@ def process_pool(jobs: int):
     if count == 1:
         return (lambda js: [evaluate(j) for j in js]), None
     ex = workers.pool(count)                # workers that die with this process, however it dies
-    return (lambda js: list(ex.map(evaluate, js))), ex
+
+    def run(js: list) -> list:
+        from concurrent.futures.process import BrokenProcessPool
+        try:
+            return list(ex.map(evaluate, js))
+        except BrokenProcessPool:
+            raise KvschedError("a worker process died (killed, or out of memory?); run the command again, "
+                               "or with --jobs 1") from None
+    return run, ex

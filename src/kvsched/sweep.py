@@ -29,7 +29,6 @@ from kvsched.errors import KvschedError
 from kvsched.files import atomic_file
 from kvsched.point import Point, check_rate, figures
 from kvsched.run import Scenario, check_out, jsonable
-from kvsched.workload.bundled import find_trace
 
 VERSION = 1                         # of the folder format and of the key's definition
 KEY_LENGTH = 16                     # hex digits of the SHA-256 kept as a point's key
@@ -416,19 +415,17 @@ def key_common(workload: Any, template: Scenario, decode: dict[str, Any], hashes
     return {"version": VERSION, "decode": decode,
             "workload": dataclasses.asdict(dataclasses.replace(workload, rate=None, seed=0)),
             "scenario": jsonable(_plain(fields)),
-            "files": {str(p): _file_hash(f, hashes) for p in (workload.workload, workload.trace, template.cost)
-                      if p is not None and (f := _named_file(p)) is not None}}
+            "files": {str(p): _file_hash(Path(p), hashes) for p in (workload.workload, workload.trace, template.cost)
+                      if p is not None and Path(p).is_file()}, **_traces(workload, hashes)}
 
 
-def _named_file(given: Any) -> Path | None:
-    """The file a workload, trace or cost option names: a path, or a trace's name (its file in
-    $KVSCHED_TRACES or the bundled one, so that a different file of that name is a new key)."""
-    if Path(given).is_file():
-        return Path(given)
-    try:
-        return find_trace(given)
-    except KvschedError:
-        return None             # a preset or a model name: its definition is the version's
+def _traces(workload: Any, hashes: dict[str, str]) -> dict[str, list[str]]:
+    """The contents' hashes of the trace every phase reads, wherever its name led (a preset's
+    file in $KVSCHED_TRACES, a workload file's `trace = NAME`, the bundled copy), so that another
+    file of that name makes a new key; nothing for workloads without traces."""
+    from kvsched.workload.source import resolve as resolve_workload
+    files = [ph.trace for ph in resolve_workload(workload).phases if ph.trace is not None]
+    return {"traces": [_file_hash(f, hashes) if f.is_file() else str(f) for f in files]} if files else {}   # a pipe: its name
 
 
 def _plain(x: Any) -> Any:
@@ -490,6 +487,9 @@ def ray_module():
         import ray
     except ImportError:
         raise KvschedError("--backend ray needs Ray: pip install 'kvsched[ray]'") from None
+    if getattr(ray, "__file__", None) is None:      # a folder named ray on the path (Ray's /tmp/ray)
+        raise KvschedError("--backend ray needs Ray: pip install 'kvsched[ray]' (`import ray` found only a "
+                           f"folder named ray: {', '.join(getattr(ray, '__path__', []))})")
     return ray
 
 

@@ -109,8 +109,8 @@ class Progress:
 
 # The workload flags of every command that takes a workload (names are a contract).
 WORKLOAD_FLAGS = {
-    "workload": (Optional[str], typer.Option(None, "--workload", "-w", help="a preset (kvsched workloads), a .toml workload file or a trace file")),
-    "trace": (Optional[Path], typer.Option(None, "--trace", help="trace file: Azure 2023 CSV, Mooncake JSONL, length-only CSV, or arrival_time,prompt_tokens,output_tokens[,tier] CSV/JSONL")),
+    "workload": (Optional[str], typer.Option(None, "--workload", "-w", help="a preset (kvsched workloads), a .toml workload file, a trace file or a bundled trace's name")),
+    "trace": (Optional[str], typer.Option(None, "--trace", help="trace file (Azure 2023 CSV, Mooncake JSONL, length-only CSV, or arrival_time,prompt_tokens,output_tokens[,tier] CSV/JSONL; .gz/.xz read decompressed) or a bundled trace's name: azure2023-conv, azure2023-code, mooncake-conversation, mooncake-synthetic, sharegpt-lengths, sharegpt-vidur-10k-lengths, bwb-translation-lengths, arxiv-summarization-lengths")),
     "format": (str, typer.Option("auto", "--format", help=f"trace format: {', '.join(FORMATS)}")),
     "rate": (Optional[float], typer.Option(None, "--rate", help=f"mean arrival rate, requests/s: Poisson for synthetic and length-only workloads (built in: {DEFAULT_RATE:g}); a timed trace's times rescaled to it")),
     "arrivals": (Optional[str], typer.Option(None, "--arrivals", help="poisson:RATE, poisson-trunc:RATE:K (gaps capped at K x the mean), gamma:RATE:CV, piecewise:R1:S1,R2:S2,..., sine:MEAN:AMP:PERIOD, closed:C, replay, replay:RATE, replay:xF")),

@@ -28,6 +28,10 @@ SUFFIXES = (".csv", ".jsonl")           # what a bare name may leave out
 OPENERS = {".xz": lzma.open, ".gz": gzip.open}
 
 
+class TraceNotFound(KvschedError):
+    """No file and no trace of that name."""
+
+
 @dataclass(frozen=True)
 class BundledTrace:
     """One shipped trace, as traces.toml describes it."""
@@ -49,9 +53,13 @@ class BundledTrace:
 @functools.cache
 def catalogue() -> dict[str, BundledTrace]:
     """The bundled traces by name, in traces.toml's order."""
-    with open(MANIFEST, "rb") as f:
-        table = tomllib.load(f)
-    return {name: BundledTrace(name, **fields) for name, fields in table.items()}
+    try:
+        with open(MANIFEST, "rb") as f:
+            table = tomllib.load(f)
+        return {name: BundledTrace(name, **fields) for name, fields in table.items()}
+    except (OSError, tomllib.TOMLDecodeError, TypeError) as exc:
+        raise KvschedError(f"the bundled traces' manifest {MANIFEST} cannot be read ({exc}); "
+                           "reinstall kvsched") from None
 
 
 def _bundled(name: str) -> BundledTrace | None:
@@ -67,48 +75,107 @@ def user_folder() -> Path | None:
     env = os.environ.get("KVSCHED_TRACES", "")
     if not env:
         return None
-    folder = Path(env).expanduser()
-    if not folder.is_dir():
+    folder = _path(env, "KVSCHED_TRACES")
+    if not _probe(folder, Path.is_dir, "KVSCHED_TRACES"):
         raise KvschedError(f"KVSCHED_TRACES={env!r} is not a folder")
     return folder
 
 
+def _path(text: str, what: str) -> Path:
+    try:
+        return Path(text).expanduser()
+    except RuntimeError as exc:         # ~user that does not exist
+        raise KvschedError(f"{what} {text!r}: {exc}") from None
+
+
+def _probe(path: Path, test, what: str) -> bool:
+    """`test(path)`, with the file system's refusals (a name too long, no permission) as errors."""
+    try:
+        return test(path)
+    except OSError as exc:
+        raise KvschedError(f"{what} {str(path)!r}: {exc.strerror or exc}") from None
+
+
+def _entry(path: Path) -> bool:
+    """Whether a folder entry of that name exists (a broken link too); OSError if it cannot be told."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
+
+
+def is_name(text: str) -> bool:
+    """A bare name (no folder part), which may name a trace in $KVSCHED_TRACES or the bundle."""
+    return bool(text) and "/" not in text and "\\" not in text and text not in (".", "..")
+
+
+def find_named(name: str) -> Path:
+    """The trace called `name` (NAME or NAME.csv/.jsonl): in $KVSCHED_TRACES if there, else
+    bundled; never a path in the working folder (the presets use this). An entry of that name
+    in $KVSCHED_TRACES that is not a readable file (a folder, a broken link) is an error, not a
+    reason to fall back to the bundled copy."""
+    folder = user_folder()
+    if folder is not None:
+        for candidate in (folder / name, *(folder / (name + s) for s in SUFFIXES)):
+            if _probe(candidate, _entry, "trace"):
+                if _probe(candidate, Path.is_dir, "trace") or not candidate.exists():
+                    raise KvschedError(f"{candidate} (in KVSCHED_TRACES) is not a readable file")
+                return candidate
+    shipped = _bundled(name)
+    if shipped is None:
+        where = f" in KVSCHED_TRACES={os.environ['KVSCHED_TRACES']} or" if folder is not None else ""
+        raise TraceNotFound(f"trace {name!r} not found:{where} no bundled trace of that name "
+                           f"(bundled: {', '.join(catalogue())})")
+    return shipped.path
+
+
 def find_trace(given: str | Path, base: Path | None = None) -> Path:
     """The file a trace argument names: an existing path (relative to `base` when given, as a
-    workload file's are), else NAME or NAME.csv/.jsonl in $KVSCHED_TRACES, else the bundled
-    trace of that name. Anything else is an error listing the bundled names."""
-    path = Path(given).expanduser()
+    workload file's are), else a bare name (`find_named`). Anything else is an error listing the
+    bundled names."""
+    text = str(given)
+    path = _path(text, "trace")
     if base is not None and not path.is_absolute():
         path = base / path
-    if path.exists():
+    if _probe(path, Path.exists, "trace"):
         return path
-    text = str(given)
-    if "/" not in text and "\\" not in text and text not in ("", ".", ".."):
-        folder = user_folder()
-        if folder is not None:
-            for candidate in (text, *(text + s for s in SUFFIXES)):
-                if (folder / candidate).is_file():
-                    return folder / candidate
-        shipped = _bundled(text)
-        if shipped is not None:
-            return shipped.path
-    where = f" (nor in KVSCHED_TRACES={os.environ['KVSCHED_TRACES']})" if os.environ.get("KVSCHED_TRACES") else ""
-    raise KvschedError(f"trace {text!r} not found: no such file{where}, and no bundled trace of that name "
+    if is_name(text):
+        try:
+            return find_named(text)
+        except TraceNotFound:
+            pass
+    where = " nor in KVSCHED_TRACES," if os.environ.get("KVSCHED_TRACES") else ""
+    raise TraceNotFound(f"trace {text!r} not found: no such file,{where} and no bundled trace of that name "
                        f"(bundled: {', '.join(catalogue())})")
 
 
-def is_bundled(path: Path) -> bool:
-    return any(path == t.path for t in catalogue().values())
+def bundled_trace(path: Path) -> BundledTrace | None:
+    """The bundled trace stored at `path`, if it is one."""
+    if path.parent != DATA:
+        return None
+    return next((t for t in catalogue().values() if t.path == path), None)
+
+
+def label(path: Path) -> str:
+    """How messages name a trace file: a bundled one by its name, others by their path."""
+    t = bundled_trace(path)
+    return f"{t.file} (bundled)" if t is not None else str(path)
 
 
 def open_trace(path: Path) -> BinaryIO:
     """A trace file opened for reading bytes: a bundled one decompressed and checked against its
     sha256 (traces.toml), another .xz/.gz file decompressed as read, any other file as it is."""
-    for t in catalogue().values():
-        if path == t.path:
-            return io.BytesIO(_checked(t))
+    t = bundled_trace(path)
+    if t is not None:
+        return io.BytesIO(_checked(t))
     opener = OPENERS.get(path.suffix.lower())
     return opener(path, "rb") if opener else open(path, "rb")
+
+
+def compressed(path: Path) -> bool:
+    """Read through a decompressor: its integrity check (gzip's CRC, xz's) comes at the end."""
+    return bundled_trace(path) is None and path.suffix.lower() in OPENERS
 
 
 def _checked(t: BundledTrace) -> bytes:

@@ -12,7 +12,7 @@ from typing import Callable
 
 from kvsched.errors import KvschedError
 from kvsched.workload.arrivals import Arrivals, Closed, Poisson, PoissonTruncated, _check_rate
-from kvsched.workload.bundled import find_trace
+from kvsched.workload.bundled import find_named
 from kvsched.workload.lengths import Fixed, Jitter, Uniform
 from kvsched.workload.request import Tier
 from kvsched.workload.spec import Phase, RequestType, TierShare, WorkloadSpec
@@ -36,12 +36,13 @@ class Preset:
 
 
 def sharegpt_phase(requests: int, rate: float | Arrivals, sample: bool | str = True) -> Phase:
-    """ShareGPT lengths (sharegpt-lengths.csv: $KVSCHED_TRACES, else the bundled copy), its rows
+    """ShareGPT lengths (sharegpt-lengths.csv: $KVSCHED_TRACES, else the bundled copy; never a file
+    of that name in the working folder), its rows
     picked by `sample` (True: with replacement; "permutation": without, the file shuffled once by
     the seed, as the SLAI authors read it, rad-slai.txt section 7). `rate` is a Poisson rate or an
     arrival process."""
     arrivals = Poisson(rate) if isinstance(rate, (int, float)) else rate
-    return Phase(requests, trace=find_trace(SHAREGPT_FILE), arrivals=arrivals, name="sharegpt", sample=sample)
+    return Phase(requests, trace=find_named(SHAREGPT_FILE), arrivals=arrivals, name="sharegpt", sample=sample)
 
 
 def _one(requests: int, prompt, output, arrivals, name: str = "") -> Phase:

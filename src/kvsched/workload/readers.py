@@ -33,7 +33,7 @@ from typing import Iterator
 import numpy as np
 
 from kvsched.errors import KvschedError
-from kvsched.workload.bundled import find_trace, open_trace
+from kvsched.workload.bundled import compressed, find_trace, label, open_trace
 from kvsched.workload.lengths import MAX_TOKENS
 from kvsched.workload.request import Ragged, Segments
 
@@ -70,7 +70,7 @@ class _Where:
     """The current file:line, for error messages."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.line = path, 0
+        self.path, self.line = label(path), 0
 
     def error(self, message: str) -> KvschedError:
         return KvschedError(f"{self.path}:{self.line}: {message}")
@@ -98,6 +98,15 @@ def _lines(f, where: _Where) -> Iterator[str]:
             raise where.error("not UTF-8 text") from None
         if text.strip():
             yield text
+
+
+def _drain(f, where: _Where) -> None:
+    """Read a decompressed stream to its end, so that damage past the rows read is found."""
+    try:
+        while f.read(1 << 20):
+            pass
+    except (EOFError, lzma.LZMAError, gzip.BadGzipFile, zlib.error) as exc:
+        raise KvschedError(f"{where.path}: cannot decompress: {exc or type(exc).__name__}") from None
 
 
 def _tokens(where: _Where, name: str, value) -> int:
@@ -233,25 +242,27 @@ def read_trace(path: str | Path, *, format: str = "auto", window: tuple[float, f
     try:
         f = open_trace(path)
     except OSError as exc:
-        raise KvschedError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+        raise KvschedError(f"cannot read trace {where.path}: {exc.strerror or exc}") from None
     with f:
         lines = _lines(f, where)
         first_line = next(lines, None)
         if first_line is None:
-            raise KvschedError(f"{path}:1: empty file")
-        fmt = detect_format(path, first_line) if format == "auto" else format
+            raise KvschedError(f"{where.path}:1: empty file")
+        fmt = detect_format(where.path, first_line) if format == "auto" else format
         if window is not None and fmt == "lengths":
-            raise KvschedError(f"{path}: a length-only trace has no times, so no time window")
+            raise KvschedError(f"{where.path}: a length-only trace has no times, so no time window")
         col = _Collector(where, fmt != "lengths", window, first, fmt == "mooncake")
         if fmt in JSON_FORMATS:
             _read_jsonl(first_line, lines, where, fmt, col)
         else:
             _read_csv(first_line, lines, where, fmt, col)
         complete = next(lines, None) is None
+        if not complete and compressed(path):       # read to the end: its checksum comes last
+            _drain(f, where)
     if not col.rows:
-        raise KvschedError(f"{path}:{where.line}: no requests in the file")
+        raise KvschedError(f"{where.path}:{where.line}: no requests in the file")
     if not len(col.prompt):
-        raise KvschedError(f"{path}: no requests in the time window {window[0]:g}..{window[1]:g} s")
+        raise KvschedError(f"{where.path}: no requests in the time window {window[0]:g}..{window[1]:g} s")
     # the arrays share the collectors' buffers (no copies: a large trace is held once)
     times = np.frombuffer(col.times, np.float64) if fmt != "lengths" else None
     prompt = np.frombuffer(col.prompt, np.int64)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvsched.errors import KvschedError
 from kvsched.workload.arrivals import Closed, Poisson, parse_arrivals
-from kvsched.workload.bundled import catalogue, find_trace, user_folder
+from kvsched.workload.bundled import TraceNotFound, catalogue, find_trace
 from kvsched.workload.config import (load_workload_file, parse_phase_flag, parse_tier_flag,
                                      parse_window, with_spread)
 from kvsched.workload.lengths import parse_length
@@ -26,8 +26,8 @@ DEFAULT_LENGTH = "jitter:512"
 @dataclass
 class WorkloadOptions:
     """The workload flags of `simulate`, `compare` and `workload stats/export`."""
-    workload: str | None = None         # preset name, workload file or trace file
-    trace: Path | None = None
+    workload: str | None = None         # preset name, workload file, trace file or bundled trace name
+    trace: str | Path | None = None     # trace file or bundled trace name, as given
     format: str = "auto"
     rate: float | None = None
     arrivals: str | None = None
@@ -54,17 +54,16 @@ def base_spec(opts: WorkloadOptions) -> WorkloadSpec:
     if opts.phases:
         return WorkloadSpec(tuple(parse_phase_flag(p, k) for k, p in enumerate(opts.phases)), name="--phase")
     if opts.trace is not None:
-        return WorkloadSpec((Phase(trace=Path(opts.trace)),), name=str(opts.trace))
+        return WorkloadSpec((Phase(trace=find_trace(opts.trace)),), name=str(opts.trace))
     if opts.workload is not None:
         if opts.workload in PRESETS:
             return PRESETS[opts.workload].make()
         path = Path(opts.workload)
         if path.suffix == ".toml":
             return load_workload_file(path)
-        user_folder()                   # a bad KVSCHED_TRACES is its own error
         try:
-            path = find_trace(path)
-        except KvschedError:
+            path = find_trace(opts.workload)
+        except TraceNotFound:
             raise KvschedError(f"unknown workload {opts.workload!r}: not a preset (`kvsched workloads` lists "
                                "them), a .toml workload file, a trace file or a bundled trace's name "
                                f"({', '.join(catalogue())})") from None

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvsched.errors import KvschedError
 from kvsched.workload.arrivals import Arrivals, Closed, Poisson, Replay, TraceRate
+from kvsched.workload.bundled import label
 from kvsched.workload.readers import read_trace
 from kvsched.workload.lengths import Fixed, LengthDist
 from kvsched.workload.request import Ragged, Segments, Tier, Workload, session_roots
@@ -285,14 +286,14 @@ def _from_trace(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool, 
     n = have if ph.requests is None else int(ph.requests)
     if perm and n > have:
         raise KvschedError(f"{ph.label(k)}: {n:,} requests drawn without replacement (sample = "
-                           f"'permutation') need as many rows; {rows.path} has {have:,}")
+                           f"'permutation') need as many rows; {label(rows.path)} has {have:,}")
     arrivals = ph.arrivals
     if isinstance(arrivals, TraceRate):
         arrivals = arrivals.resolve(rows.arrival is not None)
     untimed = arrivals is None and rows.arrival is None and untimed_ok
     if arrivals is None and not untimed:
         if rows.arrival is None:
-            raise KvschedError(f"{rows.path} has no arrival times: give --rate REQ_PER_S or --arrivals "
+            raise KvschedError(f"{label(rows.path)} has no arrival times: give --rate REQ_PER_S or --arrivals "
                                "(poisson:RATE, gamma:RATE:CV, closed:C, ...)")
         arrivals = Replay()
     if perm:
@@ -304,7 +305,7 @@ def _from_trace(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool, 
         arrival = np.zeros(n)
     elif isinstance(arrivals, Replay):
         if rows.arrival is None:
-            raise KvschedError(f"{rows.path} is a length-only trace: it has no times to replay")
+            raise KvschedError(f"{label(rows.path)} is a length-only trace: it has no times to replay")
         stamps = arrivals.apply(rows.arrival, rng)
         if perm:
             arrival = stamps[idx]
