@@ -134,6 +134,29 @@ def test_paths_are_paths_and_bad_ones_are_one_line(tmp_path, monkeypatch):
     assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
 
 
+def test_kvsched_traces_entries_a_folder_beside_and_compressed_copies(tmp_path, monkeypatch):
+    (tmp_path / "azure2023-code").mkdir()                               # raw data beside the file
+    (tmp_path / "azure2023-code.csv").write_text("arrival_time,prompt_tokens,output_tokens\n0,5,6\n")
+    (tmp_path / "mooncake-synthetic.jsonl.gz").write_bytes(
+        gzip.compress(b'{"arrival_time": 0, "prompt_tokens": 3, "output_tokens": 4}\n'))
+    monkeypatch.setenv("KVSCHED_TRACES", str(tmp_path))
+    assert read_trace("azure2023-code").prompt.tolist() == [5]
+    assert read_trace("mooncake-synthetic").prompt.tolist() == [3]          # not the bundled 3,993 rows
+
+
+def test_broken_links_and_odd_names_are_one_line_errors(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "azure2023-code.csv").symlink_to(tmp_path / "unmounted" / "x.csv")   # not the bundled one
+    monkeypatch.setenv("KVSCHED_TRACES", str(tmp_path))
+    for given in ("azure2023-code.csv", "a\0b", "", " "):
+        r = invoke("workload", "stats", "--trace", given)
+        assert r.exit_code == 2 and r.stderr.startswith("kvsched: error: ") and r.stderr.count("\n") == 1, \
+            (given, r.output)
+    (tmp_path / "w.toml").write_text('[[phases]]\ntrace = "a\\u0000b"\nrequests = 5\n')
+    r = invoke("simulate", "-w", "w.toml", "--rate", "1")
+    assert r.exit_code == 2 and "NUL" in r.stderr and r.stderr.count("\n") == 1, r.output
+
+
 @pytest.mark.parametrize("entry", ["folder", "broken-link"])
 def test_a_bad_entry_in_kvsched_traces_is_an_error_not_the_bundled_copy(entry, tmp_path, monkeypatch):
     if entry == "folder":
@@ -189,3 +212,7 @@ def test_a_sweep_point_is_new_when_a_name_leads_to_another_file(tmp_path, monkey
         assert r.exit_code == 0, r.output
         runs.append(json.loads(r.stdout))
     assert [(s["done"], s["skipped"]) for s in runs] == [(1, 0), (1, 0), (0, 1)]
+    monkeypatch.chdir(tmp_path / "a")                   # a path's spelling is not a new point
+    for given, done in (("sharegpt-lengths.csv", 1), ("./sharegpt-lengths.csv", 0), (".//sharegpt-lengths.csv", 0)):
+        r = invoke("sweep", "--trace", given, *args[3:-3], "--out", str(tmp_path / "s2"), "--json")
+        assert r.exit_code == 0 and json.loads(r.stdout)["done"] == done, (given, r.output)

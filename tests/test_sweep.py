@@ -353,6 +353,15 @@ def test_ray_missing_is_one_line(tmp_path, monkeypatch):
     assert not (tmp_path / "s").exists()
 
 
+def test_a_module_named_ray_that_is_not_ray_is_one_line(tmp_path, monkeypatch):
+    """Ray keeps its session files in /tmp/ray: seen from /tmp, `import ray` finds that folder."""
+    import types
+    monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))
+    r = sweep("--rates", "2", *SMALL, "--backend", "ray", "--out", str(tmp_path / "s"))
+    assert r.exit_code == 2 and "which is not Ray" in r.stderr and r.stderr.count("\n") == 1, r.output
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.ray
 def test_ray_backend_runs_the_same_grid(tmp_path):
     if getattr(pytest.importorskip("ray"), "__file__", None) is None:

@@ -412,11 +412,24 @@ def key_common(workload: Any, template: Scenario, decode: dict[str, Any], hashes
     parameters, rate and seed); `hashes`: file contents' hashes by path, filled as read."""
     fields = {f.name: getattr(template, f.name) for f in dataclasses.fields(template)
               if f.name not in ("workload", "router_seed")}       # the point's seed sets both
+    named = {"workload": _spelling(workload.workload), "trace": _spelling(workload.trace)}
     return {"version": VERSION, "decode": decode,
-            "workload": dataclasses.asdict(dataclasses.replace(workload, rate=None, seed=0)),
+            "workload": dataclasses.asdict(dataclasses.replace(workload, rate=None, seed=0, **named)),
             "scenario": jsonable(_plain(fields)),
-            "files": {str(p): _file_hash(Path(p), hashes) for p in (workload.workload, workload.trace, template.cost)
-                      if p is not None and Path(p).is_file()}, **_traces(workload, hashes)}
+            "files": {_spelling(p): _file_hash(Path(p), hashes) for p in (workload.workload, workload.trace, template.cost)
+                      if p is not None and _is_file(p)}, **_traces(workload, hashes)}
+
+
+def _spelling(given: Any) -> str | None:
+    """A path as the key holds it: `tr.csv`, `./tr.csv` and `.//tr.csv` are one file."""
+    return None if given is None else os.path.normpath(str(given))
+
+
+def _is_file(given: Any) -> bool:
+    try:
+        return Path(given).is_file()
+    except (OSError, ValueError):       # not a file name at all (too long, a NUL)
+        return False
 
 
 def _traces(workload: Any, hashes: dict[str, str]) -> dict[str, list[str]]:
@@ -487,9 +500,10 @@ def ray_module():
         import ray
     except ImportError:
         raise KvschedError("--backend ray needs Ray: pip install 'kvsched[ray]'") from None
-    if getattr(ray, "__file__", None) is None:      # a folder named ray on the path (Ray's /tmp/ray)
-        raise KvschedError("--backend ray needs Ray: pip install 'kvsched[ray]' (`import ray` found only a "
-                           f"folder named ray: {', '.join(getattr(ray, '__path__', []))})")
+    if not all(hasattr(ray, f) for f in ("init", "is_initialized", "remote", "get")):   # a folder named ray
+        where = getattr(ray, "__file__", None) or ", ".join(getattr(ray, "__path__", []))  # (Ray's /tmp/ray)
+        raise KvschedError(f"--backend ray needs Ray: pip install 'kvsched[ray]' (`import ray` found {where}, "
+                           "which is not Ray)")
     return ray
 
 

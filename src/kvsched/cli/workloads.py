@@ -41,7 +41,7 @@ def _with_source(source: Optional[str], wopts: WorkloadOptions) -> WorkloadOptio
 @workload_app.command("stats")
 @workload_flags
 def workload_stats_cmd(wopts: WorkloadOptions,
-                       source: Optional[str] = typer.Argument(None, help="trace file, preset or .toml workload file"),
+                       source: Optional[str] = typer.Argument(None, help="trace file, bundled trace name, preset or .toml workload file"),
                        json_: bool = JsonOpt) -> None:
     """Count, span, mean rate, CV of gaps, token percentiles, prefix reuse, phases and tiers."""
     def body() -> None:
@@ -57,7 +57,7 @@ def workload_stats_cmd(wopts: WorkloadOptions,
 @workload_app.command("export")
 @workload_flags
 def workload_export_cmd(wopts: WorkloadOptions,
-                        source: Optional[str] = typer.Argument(None, help="trace file, preset or .toml workload file"),
+                        source: Optional[str] = typer.Argument(None, help="trace file, bundled trace name, preset or .toml workload file"),
                         out: Path = typer.Option(..., "--out", help="CSV file to write")) -> None:
     """Write a workload as the generic CSV arrival_time,prompt_tokens,output_tokens[,tier]."""
     def body() -> None:

@@ -57,7 +57,7 @@ def catalogue() -> dict[str, BundledTrace]:
         with open(MANIFEST, "rb") as f:
             table = tomllib.load(f)
         return {name: BundledTrace(name, **fields) for name, fields in table.items()}
-    except (OSError, tomllib.TOMLDecodeError, TypeError) as exc:
+    except (OSError, ValueError, TypeError) as exc:     # ValueError: TOMLDecodeError, UnicodeDecodeError
         raise KvschedError(f"the bundled traces' manifest {MANIFEST} cannot be read ({exc}); "
                            "reinstall kvsched") from None
 
@@ -82,6 +82,8 @@ def user_folder() -> Path | None:
 
 
 def _path(text: str, what: str) -> Path:
+    if "\0" in text:
+        raise KvschedError(f"{what} {text!r}: a NUL character cannot be in a file name")
     try:
         return Path(text).expanduser()
     except RuntimeError as exc:         # ~user that does not exist
@@ -105,40 +107,55 @@ def _entry(path: Path) -> bool:
     return True
 
 
+def _readable(path: Path) -> bool:
+    """An entry that can be read as a trace: not a folder, not a broken or looping link."""
+    return path.exists() and not path.is_dir()
+
+
 def is_name(text: str) -> bool:
     """A bare name (no folder part), which may name a trace in $KVSCHED_TRACES or the bundle."""
     return bool(text) and "/" not in text and "\\" not in text and text not in (".", "..")
 
 
+def _candidates(folder: Path, name: str) -> list[Path]:
+    """NAME, NAME.csv, NAME.jsonl, each as it is or compressed (.gz, .xz)."""
+    return [folder / (base + z) for base in (name, *(name + s for s in SUFFIXES)) for z in ("", *OPENERS)]
+
+
 def find_named(name: str) -> Path:
-    """The trace called `name` (NAME or NAME.csv/.jsonl): in $KVSCHED_TRACES if there, else
-    bundled; never a path in the working folder (the presets use this). An entry of that name
-    in $KVSCHED_TRACES that is not a readable file (a folder, a broken link) is an error, not a
-    reason to fall back to the bundled copy."""
+    """The trace called `name` (NAME, NAME.csv or NAME.jsonl, maybe .gz/.xz): in $KVSCHED_TRACES
+    if there, else bundled; never a path in the working folder (the presets use this). An entry
+    of that name in $KVSCHED_TRACES that cannot be read (a folder with no file beside it, a broken
+    link) is an error, not a reason to fall back to the bundled copy."""
+    if "\0" in name:
+        raise KvschedError(f"trace {name!r}: a NUL character cannot be in a file name")
     folder = user_folder()
     if folder is not None:
-        for candidate in (folder / name, *(folder / (name + s) for s in SUFFIXES)):
-            if _probe(candidate, _entry, "trace"):
-                if _probe(candidate, Path.is_dir, "trace") or not candidate.exists():
-                    raise KvschedError(f"{candidate} (in KVSCHED_TRACES) is not a readable file")
-                return candidate
+        found = [c for c in _candidates(folder, name) if _probe(c, _entry, "trace")]
+        readable = [c for c in found if _probe(c, _readable, "trace")]
+        if readable:
+            return readable[0]
+        if found:
+            raise KvschedError(f"{found[0]} (in KVSCHED_TRACES) is not a readable file")
     shipped = _bundled(name)
     if shipped is None:
         where = f" in KVSCHED_TRACES={os.environ['KVSCHED_TRACES']} or" if folder is not None else ""
         raise TraceNotFound(f"trace {name!r} not found:{where} no bundled trace of that name "
-                           f"(bundled: {', '.join(catalogue())})")
+                            f"(bundled: {', '.join(catalogue())})")
     return shipped.path
 
 
 def find_trace(given: str | Path, base: Path | None = None) -> Path:
-    """The file a trace argument names: an existing path (relative to `base` when given, as a
-    workload file's are), else a bare name (`find_named`). Anything else is an error listing the
-    bundled names."""
+    """The file a trace argument names: a path whose entry exists (relative to `base` when
+    given, as a workload file's are; a broken link too, whose reading then fails), else a bare
+    name (`find_named`). Anything else is an error listing the bundled names."""
     text = str(given)
+    if not text.strip():
+        raise KvschedError("a trace must be named: the file or bundled trace name is empty")
     path = _path(text, "trace")
     if base is not None and not path.is_absolute():
         path = base / path
-    if _probe(path, Path.exists, "trace"):
+    if _probe(path, _entry, "trace"):
         return path
     if is_name(text):
         try:
@@ -147,7 +164,7 @@ def find_trace(given: str | Path, base: Path | None = None) -> Path:
             pass
     where = " nor in KVSCHED_TRACES," if os.environ.get("KVSCHED_TRACES") else ""
     raise TraceNotFound(f"trace {text!r} not found: no such file,{where} and no bundled trace of that name "
-                       f"(bundled: {', '.join(catalogue())})")
+                        f"(bundled: {', '.join(catalogue())})")
 
 
 def bundled_trace(path: Path) -> BundledTrace | None:

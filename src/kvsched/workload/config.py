@@ -94,8 +94,9 @@ def parse_phase(where: str, table: dict, base: Path | None = None) -> Phase:
         types = tuple(_type(f"{where}, type {j + 1}", t) for j, t in enumerate(table["types"]))
     trace = None
     if "trace" in table:
+        text = _text(where, "trace", table["trace"])
         try:            # a path relative to the file, else a name ($KVSCHED_TRACES, the bundled traces)
-            trace = find_trace(_text(where, "trace", table["trace"]), base)
+            trace = find_trace(text, base)
         except KvschedError as exc:
             raise KvschedError(f"{where}: {exc}") from None
     fmt = _text(where, "format", table.get("format", "auto"))
