@@ -1,4 +1,5 @@
-"""Files written whole or not at all: a temporary file beside the target, renamed over it."""
+"""Files written whole or not at all (a temporary file beside the target, renamed over it), and
+whether an option names a file."""
 from __future__ import annotations
 
 import contextlib
@@ -32,3 +33,12 @@ def atomic_file(path: str | Path, mode: str = "w", suffix: str = ".tmp") -> Iter
         raise KvschedError(f"cannot write {path}: {exc.strerror or exc}") from None
     finally:
         Path(tmp).unlink(missing_ok=True)
+
+
+def names_a_file(given: str | Path) -> bool:
+    """Whether an option's text names an existing regular file; text that cannot be a file name
+    (too long, a NUL) names none, so the option is read as a name instead."""
+    try:
+        return Path(given).is_file()
+    except (OSError, ValueError):
+        return False

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from kvsched import workers
 from kvsched.errors import KvschedError
-from kvsched.files import atomic_file
+from kvsched.files import atomic_file, names_a_file
 from kvsched.point import Point, check_rate, figures
 from kvsched.run import Scenario, check_out, jsonable
 
@@ -417,19 +417,12 @@ def key_common(workload: Any, template: Scenario, decode: dict[str, Any], hashes
             "workload": dataclasses.asdict(dataclasses.replace(workload, rate=None, seed=0, **named)),
             "scenario": jsonable(_plain(fields)),
             "files": {_spelling(p): _file_hash(Path(p), hashes) for p in (workload.workload, workload.trace, template.cost)
-                      if p is not None and _is_file(p)}, **_traces(workload, hashes)}
+                      if p is not None and names_a_file(p)}, **_traces(workload, hashes)}
 
 
 def _spelling(given: Any) -> str | None:
     """A path as the key holds it: `tr.csv`, `./tr.csv` and `.//tr.csv` are one file."""
     return None if given is None else os.path.normpath(str(given))
-
-
-def _is_file(given: Any) -> bool:
-    try:
-        return Path(given).is_file()
-    except (OSError, ValueError):       # not a file name at all (too long, a NUL)
-        return False
 
 
 def _traces(workload: Any, hashes: dict[str, str]) -> dict[str, list[str]]:

@@ -8,8 +8,8 @@ thread also checks every half second that its parent is still the one that start
 from __future__ import annotations
 
 import ctypes
-import importlib
 import ctypes.util
+import importlib
 import os
 import signal
 import sys

@@ -16,6 +16,7 @@ from kvsched.cost.roofline import RooflineCost
 from kvsched.cost.shape import BatchShape
 from kvsched.cost.tiled import TILED_PRESETS, TiledCost
 from kvsched.errors import KvschedError
+from kvsched.files import names_a_file
 from kvsched.hardware import GPU, Model
 from kvsched.params import build
 
@@ -47,17 +48,10 @@ def make_cost_model(name: str, overrides: dict[str, Any], model: Model, gpu: GPU
     """A registered model by name, or the model of a cost file when `name` is not registered
     and ends in .json or is a file; `overrides` (--cost-set) apply on top of the file's
     parameters."""
-    if name not in COST_MODELS and (name.endswith(".json") or _is_file(name)):
+    if name not in COST_MODELS and (name.endswith(".json") or names_a_file(name)):
         cost, params = read_cost_file(Path(name), model, gpu)
         return _build(cost, overrides, model, gpu, params, f"cost file {name} ({cost})")
     return _build(name, overrides, model, gpu, {}, f"cost model {name}")
-
-
-def _is_file(name: str) -> bool:
-    try:
-        return Path(name).is_file()
-    except (OSError, ValueError):       # a name too long for a file, a NUL: not a cost file
-        return False
 
 
 def _build(name: str, overrides: dict[str, Any], model: Model, gpu: GPU, params: dict[str, Any], owner: str):

@@ -42,7 +42,7 @@ def changed(recorded: dict[str, str], root: Path | None = None) -> list[str]:
     `recorded` (path -> sha256) says the compiled module was built from; a file missing on
     either side counts as changed."""
     root = PACKAGE if root is None else root
-    return [rel for rel in MIRRORS if recorded.get(rel) is None or recorded.get(rel) != digest(root / rel)]
+    return [rel for rel in MIRRORS if (built := recorded.get(rel)) is None or built != digest(root / rel)]
 
 
 def parse_sources(text: str) -> dict[str, str]:

@@ -4,8 +4,9 @@ A trace is named by a path or by a name: `azure2023-conv` or `azure2023-conv.csv
 exists is read as it is. A name is looked up in $KVSCHED_TRACES (a folder of the user's, when
 set) and then among the bundled traces; nothing else is ever substituted. Bundled files are
 xz-compressed copies of their sources (traces.toml: source, commit, licence, citation, sha256),
-decompressed when read and checked against their sha256 each time, so a damaged install is an
-error, not a different workload. Any trace path ending in .xz or .gz is read decompressed.
+decompressed when read and checked against their sha256 (once per process while the file is
+unchanged), so a damaged install is an error, not a different workload. Any trace path ending
+in .xz or .gz is read decompressed.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import io
 import lzma
 import os
 import tomllib
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -26,6 +28,7 @@ DATA = Path(__file__).resolve().parent.parent / "data" / "traces"
 MANIFEST = DATA / "traces.toml"
 SUFFIXES = (".csv", ".jsonl")           # what a bare name may leave out
 OPENERS = {".xz": lzma.open, ".gz": gzip.open}
+DAMAGED = (EOFError, lzma.LZMAError, gzip.BadGzipFile, zlib.error)     # what a damaged stream raises
 
 
 class TraceNotFound(KvschedError):
@@ -81,9 +84,13 @@ def user_folder() -> Path | None:
     return folder
 
 
-def _path(text: str, what: str) -> Path:
+def _no_nul(text: str, what: str) -> None:
     if "\0" in text:
         raise KvschedError(f"{what} {text!r}: a NUL character cannot be in a file name")
+
+
+def _path(text: str, what: str) -> Path:
+    _no_nul(text, what)
     try:
         return Path(text).expanduser()
     except RuntimeError as exc:         # ~user that does not exist
@@ -127,8 +134,7 @@ def find_named(name: str) -> Path:
     if there, else bundled; never a path in the working folder (the presets use this). An entry
     of that name in $KVSCHED_TRACES that cannot be read (a folder with no file beside it, a broken
     link) is an error, not a reason to fall back to the bundled copy."""
-    if "\0" in name:
-        raise KvschedError(f"trace {name!r}: a NUL character cannot be in a file name")
+    _no_nul(name, "trace")
     folder = user_folder()
     if folder is not None:
         found = [c for c in _candidates(folder, name) if _probe(c, _entry, "trace")]
@@ -196,12 +202,24 @@ def compressed(path: Path) -> bool:
 
 
 def _checked(t: BundledTrace) -> bytes:
+    """The decompressed file, checked against its sha256. Kept per process while the file's size
+    and time stay as they were: a sweep's or capacity search's points read the same trace again
+    and again, and its decompression and hash were a quarter of each read."""
     try:
-        data = lzma.decompress(t.path.read_bytes())
-    except (OSError, lzma.LZMAError) as exc:
+        st = t.path.stat()
+    except OSError as exc:
         raise KvschedError(f"bundled trace {t.path}: cannot be read ({exc}); reinstall kvsched") from None
-    if hashlib.sha256(data).hexdigest() != t.sha256:
-        raise KvschedError(f"bundled trace {t.path}: its content does not match its sha256 in {MANIFEST.name} "
+    return _verified(t.path, st.st_size, st.st_mtime_ns, t.sha256)
+
+
+@functools.lru_cache(maxsize=16)
+def _verified(path: Path, size: int, mtime_ns: int, sha256: str) -> bytes:
+    try:
+        data = lzma.decompress(path.read_bytes())
+    except (OSError, lzma.LZMAError) as exc:
+        raise KvschedError(f"bundled trace {path}: cannot be read ({exc}); reinstall kvsched") from None
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise KvschedError(f"bundled trace {path}: its content does not match its sha256 in {MANIFEST.name} "
                            "(a damaged install?); reinstall kvsched")
     return data
 

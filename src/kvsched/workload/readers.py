@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import csv
 import functools
-import gzip
 import itertools
 import json
-import lzma
 import math
 import re
-import zlib
 from array import array
 from dataclasses import dataclass
 from datetime import datetime
@@ -33,7 +30,7 @@ from typing import Iterator
 import numpy as np
 
 from kvsched.errors import KvschedError
-from kvsched.workload.bundled import compressed, find_trace, label, open_trace
+from kvsched.workload.bundled import DAMAGED, compressed, find_trace, label, open_trace
 from kvsched.workload.lengths import MAX_TOKENS
 from kvsched.workload.request import Ragged, Segments
 
@@ -85,7 +82,7 @@ def _lines(f, where: _Where) -> Iterator[str]:
     while True:
         try:
             raw = f.readline(MAX_LINE + 1)
-        except (EOFError, lzma.LZMAError, gzip.BadGzipFile, zlib.error) as exc:    # a damaged .xz/.gz
+        except DAMAGED as exc:          # a damaged .xz/.gz
             raise where.error(f"cannot decompress: {exc or type(exc).__name__}") from None
         if not raw:
             return
@@ -105,7 +102,7 @@ def _drain(f, where: _Where) -> None:
     try:
         while f.read(1 << 20):
             pass
-    except (EOFError, lzma.LZMAError, gzip.BadGzipFile, zlib.error) as exc:
+    except DAMAGED as exc:
         raise KvschedError(f"{where.path}: cannot decompress: {exc or type(exc).__name__}") from None
 
 
