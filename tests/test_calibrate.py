@@ -384,3 +384,30 @@ def test_out_may_not_overwrite_the_step_log(tmp_path, monkeypatch):
     r = invoke("calibrate", "steps.csv", "--out", "steps.csv")
     assert r.exit_code == 2 and "is the step log itself" in r.stderr
     assert Path("steps.csv").read_text() == f"{HEADER}\n{GOOD}\n"
+
+
+DECODE = "2,0,0,0,0,4,400,,0,4,4,0.02"
+
+
+@pytest.mark.parametrize("args", [[], ["--json"], ["--out", "cost.json"]])
+def test_too_few_steps_for_any_model_is_one_line_naming_the_counts(tmp_path, monkeypatch, args):
+    """Two steps (one prefill-only, one decode-only): linear fits them exactly (2 steps, 2
+    parameters), which `best` does not count, and phase has too few of each kind: a one-line
+    error, exit 2, nothing written (was `best: None` with exit 0, and `KeyError: None` with --out)."""
+    monkeypatch.chdir(tmp_path)
+    Path("steps.csv").write_text(f"{HEADER}\n{GOOD}\n{DECODE}\n")
+    r = invoke("calibrate", "steps.csv", *args)
+    assert r.exit_code == 2, r.output
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in r.output
+    assert "no model could be fitted to steps.csv: 2 steps (1 prefill-only, 1 decode-only, 0 mixed)" in line
+    assert "linear: 2 steps for 2 parameters, needs at least 3" in line
+    assert "prefill-only steps: 1, with 1 distinct prefill token counts (need 2)" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.csv"]
+
+
+def test_one_step_more_than_parameters_is_fitted(tmp_path):
+    third = "3,200,1,20100,200,0,0,0:200,0,200,200,0.015"
+    (tmp_path / "steps.csv").write_text(f"{HEADER}\n{GOOD}\n{DECODE}\n{third}\n")
+    s = calibrate_json(tmp_path / "steps.csv", "--models", "linear")
+    assert s["best"] == s["use"] == "linear"

@@ -353,7 +353,7 @@ def test_session_ids_are_caller_ids():
     assert w.previous_turn().tolist() == [-1, 0, 1]
     with pytest.raises(KvschedError, match="sessions need open-loop arrivals"):
         Workload.build([0, 0], [5, 5], [5, 5], session_prev=[-1, 0], concurrency=[2, 2])
-    with pytest.raises(KvschedError, match="think times must be finite"):
+    with pytest.raises(KvschedError, match=r"think\[1\] must be a finite number of seconds >= 0"):
         Workload.build([0, 0], [5, 5], [5, 5], session_prev=[-1, 0], think=[0, -1])
 
 

@@ -202,6 +202,13 @@ def test_corrupt_figures_are_one_line_errors(tmp_path, where, value, words):
     (lambda p: p.update(at_max_rate_runs=["x"]), "policies.vllm-v1.at_max_rate_runs[0] must be an object"),
     (lambda p: p["evaluations"][0].update(rate="3"), "policies.vllm-v1.evaluations[0].rate must be a number"),
     (lambda p: p["evaluations"][0].update(met="false"), "met true or false, got 0 and 'false'"),
+    (lambda p: p["evaluations"][0]["figures"].update(median_ttft_ms="fast"),
+     "policies.vllm-v1.evaluations[0].figures: median_ttft_ms must be a finite number or null, got 'fast'"),
+    (lambda p: p["at_max_rate_runs"][0].update(completed="60"),
+     "policies.vllm-v1.at_max_rate_runs[0]: completed must be a finite number or null, got '60'"),
+    (lambda p: p["at_max_rate"].update(met="yes"), "policies.vllm-v1.at_max_rate must be an object whose met is"),
+    (lambda p: p.update(bounded_by=3), "policies.vllm-v1: bounded_by must be text and gpus an object or null"),
+    (lambda p: p.update(gpus="4"), "policies.vllm-v1: bounded_by must be text and gpus an object or null"),
 ])
 def test_corrupt_capacity_numbers_are_one_line_errors(tmp_path, change, words):
     cap = make_capacity(tmp_path / "cap", rates=(2.0, 5.0), seeds=(0,))
@@ -250,3 +257,152 @@ def test_a_large_sweep_reports_in_seconds(folders, tmp_path):
     (d / "sweep.json").write_text(json.dumps({"kind": "sweep", "version": 1, "points": 400, "axes": {}}))
     out = report(d)         # (its speed: a benchmark's business, not a test's)
     assert "first 10 of 20 configurations" in Path(out["report"]).read_text()
+
+
+# ---- corrupt simulate and compare folders: refused with the file (and line) named ----
+
+def _cell(name: str, column: str, value: bytes, line: int = 3):
+    """Set `column` of CSV line `line` (1: the header) to `value`."""
+    def change(d: Path) -> None:
+        lines = (d / name).read_bytes().split(b"\r\n")
+        header, row = lines[0].split(b","), lines[line - 1].split(b",")
+        row[header.index(column.encode())] = value
+        lines[line - 1] = b",".join(row)
+        (d / name).write_bytes(b"\r\n".join(lines))
+    return change
+
+
+def _cut(name: str, n: int):
+    return lambda d: (d / name).write_bytes((d / name).read_bytes()[:-n])
+
+
+def _bytes(name: str, line: int):
+    """Bytes that are not UTF-8 at the start of line `line`."""
+    def change(d: Path) -> None:
+        lines = (d / name).read_bytes().split(b"\n")
+        lines[line - 1] = b"\xff\xfe" + lines[line - 1]
+        (d / name).write_bytes(b"\n".join(lines))
+    return change
+
+
+def _summary(change):
+    def edit(d: Path) -> None:
+        doc = json.loads((d / "summary.json").read_text())
+        change(doc)
+        (d / "summary.json").write_text(json.dumps(doc))
+    return edit
+
+
+CORRUPT_RUNS = {
+    "requests-cut-in-a-row": (_cut("requests.csv", 30), "requests.csv:61: 14 fields, the header has 17"),
+    "requests-cut-in-the-last-cell": (_cut("requests.csv", 3), "requests.csv:61: cut short"),
+    "requests-cut-in-the-line-break": (_cut("requests.csv", 1), "requests.csv:61: cut short"),
+    "requests-extra-field": (_cell("requests.csv", "status", b"finished,x"), "requests.csv:3: 18 fields"),
+    "requests-ttft-text": (_cell("requests.csv", "ttft", b"abc"), "requests.csv:3: ttft 'abc' is not a number"),
+    "requests-arrival-text": (_cell("requests.csv", "arrival", b"soon", 9), "requests.csv:9: arrival 'soon' is not"),
+    "requests-nan": (_cell("requests.csv", "itl_sum", b"nan"), "requests.csv:3: itl_sum 'nan' is not a finite"),
+    "requests-status": (_cell("requests.csv", "status", b"done"), "requests.csv:3: status 'done' is not one of"),
+    "requests-no-ttft": (_cell("requests.csv", "ttft", b""), "requests.csv:3: a finished request needs ttft"),
+    "requests-not-utf8": (_bytes("requests.csv", 5), "requests.csv:5: not UTF-8 text"),
+    "timeline-text": (_cell("timeline.csv", "queue_length", b"x", 2), "timeline.csv:2: queue_length 'x' is not a"),
+    "timeline-cut": (_cut("timeline.csv", 1), "cut short (the last line has no line break)"),
+    "timeline-empty-cell": (_cell("timeline.csv", "running", b"", 2), "timeline.csv:2: running is empty"),
+    "timeline-not-utf8": (_bytes("timeline.csv", 7), "timeline.csv:7: not UTF-8 text"),
+    "summary-text-number": (_summary(lambda s: s.update(request_throughput="2.5")),
+                            "summary.json: malformed (ValueError: request_throughput must be a finite number or "
+                            "null, got '2.5')"),
+    "summary-text-in-table": (_summary(lambda s: s.update(preemptions="none")), "preemptions must be a finite"),
+    "summary-tier-figure": (_summary(lambda s: s["tiers"][0].update(p99_itl_ms="slow")),
+                            "tier_paying_p99_itl_ms must be a finite number or null"),
+    "summary-tiers-text": (_summary(lambda s: s.update(tiers="paying")), "tiers must be a list of objects"),
+    "summary-capacity-text": (_summary(lambda s: s.update(kv_capacity_tokens="30000")),
+                              "kv_capacity_tokens must be a whole number >= 1, got '30000'"),
+    "summary-capacity-zero": (_summary(lambda s: s.update(kv_capacity_tokens=0)), "kv_capacity_tokens must be"),
+    "summary-gpu-number": (_summary(lambda s: s.update(gpu=7)), "gpu must be text or null, got 7"),
+    "summary-list": (lambda d: (d / "summary.json").write_text("[1, 2]"), "summary.json: malformed"),
+    "summary-not-utf8": (lambda d: (d / "summary.json").write_bytes(b'{"policy": "\xff"}'),
+                         "summary.json: not UTF-8 text (byte 13)"),
+}
+
+
+@pytest.mark.parametrize("name", CORRUPT_RUNS)
+def test_a_corrupt_run_folder_is_refused_naming_the_file(folders, tmp_path, name):
+    import shutil
+    change, words = CORRUPT_RUNS[name]
+    d = tmp_path / "run"
+    shutil.copytree(folders["run"], d)
+    (d / "report.html").unlink(missing_ok=True)
+    change(d)
+    r = runner.invoke(app, ["report", str(d)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and words in r.output, r.output
+    assert r.output.startswith(f"kvsched: error: {d}") and not (d / "report.html").exists()
+
+
+def test_a_corrupt_compare_folder_is_refused(folders, tmp_path):
+    import shutil
+    d = tmp_path / "compare"
+    shutil.copytree(folders["compare"], d)
+    (d / "report.html").unlink(missing_ok=True)
+    _cell("requests.csv", "ttft", b"x", 4)(d / "sarathi")
+    r = runner.invoke(app, ["report", str(d)])
+    assert r.exit_code == 2 and f"{d / 'sarathi' / 'requests.csv'}:4: ttft 'x' is not a number" in r.output
+    (d / "compare.json").write_text(json.dumps({"../run": {}}))        # a name that leaves the folder
+    r = runner.invoke(app, ["report", str(d)])
+    assert r.exit_code == 2 and "compare.json: '../run' is not the name of a policy's folder" in r.output
+    assert not (d / "report.html").exists()
+
+
+def test_a_manifest_with_bytes_that_are_not_utf8_keeps_them(folders, tmp_path):
+    """run.py reads the manifest's names as bytes (surrogateescape); the report did
+    read_text() and failed with a UnicodeDecodeError traceback."""
+    import shutil
+    d = tmp_path / "run"
+    shutil.copytree(folders["run"], d)
+    (d / "report.html").unlink(missing_ok=True)
+    manifest = d / ".kvsched-run"
+    manifest.write_bytes(manifest.read_bytes().replace(b"report.html\n", b"") + b"caf\xe9.txt\n")
+    report(d)
+    assert manifest.read_bytes().split(b"\n") == sorted(manifest.read_bytes().split(b"\n")[:-1]) + [b""]
+    assert {b"caf\xe9.txt", b"report.html"} <= set(manifest.read_bytes().split(b"\n"))
+
+
+def test_every_figure_the_page_reads_as_a_number_is_checked():
+    from kvsched.report.folders import NUMBERS
+    from kvsched.report.html import TABLE
+    assert {key for key, _, _ in TABLE} <= set(NUMBERS)
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda f: f.update(request_throughput="3"), "figures: request_throughput must be a finite number or null"),
+    (lambda f: f.update(tier_a_p99_itl_ms=[1]), "figures: tier_a_p99_itl_ms must be a finite number or null"),
+    (lambda f: f.update(model=3), "figures: model must be text or null"),
+])
+def test_a_sweep_point_with_text_for_a_number_is_refused(tmp_path, change, words):
+    sw = make_sweep(tmp_path / "sw", rates=(2.0,), seeds=(0,))
+    point = sw / "points" / "vllm-v1-r2-s0.json"
+    doc = json.loads(point.read_text())
+    change(doc["figures"])
+    point.write_text(json.dumps(doc))
+    r = runner.invoke(app, ["report", str(sw)])
+    assert r.exit_code == 2 and "vllm-v1-r2-s0.json: malformed" in r.output and words in r.output, r.output
+    point.write_bytes(b'{"key": "\xff"}')
+    r = runner.invoke(app, ["report", str(sw)])
+    assert r.exit_code == 2 and "vllm-v1-r2-s0.json: not UTF-8 text" in r.output, r.output
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda doc: doc.update(seeds=["0"]), "capacity.json: malformed (ValueError: seeds must be a list of whole numbers"),
+    (lambda doc: doc.update(seeds=[0.5]), "seeds must be a list of whole numbers, got [0.5]"),
+    (lambda doc: doc["slos"][0].update(key=3), "slos[0]: key must be a figure's name, stat and metric text"),
+])
+def test_a_corrupt_capacity_document_is_refused(tmp_path, change, words):
+    cap = make_capacity(tmp_path / "cap", rates=(2.0, 5.0), seeds=(0,))
+    doc = json.loads((cap / "capacity.json").read_text())
+    change(doc)
+    (cap / "capacity.json").write_text(json.dumps(doc))
+    r = runner.invoke(app, ["report", str(cap)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and words in r.output, r.output
+    (cap / "capacity.json").write_bytes(b'{"kind": "capacity\xff"}')
+    r = runner.invoke(app, ["report", str(cap)])
+    assert r.exit_code == 2 and "capacity.json: not UTF-8 text (byte 19)" in r.output, r.output
+    assert not (cap / "report.html").exists()

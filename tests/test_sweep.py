@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from kvsched import sweep as sw
 from kvsched.cli import app
+from kvsched.errors import KvschedError
 from kvsched.cli.run import _scoped_params
 
 runner = CliRunner()
@@ -148,7 +149,10 @@ BAD_FLAGS = {
     "decode-set": (["--rates", "1", "--prefill-replicas", "1", "--decode-replicas", "1", "--decode-set", "chunk=1"],
                    "--decode-set chunk: vllm-v1 has no parameter 'chunk'"),
     "huge-grid": (["--rates", ",".join(str(r) for r in range(1, 1201)), "--seeds", "0-999"],
-                  "the grid has 1,200,000 points"),
+                  "the grid's points (policies x parameter values x option values x rates x seeds) must be "
+                  "<= 1,000,000 (kvsched.limits), got 1,200,000"),
+    "set-twice": (["--rates", "1", "--set", "max_num_seqs=4", "--set", "max_num_seqs=8"],
+                  "--set max_num_seqs is given twice"),
 }
 
 
@@ -159,6 +163,51 @@ def test_bad_flags_are_errors_before_any_work(tmp_path, name):
     r = sweep(*args, "--out", str(out))
     assert r.exit_code == 2 and message in r.stderr, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_an_option_spelt_both_ways_in_a_grid_file_is_an_error(tmp_path):
+    """num-requests and num_requests are one key: the later one was silently used."""
+    (tmp_path / "g.toml").write_text('rates = [1]\nnum-requests = [10]\nnum_requests = [20]\n')
+    out = tmp_path / "out"
+    r = sweep("--grid", str(tmp_path / "g.toml"), "--out", str(out))
+    assert r.exit_code == 2 and not out.exists()
+    assert r.stderr == f"kvsched: error: {tmp_path / 'g.toml'}: 'num-requests' and 'num_requests' are the same key; give it once\n"
+
+
+def test_a_flag_at_its_default_beside_its_grid_axis_is_an_error(tmp_path):
+    """--gpu at its default value and a gpu axis in the grid: the flag was silently dropped."""
+    from kvsched.cli.common import HARDWARE_FLAGS
+    default = HARDWARE_FLAGS["gpu"][1].default
+    (tmp_path / "g.toml").write_text(f'rates = [1]\ngpu = ["{default}", "h100-sxm"]\n')
+    out = tmp_path / "out"
+    r = sweep("--gpu", default, "--grid", str(tmp_path / "g.toml"), "--out", str(out))
+    assert r.exit_code == 2 and not out.exists()
+    assert r.stderr == f"kvsched: error: gpu is given both on the command line and in {tmp_path / 'g.toml'}; give it once\n"
+
+
+def test_every_option_spelt_both_ways_is_an_error(tmp_path):
+    from kvsched.cli.sweep import AXIS_KINDS
+    names = [n for n in AXIS_KINDS if "_" in n]
+    assert "num_requests" in names and len(names) > 10
+    for name in names:
+        path = tmp_path / f"{name}.toml"
+        path.write_text(f'{name} = 1\n{name.replace("_", "-")} = 2\n')
+        with pytest.raises(KvschedError, match=f"'{name}' and '{name.replace('_', '-')}' are the same key"):
+            sw.read_grid_file(path, AXIS_KINDS)
+
+
+def test_the_grid_size_is_checked_against_the_shared_limit_before_any_point_is_built(monkeypatch):
+    from kvsched import limits
+
+    def built(self):
+        raise AssertionError("points built before the size check")
+    monkeypatch.setattr(limits, "MAX_SWEEP_POINTS", 10)
+    monkeypatch.setattr(sw.Grid, "expand", built)
+    raw = sw.from_flags("vllm-v1,sarathi", "1,2", "0-2", [])           # 2 x 2 x 3 = 12 points
+    with pytest.raises(KvschedError, match=r"must be <= 10 \(kvsched.limits\), got 12"):
+        sw.resolve(raw, _scoped_params)
+    with pytest.raises(KvschedError, match=r"--seeds: 0-10 is 11 seeds; a sweep has at most 10 points"):
+        sw.parse_seeds("0-10", "--seeds")
 
 
 def test_a_trace_is_read_before_any_work(tmp_path):
@@ -342,6 +391,69 @@ def test_a_killed_sweep_resumes_without_repeating_finished_points(tmp_path):
     r = sweep(*KILL_GRID, "--jobs", "2", "--out", str(ref), "--json")
     assert r.exit_code == 0, r.output
     assert figures_only(rows(out / "sweep.csv")) == figures_only(rows(ref / "sweep.csv"))
+
+
+def _drop(key: str):
+    return lambda r: r.pop(key)
+
+
+INCOMPLETE = {
+    "no-figures": _drop("figures"),
+    "figures-text": lambda r: r.update(figures="x"),
+    "figures-null": lambda r: r.update(figures=None),
+    "figure-text": lambda r: r["figures"].update(request_throughput="fast"),
+    "quantiles-short": lambda r: r["figures"].update(ttft_quantiles_ms=[1.0]),
+    "no-status": _drop("status"),
+    "status-number": lambda r: r.update(status=1),
+    "error-without-message": lambda r: r.update(status="error", error=None),
+    "no-error": _drop("error"),
+    "no-seconds": _drop("seconds"),
+    "seconds-text": lambda r: r.update(seconds="1"),
+    "no-axes": _drop("axes"),
+    "axes-text": lambda r: r.update(axes="x"),
+    "axes-params-list": lambda r: r["axes"].update(params=[]),
+    "axes-seed-bool": lambda r: r["axes"].update(seed=False),
+    "axes-other-rate": lambda r: r["axes"].update(rate=3.0),
+    "not-an-object": lambda r: r.clear(),
+}
+
+
+@pytest.fixture(scope="module")
+def one_point(tmp_path_factory) -> tuple[Path, dict]:
+    """A sweep of one point: its folder and record."""
+    out = tmp_path_factory.mktemp("one") / "s"
+    assert sweep("--rates", "2", "--num-requests", "20", "--jobs", "1", "--out", str(out)).exit_code == 0
+    [path] = (out / "points").glob("*.json")
+    return out, json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("name", INCOMPLETE)
+def test_a_point_file_missing_a_field_is_not_a_finished_point(tmp_path, one_point, name):
+    key, axes = one_point[1]["key"], one_point[1]["axes"]
+    store = sw.Store(tmp_path)
+    store.points.mkdir()
+    record = json.loads(json.dumps(one_point[1]))
+    store.save(record)
+    assert store.load(key, axes) == record
+    INCOMPLETE[name](record)
+    store.save({**record, "key": key})
+    assert store.load(key, axes) is None
+
+
+def test_a_resumed_sweep_runs_a_point_file_missing_its_figures_again(tmp_path, one_point):
+    """It was loaded as finished and the table failed with KeyError: 'figures'."""
+    import shutil
+    out = tmp_path / "s"
+    shutil.copytree(one_point[0], out)
+    [path] = (out / "points").glob("*.json")
+    record = json.loads(path.read_text())
+    del record["figures"]
+    path.write_text(json.dumps(record))
+    r = sweep("--rates", "2", "--num-requests", "20", "--jobs", "1", "--out", str(out), "--json")
+    assert r.exit_code == 0, r.output
+    assert (json.loads(r.stdout)["done"], json.loads(r.stdout)["skipped"]) == (1, 0)
+    assert json.loads(path.read_text()) == {**one_point[1], "seconds": json.loads(path.read_text())["seconds"]}
+    assert rows(out / "sweep.csv")[0]["completed"] == "20"
 
 
 # ---- Ray -------------------------------------------------------------------------------------

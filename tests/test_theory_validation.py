@@ -167,9 +167,119 @@ def test_plan_azure_conv_on_h100_and_the_planned_replica_is_stable(traces_dir):
     (["plan", "--rate", "5", "--batch-time-estimator", "mode"], "unknown batch-time estimator"),
     (["theory", "fluid", "--d0", "0.01", "--d1", "1e-6"], "at least one --type"),
     (["theory", "fluid", "--type", "1:2", "--d0", "0.01", "--d1", "1e-6"], "RATE:PROMPT:OUTPUT"),
-    (["theory", "eb-threshold", "--p0", "-1", "--alpha-p", "1", "--alpha-d", "1"], "p0 must be a positive"),
+    (["theory", "eb-threshold", "--p0", "-1", "--alpha-p", "1", "--alpha-d", "1"], "--p0 must be a probability"),
     (["theory", "eb-batch-size", "--kv-capacity", "1000", "--p0", "0.1", "--mu-l", "10", "--theta", "1.5"], "0 < theta < 1"),
 ])
 def test_theory_bad_input(args, needle):
     r = invoke(*args)
     assert r.exit_code == 2 and needle in r.stderr, r.output
+
+
+EB = ["--alpha-p", "0.05", "--alpha-d", "0.02"]
+EB_BATCH = ["theory", "eb-batch-size", "--kv-capacity", "400000", "--mu-l", "512", "--theta", "0.3"]
+EB_CROSS = ["theory", "eb-crossover", "--batch-size", "512", "--alpha-p", "0.03", "--alpha-d", "0.01", "--beta-p",
+            "4e-5", "--beta-d", "3e-5", "--alpha-mb", "0.01", "--beta-mb", "5e-5", "--mu-l", "512", "--mu-o", "256"]
+NESTED = ["theory", "nested-wait-thresholds", "--type", "20:10:20", "--d0", "0.01", "--d1", "2e-7"]
+TYPES2 = ["--type", "20:10:19", "--type", "40:10:39"]
+STAB = ["theory", "stability", "-w", "stability-pd-switch"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    # p0 is the per-iteration completion probability (exclusive-batching-eb.txt section 3.2, appendix B)
+    (["theory", "eb-threshold", "--p0", "100", *EB], "--p0 must be a probability in (0, 1]"),
+    (["theory", "eb-threshold", "--p0", "nan", *EB], "--p0 must be a probability in (0, 1]"),
+    ([*EB_BATCH, "--p0", "2"], "--p0 must be a probability in (0, 1]"),
+    ([*EB_CROSS, "--p0", "1.5"], "--p0 must be a probability in (0, 1]"),
+    (["theory", "eb-threshold", "--p0", "0.004", *EB, "--eta", "1e-5", "--beta-d", "nan"], "beta_d must be a finite"),
+    (["theory", "eb-threshold", "--p0", "0.004", *EB, "--eta", "1e-5", "--batch-size", "0.5"], "batch size N >= 1"),
+    ([*EB_CROSS, "--p0", "0.004", "--beta-p", "nan"], "beta_p must be a finite number >= 0"),
+    ([*EB_CROSS, "--p0", "0.004", "--alpha-mb", "-1"], "alpha_mb must be a finite number >= 0"),
+    ([*EB_BATCH, "--p0", "0.004", "--mu-l", "1e-308"], "v_bar = 1 / (p0^2 mu_L) (appendix D.4) is beyond"),
+    ([*EB_BATCH, "--p0", "1e-308"], "is beyond the floating-point range"),
+    # delta is eq. (12)'s overflow probability, S its horizon in batches: checked with one type too
+    ([*NESTED, "--delta", "2"], "--delta must be a probability in (0, 1)"),
+    ([*NESTED, "--type", "40:10:40", "--delta", "2"], "--delta must be a probability in (0, 1)"),
+    ([*NESTED, "--delta", "nan"], "--delta must be a probability in (0, 1)"),
+    ([*NESTED, "--batches", "inf"], "--batches S must be a finite number of batches >= 1"),
+    ([*NESTED, "--batches", "0"], "--batches S must be a finite number of batches >= 1"),
+    # nan, inf and overflowing fluid parameters (were tracebacks or nan/inf results)
+    (["theory", "fluid", "--type", "20:nan:19", "--d0", "0.01", "--d1", "2e-6"], "fluid type needs finite"),
+    (["theory", "wait-thresholds", "--type", "20:10:nan", "--d0", "0.01", "--d1", "2e-6"], "fluid type needs finite"),
+    (["theory", "fluid", *TYPES2, "--d0", "inf", "--d1", "2e-6"], "needs finite d0 > 0"),
+    (["theory", "fluid", *TYPES2, "--d0", "0.01", "--d1", "inf"], "needs finite d0 > 0"),
+    (["theory", "fluid", *TYPES2, "--d0", "1e308", "--d1", "2e-6"], "M* = d0 A / (1 - d1 A) (eq. 6) is beyond"),
+    (["theory", "fluid", "--type", "1e308:10:19", "--d0", "0.01", "--d1", "2e-6"], "type 1's load"),
+    (["theory", "wait-thresholds", *TYPES2, "--d0", "1e308", "--d1", "2e-6"], "overflow at d0=1e+308"),
+    (["theory", "wait-thresholds", "--type", "20:1e308:19", "--d0", "0.01", "--d1", "2e-6"], "type 1's load"),
+    ([*NESTED[:-4], "--type", "40:10:40", "--d0", "1e308", "--d1", "2e-7"], "no Nested WAIT thresholds with n_1 <="),
+    (["theory", "rad-capacity", "--prompt-len", "fixed:512", "--output-len", "fixed:65", "--num-requests", "10",
+      "--eps", "1e-308"], "cycle bound"),
+    ([*STAB, "--kv-capacity", "131000", "--batch-time", "0.05", "--chunk-size", "1" + "0" * 400],
+     "--chunk-size) must be 1..1,099,511,627,776"),
+])
+def test_theory_parameter_outside_its_domain_is_one_line(args, needle):
+    r = invoke(*args)
+    assert r.exit_code == 2, r.output
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.output and "warning" not in r.stderr
+
+
+def test_p0_of_one_is_a_probability():
+    """p0 = 1 (every request ends after one decode iteration) is the closed end of (0, 1]."""
+    r = invoke("theory", "eb-threshold", "--p0", "1", *EB, "--json")
+    assert r.exit_code == 0 and 0 < json.loads(r.stdout)["theta0"] < 1
+
+
+@pytest.mark.parametrize("option,value,needle", [
+    ("--batch-time", "1e308", "mu = M / (b E[g]) (eq. 1) is beyond the floating-point range at kv_capacity=131000, "
+                              "batch_time=1e+308"),
+    ("--batch-time", "5e-324", "batch_time=4.94066e-324"),
+    ("--batch-time", "inf", "batch_time must be a positive number, got inf"),
+    ("--batch-time", "nan", "batch_time must be a positive number, got nan"),
+    ("--kv-capacity", "1e-308", "kv_capacity=1e-308"),
+    ("--kv-capacity", "inf", "kv_capacity must be a positive number, got inf"),
+    ("--kv-capacity", "nan", "kv_capacity must be a positive number, got nan"),
+])
+def test_stability_out_of_range_is_one_line_without_numpy_warnings(option, value, needle):
+    given = {"--kv-capacity": "131000", "--batch-time": "0.05", option: value}
+    r = invoke(*STAB, *(x for kv in given.items() for x in kv))
+    assert r.exit_code == 2, r.output
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "warning" not in r.stderr, r.stderr
+
+
+def test_stability_at_the_float_range_computes_finite_results(tmp_path):
+    """Large but representable inputs give the exact finite answer, no warnings: M = 1e308
+    tokens; one phase's b = 1e300 s (mu_mix = (sum q_l / mu_l)^-1 without overflowing its sum);
+    joint-table counts of 1e308 weigh like counts of 1."""
+    r = invoke(*STAB, "--kv-capacity", "1e308", "--batch-time", "0.05", "--json")
+    assert r.exit_code == 0 and "warning" not in r.stderr, r.output
+    d = json.loads(r.stdout)
+    assert d["mu"] == pytest.approx(1e308 / (0.05 * d["mean_lifetime_memory"]))
+    r = invoke(*STAB, "--kv-capacity", "131000", "--batch-time", "1e300", "--batch-time", "1e-300", "--json")
+    assert r.exit_code == 0 and "warning" not in r.stderr, r.output
+    d = json.loads(r.stdout)
+    assert d["mu"] == pytest.approx(1 / (0.5 / d["phase_mu"][0] + 0.5 / d["phase_mu"][1])) and d["mu"] > 0
+    table = tmp_path / "p.csv"
+    table.write_text("prompt_tokens,output_tokens,count\n512,10,1e308\n1024,20,1e308\n")
+    r = invoke(*STAB[:2], "--joint-table", str(table), "--kv-capacity", "131000", "--batch-time", "0.05", "--json")
+    assert r.exit_code == 0 and "warning" not in r.stderr, r.output
+    g = (stability.lifetime_memory(512, 10, 512) + stability.lifetime_memory(1024, 20, 512)) / 2
+    assert json.loads(r.stdout)["mean_lifetime_memory"] == pytest.approx(g)
+    table.write_text("prompt_tokens,output_tokens,count\n512,10,inf\n")
+    r = invoke(*STAB[:2], "--joint-table", str(table), "--kv-capacity", "131000", "--batch-time", "0.05")
+    assert r.exit_code == 2 and f"{table}:2: " in r.stderr and "finite" in r.stderr
+
+
+def test_rad_capacity_replicas_bounded_before_any_work(monkeypatch):
+    """The static splits are linear in r: --replicas beyond kvsched.limits.MAX_REPLICAS is
+    refused before the workload is built or the theorems evaluated."""
+    from kvsched.limits import MAX_REPLICAS
+    from kvsched.theory import rad
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("rad.analyse ran")
+    monkeypatch.setattr(rad, "analyse", no_work)
+    r = invoke("theory", "rad-capacity", "--prompt-len", "fixed:512", "--output-len", "fixed:65",
+               "--replicas", "1000000000")
+    assert r.exit_code == 2, r.output
+    assert f"--replicas must be <= {MAX_REPLICAS:,} (kvsched.limits), got 1,000,000,000" in r.stderr

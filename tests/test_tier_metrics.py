@@ -13,6 +13,7 @@ from conftest import Forwarding
 from kvsched.hardware import get_gpu
 from kvsched.metrics import GapHistogram, summarize
 from kvsched.policies import make_policy
+from kvsched.sim.view import _R
 from kvsched.report.table import comparison_table, summary_table
 from kvsched.run import Scenario, simulate
 from kvsched.workload.request import Tier, Workload
@@ -62,7 +63,7 @@ class TokenTimes(Forwarding):
         for i in list(v.running):
             self._seen(i, v)
         self._pass("on_batch_end", v)
-        self.replica = v._r                     # the replica behind the view (test-only access)
+        self.replica = _R(v)                    # the replica behind the view (test-only access)
         self.batches += 1
         if self.replica.tier_itl is not None and self.batches % 40 == 0:
             # gaps so far, with those of requests still decoding: every tiered gap is in a tier

@@ -53,6 +53,22 @@ def test_mooncake_format_hashes_and_generic_jsonl(tmp_path):
     assert w.tier_index.tolist() == [0, -1]
 
 
+def test_generic_jsonl_segments_and_hash_ids(tmp_path):
+    """`segments` are the rows' shared content as given (no block rounding); `hash_ids` are kept
+    as the prefix only, not made into segments; rows without the key have none."""
+    g = tmp_path / "g.jsonl"
+    g.write_text('{"arrival_time": 0, "prompt_tokens": 900, "output_tokens": 4, "segments": [[7, 600], [2, 100]], '
+                 '"hash_ids": [3, 4]}\n'
+                 '{"arrival_time": 1, "prompt_tokens": 50, "output_tokens": 6}\n')
+    w = load_trace(g, keep_hashes=True)
+    assert w.segments.ids[0].tolist() == [7, 2] and w.segments.lengths[0].tolist() == [600, 100]
+    assert w.segments.ids[1].tolist() == [] and w.prefix[0].tolist() == [3, 4] and w.prefix[1].tolist() == []
+    h = tmp_path / "h.jsonl"
+    h.write_text('{"arrival_time": 0, "prompt_tokens": 900, "output_tokens": 4, "hash_ids": [3, 4]}\n')
+    w = load_trace(h, keep_hashes=True)
+    assert w.segments is None and w.prefix[0].tolist() == [3, 4] and load_trace(h).prefix is None
+
+
 def test_format_override_and_first_rows_stop_reading_early(traces_dir):
     rows = read_trace(traces_dir / "azure2023-conv.csv", first=100)
     assert len(rows.prompt) == 100 and rows.rows_in_file is None          # streamed: stopped at 100
@@ -139,6 +155,7 @@ def test_azure_replay_simulates_to_completion_with_file_totals(traces_dir, speed
     assert s["total_input"] == int(rows.prompt.sum()) and s["total_output"] == int(rows.output.sum())
 
 
+ROW = '{"arrival_time": 0, "prompt_tokens": 10, "output_tokens": 1, '       # a generic JSONL row, open
 BAD = [
     ("t.csv", "arrival_time,prompt_tokens\n0,5\n", ":1: missing column 'output_tokens'"),
     ("t.csv", "TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.6805900,5\n", ":1: missing column 'GeneratedTokens'"),
@@ -163,6 +180,14 @@ BAD = [
     ("t.jsonl", "\n\n", ":1: empty file"),
     ("t.csv", "arrival_time,prompt_tokens,output_tokens\n", "no requests in the file"),
     ("t.csv", "when,how,much\n1,2,3\n", ":1: unknown header"),
+    # generic JSONL's segments and hash_ids (what `workload export --out NAME.jsonl` writes)
+    ("t.jsonl", ROW + '"segments": [[1, 5], [2, 6]]}\n', ":1: segments hold 11 tokens, more than the prompt's 10"),
+    ("t.jsonl", ROW + '"segments": [[-1, 5]]}\n', ":1: segments content ids holds -1; content ids must be >= 0"),
+    ("t.jsonl", ROW + '"segments": [[true, 5]]}\n', ":1: segments content ids must be a list of 64-bit integers"),
+    ("t.jsonl", ROW + '"segments": [[1, 0]]}\n', ":1: segments tokens must be an integer >= 1"),
+    ("t.jsonl", ROW + '"segments": [[1, 2.5]]}\n', ":1: segments tokens must be an integer >= 1"),
+    ("t.jsonl", ROW + '"segments": [1, 5]}\n', ":1: segments must be a list of [content_id, tokens] pairs"),
+    ("t.jsonl", ROW + '"hash_ids": [1, -2]}\n', ":1: hash_ids holds -2; block ids must be >= 0"),
 ]
 
 

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from kvsched.errors import KvschedError
-from kvsched.workload import (Fixed, Gamma, Geometric, Jitter, RequestType, Tier, Uniform, empirical,
-                              load_trace, mixture, parse_length, synthetic)
+from kvsched.workload import (Closed, Empirical, Fixed, Gamma, Geometric, Jitter, Quantiles, RequestType, Tier,
+                              Uniform, Workload, empirical, load_trace, mixture, parse_length, synthetic)
 
 RNG = lambda: np.random.default_rng(0)  # noqa: E731
 
@@ -77,3 +77,69 @@ def test_shared_length_traces(traces_dir):
     assert round(w.prompt.mean()) == 246 and round(w.output.mean()) == 326    # the README's figures
     w = load_trace(traces_dir / "sharegpt-lengths.csv", rate=1, num_requests=50_000, seed=0)
     assert len(w) == 50_000 and w.prompt.max() <= 8141
+
+
+# ----- Workload.build and the distributions refuse what they would cast --------------------------
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(prompt=[NAN, 5]), r"Workload.build: prompt\[0\] must be a whole number, got nan"),
+    (dict(prompt=[5.7, 5]), r"prompt\[0\] must be a whole number, got 5.7"),       # was truncated to 5
+    (dict(prompt=[5, INF]), r"prompt\[1\] must be a whole number, got inf"),
+    (dict(prompt=[True, 5]), "prompt must hold numbers, not True/False"),
+    (dict(prompt=[0, 5]), r"prompt\[0\] must be in 1\.\."),
+    (dict(prompt=[2 ** 70, 5]), "prompt must hold numbers within 64 bits"),
+    (dict(prompt=[1e19, 5]), r"prompt\[0\] must be in 1\.\.9,223,372,036,854,775,807"),
+    (dict(prompt=["7", 5]), "prompt must hold numbers"),
+    (dict(prompt=[5, 6, 7]), "prompt has 3 entries, arrival has 2"),                # extras were dropped
+    (dict(output=[[1], [2]]), "output must be a 1-D list of numbers"),
+    (dict(arrival=[NAN, 0]), r"arrival\[0\] must be a finite number of seconds >= 0, got nan"),
+    (dict(arrival=[True, 0]), "arrival must hold numbers, not True/False"),
+    (dict(output_known=[2, 0]), "output_known must be True/False"),                 # 2 was read as True
+    (dict(tier_index=[70_000, 0], tiers=[Tier("a")]), r"tier_index\[0\] must be in -1\.\.0, got 70,000"),
+    (dict(phase=[0.5, 0]), r"phase\[0\] must be a whole number"),
+    (dict(concurrency=[2 ** 50] * 2), r"concurrency\[0\] must be in 0\.\.1,099,511,627,776"),
+    (dict(think=[0, NAN]), r"think\[1\] must be a finite number of seconds"),
+    (dict(ids=[1.5, 2]), r"ids\[0\] must be a whole number"),
+    (dict(declared_types=((5.5, 1, 1.0),)), r"declared_types\[0\] prompt must be an integer"),
+    (dict(declared_types=((5, 1, NAN),)), r"declared_types\[0\] rate must be a finite number > 0"),
+])
+def test_build_refuses_values_it_would_cast(kwargs, needle):
+    args = dict(arrival=[0, 1], prompt=[5, 5], output=[1, 1]) | kwargs
+    with pytest.raises(KvschedError, match=needle):
+        Workload.build(args.pop("arrival"), args.pop("prompt"), args.pop("output"), **args)
+
+
+def test_build_takes_integral_floats_and_scalars():
+    w = Workload.build([1.0, 0], [5.0, 6], np.array([2.0, 3.0]), output_known=True, phase=0, ids=[7, 3])
+    assert w.prompt.tolist() == [6, 5] and w.output.tolist() == [3, 2] and w.prompt.dtype == np.int64
+    assert w.output_known.tolist() == [True, True] and w.ids.tolist() == [3, 7]
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda: Fixed(True), "fixed: length must be an integer"),
+    (lambda: Fixed(NAN), "fixed: length must be an integer"),
+    (lambda: Uniform(1.5, 3), "uniform: need 1 <= low <= high"),                    # was sampled as 1..3
+    (lambda: Empirical((5.7,)), r"empirical: lengths\[0\] must be a whole number"),  # was sampled as 5
+    (lambda: empirical([5, 5.7]), r"empirical: lengths\[1\] must be a whole number"),
+    (lambda: Empirical((NAN,)), r"empirical: lengths\[0\] must be a whole number"),
+    (lambda: Empirical((2 ** 70,)), "empirical: lengths must hold numbers within 64 bits"),
+    (lambda: Quantiles(((0, 1), (1, NAN))), "quantiles: probabilities and lengths must be finite"),
+    (lambda: Quantiles(((0, 1), (NAN, 4), (1, 8))), "quantiles: probabilities and lengths must be finite"),
+    (lambda: Gamma(True, 5), "gamma: shape must be a number"),
+    (lambda: Geometric(True), "geometric: mean must be in 1.."),
+    (lambda: Closed(NAN), "closed-loop concurrency must be an integer"),
+    (lambda: Closed(True), "closed-loop concurrency must be an integer"),
+    (lambda: Tier("a", priority=NAN), "tier a: priority must be an integer"),
+    (lambda: Tier("a", priority=2.5), "tier a: priority must be an integer"),
+])
+def test_distributions_refuse_non_integral_and_bool_values(make, needle):
+    with pytest.raises(KvschedError, match=needle):
+        make()
+
+
+def test_integral_values_are_kept_as_ints():
+    assert Fixed(5.0).value == 5 and type(Fixed(np.int64(5)).value) is int
+    assert Uniform(2.0, 4).low == 2 and str(Closed(3.0)) == "closed:3"
+    assert empirical(np.array([4, 8])).values == (4, 8) and Tier("a", priority=1.0).priority == 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 
 import numpy as np
@@ -11,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvsched.cli import app
 from kvsched.errors import KvschedError
-from kvsched.workload import load_trace
+from kvsched.workload import Fixed, Phase, RequestType, Tier, TierShare, WorkloadSpec, load_trace
 from kvsched.workload.config import load_workload_file
 from kvsched.workload.presets import PRESETS, SHAREGPT_FILE
 from kvsched.workload.source import WorkloadOptions, load
@@ -252,3 +253,33 @@ def test_unknown_source_and_misplaced_flags():
             warnings.simplefilter("ignore")
             with pytest.raises(KvschedError, match=needle):
                 load(opts)
+
+
+NAN, INF = float("nan"), float("inf")
+ONE = (RequestType(Fixed(1), Fixed(1)),)
+
+
+@pytest.mark.parametrize("spec,needle", [
+    (lambda: WorkloadSpec((Phase(NAN, ONE),)), "phase 1: requests must be an integer >= 1, got nan"),
+    (lambda: WorkloadSpec((Phase(INF, ONE),)), "phase 1: requests must be an integer >= 1, got inf"),
+    (lambda: WorkloadSpec((Phase(True, ONE),)), "phase 1: requests must be an integer >= 1, got True"),
+    (lambda: WorkloadSpec((Phase(5, ONE),), cap_len=NAN), "--cap-len must be an integer >= 2 tokens, got nan"),
+    (lambda: WorkloadSpec((Phase(5, ONE),), cap_len=2 ** 70), "--cap-len must be at most 2,199,023,255,552 tokens"),
+    (lambda: WorkloadSpec((Phase(5, ONE),), tiers=(TierShare(Tier("a"), NAN),)), "tier shares must be >= 0 and sum to 1"),
+    (lambda: WorkloadSpec((Phase(5, ONE),), tiers=(TierShare(Tier("a"), True),)), "tier shares must hold numbers"),
+    (lambda: WorkloadSpec((Phase(5, (RequestType(Fixed(1), Fixed(1), rate=True),)),)), "request type rates must hold numbers"),
+    (lambda: WorkloadSpec((Phase(5, ONE + (RequestType(Fixed(1), Fixed(1), rate=INF),)),)), "needs a finite rate"),
+    (lambda: WorkloadSpec((Phase(5, trace="mooncake-conversation", window=(True, 5)),)), "window needs 0 <= start < end"),
+])
+def test_spec_numbers_are_checked_not_cast(spec, needle):
+    with pytest.raises(KvschedError, match=re.escape(needle)):
+        spec().build()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--cap-len", "99999999999999999999999"], "--cap-len must be at most 2,199,023,255,552 tokens"),   # was an OverflowError
+    (["--tier", "a:1:priority=99999999999999999999"], "tier a: priority must be an integer in"),
+])
+def test_workload_flags_out_of_range_are_one_line_errors(tmp_path, args, needle):
+    r = invoke("workload", "export", "--num-requests", "3", *args, "--out", str(tmp_path / "w.csv"))
+    assert r.exit_code == 2 and needle in r.stderr and r.stderr.count("\n") == 1, r.output

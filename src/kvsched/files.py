@@ -1,25 +1,99 @@
 """Files written whole or not at all (a temporary file beside the target, renamed over it), and
-whether an option names a file."""
+whether an option names a file.
+
+A writer replaces only a regular file or creates an absent one: a FIFO, a device, a folder or
+a symbolic link at the target is refused, so `--out /dev/full` never turns a device node into
+a file and a link never leads a write out of its folder. Temporary names carry the writer's
+process id (`.NAME.PID.*`), so the next write to NAME removes what a killed writer left.
+"""
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator
 
 from kvsched.errors import KvschedError
 
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_writable(path: str | Path, flag: str = "") -> Path:
+    """`path` if a writer may replace it (absent, or a regular file that is not a link), else a
+    KvschedError naming it (and `flag`, the option that gave it). Call it before long work, so
+    a bad target is refused first; the writers call it again just before they rename."""
+    path = Path(path)
+    who = f"{flag} {path}" if flag else str(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    except (OSError, ValueError) as exc:
+        raise KvschedError(f"cannot write {who}: {getattr(exc, 'strerror', None) or exc}") from None
+    if stat.S_ISREG(mode):
+        return path
+    kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
+    raise KvschedError(f"cannot write {who}: it is {kind}; kvsched writes only regular files "
+                       "(give a new file name)")
+
+
+def temp_prefix(name: str) -> str:
+    """The prefix of this process's temporary names for target `name`."""
+    return f".{name}.{os.getpid()}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:             # another user's live process
+        return True
+    return True
+
+
+def stale_temporaries(folder: Path, name: str) -> list[Path]:
+    """Temporary files and folders for target `name` in `folder` left by writers that are no
+    longer running (killed before they could clean up)."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.(\d+)\.")
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    found = []
+    for e in entries:
+        m = pattern.match(e.name)
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            found.append(Path(e.path))
+    return found
+
+
+def remove(path: Path) -> None:
+    """Remove a file or a folder tree (not following links); quietly if already gone."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
 
 @contextlib.contextmanager
 def atomic_file(path: str | Path, mode: str = "w", suffix: str = ".tmp") -> Iterator[IO]:
     """Open a temporary file beside `path`; when the block ends normally it replaces `path`
     with a plain file's permissions, otherwise it is removed, so `path` is either untouched or
-    complete. An OSError becomes a KvschedError naming `path`. Text files are opened with
-    newline="" (CSV writers choose their own line ends)."""
-    path = Path(path)
+    complete. A target that is not a regular file is refused (`check_writable`). An OSError
+    becomes a KvschedError naming `path`. Text files are opened with newline="" (CSV writers
+    choose their own line ends)."""
+    path = check_writable(path)
+    folder = Path(os.path.abspath(path)).parent
+    for stale in stale_temporaries(folder, path.name):
+        remove(stale)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.resolve().parent)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=suffix, dir=folder)
     except OSError as exc:
         raise KvschedError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
@@ -28,7 +102,8 @@ def atomic_file(path: str | Path, mode: str = "w", suffix: str = ".tmp") -> Iter
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)           # mkstemp makes 0600
-        os.replace(tmp, path)
+        check_writable(path)                    # it may have changed while we wrote
+        os.replace(tmp, folder / path.name)
     except OSError as exc:
         raise KvschedError(f"cannot write {path}: {exc.strerror or exc}") from None
     finally:

@@ -20,8 +20,10 @@ import numpy as np
 
 from kvsched.cost import make_cost_model
 from kvsched.errors import KvschedError
+from kvsched.files import remove, stale_temporaries, temp_prefix
 from kvsched.hardware import get_gpu, get_model, usable_kv_tokens
 from kvsched.kvcache import PagedKV
+from kvsched.limits import MAX_REPLICAS, check_count
 from kvsched.metrics import Goodput, RunRecords, summarize
 from kvsched.policies import Policy, make_policy
 from kvsched.sim.cluster import Cluster
@@ -59,18 +61,25 @@ class Scenario:
     prefix_caching: bool | None = None      # None: the policy's default (on for vllm-v1, as vLLM)
 
     def pools(self) -> tuple[int, int]:
-        """(replicas, prefill replicas), checked."""
+        """(replicas, prefill replicas), checked: whole numbers, within `limits.MAX_REPLICAS`
+        together, and a KV link only between pools."""
         p, d = self.prefill_replicas, self.decode_replicas
         if p or d:
+            p = check_count("--prefill-replicas", p, MAX_REPLICAS, low=0)
+            d = check_count("--decode-replicas", d, MAX_REPLICAS, low=0)
             if p < 1 or d < 1:
                 raise KvschedError(f"disaggregation needs --prefill-replicas >= 1 and --decode-replicas >= 1, "
                                    f"got {p} and {d}")
             if self.replicas != 1:
                 raise KvschedError("give either --replicas or --prefill-replicas/--decode-replicas, not both")
+            check_count("--prefill-replicas + --decode-replicas", p + d, MAX_REPLICAS)
             return p + d, p
-        if self.replicas < 1:
-            raise KvschedError(f"--replicas must be >= 1, got {self.replicas}")
-        return self.replicas, 0
+        link = [f for f, v, default in (("--kv-transfer-bandwidth", self.kv_transfer_bandwidth, 25.0),
+                                        ("--kv-transfer-latency", self.kv_transfer_latency, 0.0)) if v != default]
+        if link:
+            raise KvschedError(f"{link[0]} sets the KV link between prefill and decode pools: it needs "
+                               "--prefill-replicas and --decode-replicas")
+        return check_count("--replicas", self.replicas, MAX_REPLICAS), 0
 
     def check(self) -> None:
         """The scenario's own numbers, checked without building anything (a sweep checks every
@@ -83,6 +92,10 @@ class Scenario:
             raise KvschedError(f"--memory-utilization must be in (0, 1], got {self.memory_utilization}")
         if self.trim < 0:
             raise KvschedError(f"--trim must be >= 0 requests, got {self.trim}")
+        for name in ("strict", "tbt_first_zero") + (("prefix_caching",) if self.prefix_caching is not None else ()):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):   # "off" would be true
+                raise KvschedError(f"Scenario.{name} must be True or False, got {getattr(self, name)!r}")
+        self.pools()
 
     def resolve(self):
         model, gpu = get_model(self.model), get_gpu(self.gpu)
@@ -223,12 +236,14 @@ def write_atomically(out: Path, fill: Callable[[Path], None]) -> None:
     """Write a run into folder `out`: `fill` writes a new sibling folder, which then replaces
     `out` by renames, so `out` always holds exactly one complete run. A folder `out` that
     holds files kvsched did not write (not in its manifest) is refused, never deleted.
-    SIGTERM and SIGINT during the write leave no temporary folder behind."""
+    SIGTERM and SIGINT during the write leave no temporary folder behind; what a `kill -9`
+    left (`.NAME.PID.*`, files.stale_temporaries) the next write to `out` removes."""
     out = check_out(out)
     parent = out.resolve().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+        _clear_stale(parent, out)
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=parent))
     except OSError as exc:
         raise KvschedError(f"cannot write to {out}: {exc.strerror or exc}") from None
     old = None
@@ -239,7 +254,7 @@ def write_atomically(out: Path, fill: Callable[[Path], None]) -> None:
                                                 if p.is_file()))
             if out.is_dir():
                 _check_ours(out)
-                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=parent))
+                old = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name) + "old.", dir=parent))
                 os.replace(out, old / "run")
             os.replace(tmp, out)
     except OSError as exc:
@@ -247,9 +262,26 @@ def write_atomically(out: Path, fill: Callable[[Path], None]) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:
-            if not out.exists() and (old / "run").is_dir():    # stopped between the renames: keep the old run
-                os.rename(old / "run", out)
-            shutil.rmtree(old, ignore_errors=True)
+            _restore(old, out)
+
+
+def _restore(old: Path, out: Path) -> None:
+    """Put back the earlier run a writer moved aside into `old` if it stopped before its own
+    run took the place; then remove `old`."""
+    if not out.exists() and (old / "run").is_dir():
+        os.rename(old / "run", out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _clear_stale(parent: Path, out: Path) -> None:
+    """Remove the temporary folders of killed writers of `out`, restoring a run one of them
+    had moved aside."""
+    stale = stale_temporaries(parent, out.name)
+    for path in sorted(stale, key=lambda p: ".old." not in p.name):     # moved-aside runs first
+        if ".old." in path.name and path.is_dir():
+            _restore(path, out)
+        else:
+            remove(path)
 
 
 def check_out(out) -> Path:
@@ -271,13 +303,22 @@ def _check_ours(out: Path) -> None:
     entries = {str(p.relative_to(out)) for p in out.rglob("*")}
     if not entries:
         return
-    listed = set((out / MANIFEST).read_text().split("\n")) - {""} if (out / MANIFEST).is_file() else set()
+    listed = set(_manifest(out).split("\n")) - {""}
     folders = {str(parent) for name in listed for parent in Path(name).parents if str(parent) != "."}
     strangers = sorted(entries - listed - folders - {MANIFEST})
     if strangers:
         raise KvschedError(f"--out {out} holds files kvsched did not write ({strangers[0]}"
                            f"{f' and {len(strangers) - 1} more' if len(strangers) > 1 else ''}); "
                            "choose a new or empty folder")
+
+
+def _manifest(out: Path) -> str:
+    """The manifest's text ('' if none), decoded as file names are (surrogateescape), so any
+    bytes compare with the folder's names instead of failing to decode."""
+    try:
+        return (out / MANIFEST).read_bytes().decode("utf-8", "surrogateescape") if (out / MANIFEST).is_file() else ""
+    except OSError as exc:
+        raise KvschedError(f"--out {out}: cannot read {MANIFEST}: {exc.strerror or exc}") from None
 
 
 @contextlib.contextmanager
@@ -369,4 +410,11 @@ def _policy(policy: str | Policy, params: dict[str, Any] | None, gpu, k: int) ->
         raise KvschedError("policy parameters go with a policy name; a policy object is used as given")
     if not callable(getattr(policy, "schedule", None)):
         raise KvschedError(f"{type(policy).__name__} is not a policy: it has no schedule(view) method")
-    return policy if k == 0 else copy.deepcopy(policy)
+    if k == 0:
+        return policy
+    try:
+        return copy.deepcopy(policy)
+    except Exception as exc:            # each replica needs its own: policies keep state
+        name = getattr(policy, "name", type(policy).__name__)
+        raise KvschedError(f"policy {name} cannot be copied for replica {k} (every replica runs its own "
+                           f"copy; make it deep-copyable or run one replica): {type(exc).__name__}: {exc}") from None

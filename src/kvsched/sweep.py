@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from kvsched import workers
+from kvsched import limits, workers
 from kvsched.errors import KvschedError
 from kvsched.files import atomic_file, names_a_file
 from kvsched.point import Point, check_rate, figures
@@ -34,7 +34,6 @@ VERSION = 1                         # of the folder format and of the key's defi
 KEY_LENGTH = 16                     # hex digits of the SHA-256 kept as a point's key
 DEFAULT_POLICY = "vllm-v1"
 AXIS_NAMES = ("policy", "rate", "seed")
-MAX_POINTS = 1_000_000              # a larger grid is refused before it is built (a typo like 0-50000000)
 FILE_KEYS = ("policies", "rates", "seeds", "set")   # a grid file's own keys; the others are option flags
 
 
@@ -56,11 +55,16 @@ class RawAxes:
 def from_flags(policies: str | None, rates: str | None, seeds: str | None, sets: list[str]) -> RawAxes:
     """The command line's axes: --policies a,b  --rates 1,2  --seeds 0-9  --set key=v1,v2."""
     from kvsched.params import parse_assignments
+    params = parse_assignments(sets, "--set")
+    if len(params) < len(sets):         # parse_assignments keeps the last of a key given twice
+        keys = [item.partition("=")[0].strip() for item in sets]
+        twice = next(k for k in keys if keys.count(k) > 1)
+        raise KvschedError(f"--set {twice} is given twice; give an axis once, with all its values ({twice}=v1,v2)")
     return RawAxes("command line",
                    policies=None if policies is None else split_list(policies, "--policies"),
                    rates=None if rates is None else parse_rates(split_list(rates, "--rates"), "--rates"),
                    seeds=None if seeds is None else parse_seeds(seeds, "--seeds"),
-                   params={k: split_list(v, f"--set {k}") for k, v in parse_assignments(sets, "--set").items()})
+                   params={k: split_list(v, f"--set {k}") for k, v in params.items()})
 
 
 def split_list(text: str, where: str) -> list[str]:
@@ -89,8 +93,9 @@ def parse_seeds(spec: Any, where: str) -> list[int]:
     if isinstance(spec, str):
         ranges = [_seed_range(item, where) for item in split_list(spec, where)]
         count = sum(max(last - first + 1, 0) for first, last in ranges)
-        if count > MAX_POINTS:
-            raise KvschedError(f"{where}: {spec} is {count:,} seeds; a sweep has at most {MAX_POINTS:,} points")
+        if count > limits.MAX_SWEEP_POINTS:
+            raise KvschedError(f"{where}: {spec} is {count:,} seeds; a sweep has at most {limits.MAX_SWEEP_POINTS:,} "
+                               "points (kvsched.limits)")
         items = [seed for first, last in ranges for seed in range(first, last + 1)]
     else:
         items = _listed(spec)
@@ -127,6 +132,7 @@ def read_grid_file(path: Path, option_kinds: dict[str, Any]) -> RawAxes:
         raise KvschedError(f"--grid {path}: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise KvschedError(f"--grid {path}: not valid TOML: {exc}") from None
+    _one_spelling(data, path)
     raw = RawAxes(str(path))
     for key, value in data.items():
         name = key.replace("-", "_")
@@ -151,6 +157,16 @@ def read_grid_file(path: Path, option_kinds: dict[str, Any]) -> RawAxes:
             known = ", ".join((*FILE_KEYS[:3], "[set]", *sorted(option_kinds)))
             raise KvschedError(f"{path}: unknown key {key!r} (known: {known})")
     return raw
+
+
+def _one_spelling(data: dict[str, Any], path: Path) -> None:
+    """A key spelt both ways (num-requests and num_requests) is one key given twice: refused,
+    not the later one silently used."""
+    seen: dict[str, str] = {}
+    for key in data:
+        first = seen.setdefault(key.replace("-", "_"), key)
+        if first != key:
+            raise KvschedError(f"{path}: {first!r} and {key!r} are the same key; give it once")
 
 
 def _listed(value: Any) -> list:
@@ -264,8 +280,8 @@ def resolve(raw: RawAxes, scope: Callable[[dict[str, str], list[str]], dict[str,
         check_params(policy, d, f"--set {policy}.")
     grid = Grid(policies, raw.rates, raw.seeds if raw.seeds is not None else [0], params, raw.options,
                 raw.settings, raw.where)
-    if grid.size() > MAX_POINTS:
-        raise KvschedError(f"the grid has {grid.size():,} points; a sweep has at most {MAX_POINTS:,}")
+    limits.check_count("the grid's points (policies x parameter values x option values x rates x seeds)",
+                       grid.size(), limits.MAX_SWEEP_POINTS)       # counted, before any point is built
     return grid
 
 
@@ -525,6 +541,7 @@ def run_ray(tasks: list[Task], jobs: int | None, address: str | None, save: Call
 # ---- the folder ---------------------------------------------------------------------------
 
 POINTS = "points"
+RECORD = ("key", "axes", "status", "error", "seconds", "figures")     # a point file's fields (run_task)
 TEMP_SUFFIX = ".tmp"
 OURS = {"sweep.json", "sweep.csv", "sweep.parquet", "report.html", POINTS}   # report.html: kvsched report
 
@@ -579,13 +596,14 @@ class Store:
     def path(self, key: str) -> Path:
         return self.points / f"{key}.json"
 
-    def load(self, key: str) -> dict[str, Any] | None:
-        """The point's record, or None if it has none (or an unreadable one: run it again)."""
+    def load(self, key: str, axes: dict[str, Any]) -> dict[str, Any] | None:
+        """The record of the point `key` at `axes`, or None if it has none, or an unreadable or
+        incomplete one (`whole`): run it again."""
         try:
             record = json.loads(self.path(key).read_text())
         except (OSError, ValueError):
             return None
-        return record if isinstance(record, dict) and record.get("key") == key else None
+        return record if whole(record, key, axes) else None
 
     def save(self, record: dict[str, Any]) -> None:
         self.write_json(self.path(record["key"]), record)
@@ -598,6 +616,34 @@ class Store:
         """Write `path` by a temporary file in the same folder and a rename."""
         with atomic_file(path, mode, suffix=TEMP_SUFFIX) as f:
             write(f)
+
+
+def whole(record: Any, key: str, axes: dict[str, Any]) -> bool:
+    """Whether a stored record is one `run_task` wrote for this point: its key, the grid's axes
+    for it (the same JSON), status ok without error or error with one, seconds a number, and
+    figures an object `kvsched report` accepts. The table, the summary and the report read
+    these fields; a file missing one (a partial copy, an edit) is not a finished point."""
+    from kvsched.report.folders import check_figures
+    if not (isinstance(record, dict) and set(RECORD) <= set(record) and record["key"] == key
+            and _same_json(record["axes"], axes)):
+        return False
+    status, error, seconds, figs = (record[k] for k in RECORD[2:])
+    if not (status == "ok" and error is None or status == "error" and isinstance(error, str)):
+        return False
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        return False
+    try:
+        check_figures(figs, "figures")
+    except ValueError:
+        return False
+    return True
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON text (so 1, 1.0 and true differ, as they do in the table)."""
+    def text(x: Any) -> str:
+        return json.dumps(jsonable(x), sort_keys=True, default=str)
+    return text(a) == text(b)
 
 
 # ---- the table ----------------------------------------------------------------------------

@@ -75,9 +75,10 @@ def _check_out(out: Path) -> None:
 
 
 def _chosen(cal: Calibration, use: Optional[str]) -> str:
-    """The model --out writes: --use, else the best fit; an error when it was not fitted."""
-    if not cal.fits:
-        raise KvschedError("no model could be fitted: " + "; ".join(f"{k}: {v}" for k, v in cal.skipped.items()))
+    """The model --out writes: --use, else the best fit; an error when it was not fitted, or
+    when no fit has more steps than parameters (best is None: nothing to report or write)."""
+    if not cal.fits or (use is None and cal.best() is None):
+        raise KvschedError(cal.why_no_best())
     if use is not None and use in cal.skipped:
         raise KvschedError(f"--use {use}: not fitted ({cal.skipped[use]})")
     return use or cal.best()

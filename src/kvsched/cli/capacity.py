@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -13,6 +14,7 @@ from kvsched.cli.common import (ClusterOptions, HardwareOptions, JsonOpt, Progre
                                 hardware_flags, workload_flags)
 from kvsched.cli.theory import ChunkOpt
 from kvsched.errors import KvschedError
+from kvsched.limits import MAX_SEEDS, check_count
 
 if TYPE_CHECKING:       # the engine is imported when the command runs (fast `kvsched --help`)
     from kvsched.workload.source import WorkloadOptions
@@ -33,7 +35,7 @@ def capacity_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOpti
                  jobs: int = typer.Option(0, "--jobs", help="worker processes (0: all cores)"),
                  batch_time: Optional[float] = typer.Option(None, "--batch-time", help="b for mu, seconds (default: measured on a saturated simulated replica)"),
                  chunk_size: int = ChunkOpt,
-                 utilization: float = typer.Option(0.9, "--utilization", help="with --rate: rho of the closed form ceil(rate / (mu rho))"),
+                 utilization: Optional[float] = typer.Option(None, "--utilization", show_default="0.9", help="with --rate: rho of the closed form ceil(rate / (mu rho))"),
                  out: Optional[Path] = typer.Option(None, "--out", help="write capacity.json (every evaluation, the runs at max_rate) here"),
                  json_: bool = JsonOpt) -> None:
     """Largest arrival rate meeting the SLOs, by bisection in simulation below the stability
@@ -65,7 +67,7 @@ def capacity_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOpti
 
 def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], goodput: list[str],
               attainment: float | None, seeds: int, tolerance: float, jobs: int, batch_time: float | None,
-              chunk: int, utilization: float, quiet: bool) -> dict[str, Any]:
+              chunk: int, utilization: float | None, quiet: bool) -> dict[str, Any]:
     """Everything checked before any simulation; then mu, then one search per policy."""
     from kvsched.capacity import Attainment, Criteria, Search, Slo, process_pool, replicas_needed
     from kvsched.cli.run import _scoped_params
@@ -87,11 +89,17 @@ def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], 
         raise KvschedError("--goodput in capacity sets the SLOs of --attainment; give --attainment too")
     criteria = Criteria([Slo.parse(s) for s in slo],
                         Attainment(attainment, Goodput.parse(goodput)) if attainment is not None else None)
-    if seeds < 1:
-        raise KvschedError(f"--seeds must be >= 1, got {seeds}")
+    seeds = check_count("--seeds", seeds, MAX_SEEDS)        # before the seed list is built
     if jobs < 0:
         raise KvschedError(f"--jobs must be >= 0, got {jobs}")
+    if not (math.isfinite(tolerance) and 0 < tolerance < 1):
+        raise KvschedError(f"--tolerance must be in (0, 1), got {tolerance}")
     target = check_rate(wopts.rate, "--rate") if wopts.rate is not None else None
+    if utilization is not None and target is None:
+        raise KvschedError("--utilization sets rho of --rate's closed form: give --rate too")
+    utilization = 0.9 if utilization is None else utilization
+    if not (math.isfinite(utilization) and 0 < utilization <= 1):      # before the search, not after
+        raise KvschedError(f"--utilization must be in (0, 1], got {utilization}")
     if target is not None and (copts.replicas != 1 or copts.prefill_replicas or copts.decode_replicas):
         raise KvschedError("--rate sizes a cluster of one-replica configurations: drop --replicas and the "
                            "prefill/decode pools, or drop --rate")

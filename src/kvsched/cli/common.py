@@ -239,11 +239,11 @@ CLUSTER_FLAGS = {
     "router": (str, typer.Option("round-robin", "--router", help=f"routing: {', '.join(ROUTERS)}")),
     "prefill_replicas": (int, typer.Option(0, "--prefill-replicas", help="disaggregate: replicas that only prefill")),
     "decode_replicas": (int, typer.Option(0, "--decode-replicas", help="disaggregate: replicas that decode")),
-    "kv_transfer_bandwidth": (float, typer.Option(25.0, "--kv-transfer-bandwidth", help="GB/s (1e9 bytes) of each prefill replica's KV link")),
-    "kv_transfer_latency": (float, typer.Option(0.0, "--kv-transfer-latency", help="seconds added to every KV transfer")),
+    "kv_transfer_bandwidth": (Optional[float], typer.Option(None, "--kv-transfer-bandwidth", show_default="25", help="GB/s (1e9 bytes) of each prefill replica's KV link (with pools)")),
+    "kv_transfer_latency": (Optional[float], typer.Option(None, "--kv-transfer-latency", show_default="0", help="seconds added to every KV transfer (with pools)")),
     "decode_policy": (Optional[str], typer.Option(None, "--decode-policy", help="policy of the decode replicas (default: --policy)")),
     "decode_set": (list[str], typer.Option([], "--decode-set", help="decode policy parameter key=value (repeatable)")),
-    "stall_batches": (int, typer.Option(DEFAULT_STALL_BATCHES, "--stall-batches", help="stop a policy after this many batches without an output token")),
+    "stall_batches": (int, typer.Option(DEFAULT_STALL_BATCHES, "--stall-batches", help="stop a policy after this many batches without a new token (output, or prompt not computed before)")),
 }
 
 
@@ -253,8 +253,8 @@ class ClusterOptions:
     router: str
     prefill_replicas: int
     decode_replicas: int
-    kv_transfer_bandwidth: float
-    kv_transfer_latency: float
+    kv_transfer_bandwidth: Optional[float]       # None: not given (Scenario's default)
+    kv_transfer_latency: Optional[float]
     decode_policy: Optional[str]
     decode_set: list[str]
     stall_batches: int
@@ -267,15 +267,20 @@ class ClusterOptions:
             raise KvschedError(f"--router: unknown router {self.router!r}; known: {', '.join(ROUTERS)}")
         if self.stall_batches < 1:
             raise KvschedError(f"--stall-batches must be >= 1, got {self.stall_batches}")
-        if (self.decode_policy or self.decode_set) and not (self.prefill_replicas or self.decode_replicas):
+        pools = self.prefill_replicas or self.decode_replicas
+        if (self.decode_policy or self.decode_set) and not pools:
             raise KvschedError("--decode-policy and --decode-set need --prefill-replicas and --decode-replicas")
+        link = {k: v for k, v in (("kv_transfer_bandwidth", self.kv_transfer_bandwidth),
+                                  ("kv_transfer_latency", self.kv_transfer_latency)) if v is not None}
+        if link and not pools:          # given at any value, the default's included
+            raise KvschedError(f"--{next(iter(link)).replace('_', '-')} sets the KV link between prefill and "
+                               "decode pools: it needs --prefill-replicas and --decode-replicas")
         sc = dataclasses.replace(
             sc, replicas=self.replicas, router=self.router, router_seed=seed,
             prefill_replicas=self.prefill_replicas, decode_replicas=self.decode_replicas,
-            kv_transfer_bandwidth=self.kv_transfer_bandwidth, kv_transfer_latency=self.kv_transfer_latency,
-            stall_batches=self.stall_batches)
+            stall_batches=self.stall_batches, **link)
         sc.pools()
-        KVLink(self.kv_transfer_bandwidth, self.kv_transfer_latency)     # checks both
+        KVLink(sc.kv_transfer_bandwidth, sc.kv_transfer_latency)     # checks both
         return sc
 
     def decode_args(self) -> dict:
@@ -287,3 +292,4 @@ class ClusterOptions:
 
 
 cluster_flags = _flags(CLUSTER_FLAGS, ClusterOptions, "copts")
+

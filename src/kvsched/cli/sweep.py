@@ -30,7 +30,7 @@ BACKENDS = ("process", "ray")
 @workload_flags
 @hardware_flags
 @cluster_flags
-def sweep_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOptions,
+def sweep_cmd(ctx: typer.Context, wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOptions,
               policies: Optional[str] = typer.Option(None, "--policies", help="comma-separated policy names (default: vllm-v1)"),
               rates: Optional[str] = typer.Option(None, "--rates", help="arrival rates, requests/s: 1,2,4 (required unless in --grid)"),
               seeds: Optional[str] = typer.Option(None, "--seeds", help="workload seeds: 0-9 or 0,1,2 (default: 0)"),
@@ -55,7 +55,7 @@ def sweep_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOptions
             sw.ray_module()
         raw = sw.from_flags(policies, rates, seeds, set_)
         if grid is not None:
-            raw = sw.merge(raw, sw.read_grid_file(grid, AXIS_KINDS), _given(wopts, hw, copts))
+            raw = sw.merge(raw, sw.read_grid_file(grid, AXIS_KINDS), _given(ctx))
         the_grid = sw.resolve(raw, _scoped_params)
         tasks = sw.plan(the_grid, sw.Base(wopts, hw, copts, list(goodput), trim))
         store = sw.Store(sw.check_folder(out))
@@ -79,10 +79,11 @@ def _check_flags(wopts: WorkloadOptions, backend: str, jobs: int | None) -> None
         raise KvschedError(f"--jobs must be >= 1, got {jobs}")
 
 
-def _given(*bundles: Any) -> set[str]:
-    """The option flags given on the command line: those not at their declared defaults."""
-    return {name for name, (_, opt) in OPTION_FLAGS.items()
-            for b in bundles if hasattr(b, name) and getattr(b, name) != opt.default}
+def _given(ctx: typer.Context) -> set[str]:
+    """The option flags given on the command line, at any value (a flag given at its default,
+    e.g. --gpu a100-80gb beside a gpu axis, would otherwise be silently overridden)."""
+    return {name for name in OPTION_FLAGS
+            if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
 
 
 def _run(grid: Grid, tasks: list[Task], store: Store, json_: bool, retry_failed: bool, execute) -> dict[str, Any]:
@@ -91,7 +92,7 @@ def _run(grid: Grid, tasks: list[Task], store: Store, json_: bool, retry_failed:
     from kvsched import sweep as sw
     start = time.perf_counter()
     store.open(grid.axes(), [t.key for t in tasks])
-    kept = {t.key: store.load(t.key) for t in tasks}
+    kept = {t.key: store.load(t.key, t.axes) for t in tasks}
     todo = [t for t in tasks if not _finished(kept[t.key], retry_failed)]
     bar = Progress(not json_, "sweep")
 

@@ -124,6 +124,7 @@ def stability_cmd(wopts: WorkloadOptions,
     from kvsched.workload.source import resolve
 
     def body() -> None:
+        stability.check_chunk(chunk_size)
         if joint_table is not None:
             s, o, w = stability.load_joint_table(joint_table)
             _emit({**stability.analyse(s, o, kv_capacity, batch_time[0], chunk_size, w).as_dict(), "exact": True},
@@ -188,6 +189,7 @@ def nested_cmd(types: list[str] = TypeOpt, d0: float = D0, d1: float = D1,
     from kvsched.theory import wait
 
     def body() -> None:
+        wait.check_horizon(batches, delta)      # before the work, used or not (one type has no eq. 12)
         ts = sorted(_types(types), key=lambda t: t.decode)
         if len({t.prompt for t in ts}) != 1:
             raise KvschedError("Nested WAIT assumes one prefill length for all types (section 5.1)")
@@ -216,6 +218,7 @@ def eb_threshold_cmd(p0: float = typer.Option(..., "--p0", help="completion haza
     from kvsched.theory import eb
 
     def body() -> None:
+        eb.check_p0(p0)
         if not 0 <= eta < float("inf"):
             raise KvschedError(f"--eta must be a finite slope >= 0 (h(t) = p0 + eta t is a hazard), got {eta}")
         th = eb.theta0(p0, alpha_p, alpha_d)
@@ -236,7 +239,11 @@ def eb_batch_cmd(kv_capacity: float = typer.Option(..., "--kv-capacity", help="C
                  json_: bool = JsonOpt) -> None:
     """n_star (eq. 6), n_expected and n_static (appendix D.5), v_bar = 1/(p0^2 mu_L)."""
     from kvsched.theory import eb
-    guard(lambda: _emit(eb.batch_sizes(kv_capacity, p0, mu_l, theta, eps), json_, "EB memory-safe batch size"))
+
+    def body() -> None:
+        eb.check_p0(p0)
+        _emit(eb.batch_sizes(kv_capacity, p0, mu_l, theta, eps), json_, "EB memory-safe batch size")
+    guard(body)
 
 
 @theory_app.command("eb-crossover")
@@ -250,8 +257,11 @@ def eb_crossover_cmd(batch_size: float = typer.Option(..., "--batch-size", help=
     """Eq. (7): lhs = beta_MB^e - beta_EB^w, rhs, favours (MB if lhs < rhs), k0_star,
     throughput_eb (eq. 4) and throughput_mb (section 3.5), requests/s."""
     from kvsched.theory import eb
+    from kvsched.theory.checks import nonnegative
 
     def body() -> None:
+        eb.check_p0(p0)
+        nonnegative(beta_p=beta_p, beta_d=beta_d, alpha_mb=alpha_mb, beta_mb=beta_mb)   # seconds: costs
         th = eb.theta0(p0, alpha_p, alpha_d)
         _emit({"theta0": th, **eb.crossover(batch_size, th, alpha_p, alpha_d, beta_p, beta_d, alpha_mb,
                                             beta_mb, mu_l, mu_o)}, json_, "EB / MB crossover")
@@ -295,11 +305,13 @@ def rad_capacity_cmd(wopts: WorkloadOptions,
     from kvsched.cost import make_cost_model
     from kvsched.cost.tiled import TiledCost
     from kvsched.hardware import get_gpu, get_model
+    from kvsched.limits import MAX_REPLICAS, check_count
     from kvsched.params import parse_assignments
     from kvsched.theory import rad
     from kvsched.workload.source import load
 
     def body() -> None:
+        check_count("--replicas", replicas, MAX_REPLICAS)     # the static splits are linear in r
         cm = make_cost_model(cost, parse_assignments(cost_set, "--cost-set"), get_model(model), get_gpu(gpu))
         if not isinstance(cm, TiledCost):
             raise KvschedError(f"--cost {cost}: rad-capacity needs a tiled batch-time model (tiled or a tiled preset)")

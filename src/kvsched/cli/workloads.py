@@ -58,12 +58,18 @@ def workload_stats_cmd(wopts: WorkloadOptions,
 @workload_flags
 def workload_export_cmd(wopts: WorkloadOptions,
                         source: Optional[str] = typer.Argument(None, help="trace file, bundled trace name, preset or .toml workload file"),
-                        out: Path = typer.Option(..., "--out", help="CSV file to write")) -> None:
-    """Write a workload as the generic CSV arrival_time,prompt_tokens,output_tokens[,tier]."""
+                        out: Path = typer.Option(..., "--out", help="file to write: NAME.jsonl keeps shared prompt segments (prefix caching) and Mooncake hash_ids; any other name gets CSV (refused if it would lose them)")) -> None:
+    """Write a workload as the generic CSV arrival_time,prompt_tokens,output_tokens[,tier], or
+    with --out NAME.jsonl as the generic JSONL, which also keeps its shared prompt content."""
     def body() -> None:
         from kvsched.workload.source import load
-        from kvsched.workload.traces import export_csv
+        from kvsched.files import check_writable
+        from kvsched.workload.traces import export, not_carried
+        check_writable(out, "--out")
+        wopts.keep_hashes = True        # a Mooncake trace's hash_ids go into the file too
         w = load(_with_source(source, wopts))
-        export_csv(w, out)
+        export(w, out)
         say("info", f"wrote {len(w)} requests to {out}")
+        for what in not_carried(w):
+            say("warning", f"{out} does not hold {what}")
     guard(body)

@@ -432,11 +432,26 @@ class Calibration:
     fits: dict[str, Fit] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
 
+    def free_parameters(self, name: str) -> int:
+        """Parameters of fitted model `name` not held fixed."""
+        return len(self.fits[name].params) - len(self.fits[name].fixed)
+
     def best(self) -> str | None:
         """The fitted model with the lowest median relative error over all steps (the first on
         ties), among those with more steps than parameters (fewer fit any log exactly)."""
-        ok = [k for k, f in self.fits.items() if len(self.log) > len(f.params) - len(f.fixed)]
+        ok = [k for k in self.fits if len(self.log) > self.free_parameters(k)]
         return min(ok, key=lambda k: self.fits[k].errors["all"]["median"], default=None)
+
+    def why_no_best(self) -> str:
+        """Why no model can be chosen (`best` is None): the log's steps per kind and, per model,
+        why it was skipped or how many steps it needs."""
+        n, kinds = len(self.log), self.log.counts()
+        why = {**self.skipped, **{k: f"{n} steps for {self.free_parameters(k)} parameters, needs at least "
+                                     f"{self.free_parameters(k) + 1} (with fewer any log fits exactly)"
+                                  for k in self.fits}}
+        return (f"no model could be fitted to {self.log.path}: {n} step{'s' if n != 1 else ''} "
+                f"({kinds['prefill']} prefill-only, {kinds['decode']} decode-only, {kinds['mixed']} mixed); "
+                + "; ".join(f"{k}: {why[k]}" for k in sorted(why, key=MODELS.index)))
 
     def provenance(self) -> dict:
         return {"source": self.log.path, "source_sha256": self.log.sha256, "skipped_steps": self.skip,

@@ -16,6 +16,11 @@ from kvsched.errors import KvschedError
 
 LATENCY = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 CURVE_KEYS = ("request_throughput",) + LATENCY
+# Figures the page reads as numbers (curves, the summary table: html.TABLE's keys, a test
+# checks) and as text; with the flat tier figures (tier_<name>_<key>) each is checked where read.
+NUMBERS = CURVE_KEYS + ("p99_itl_ms", "mean_kv_usage", "peak_queue_length", "preemptions", "completed")
+TEXTS = ("policy", "model", "gpu", "cost_model")
+STATUSES = ("finished", "unfinished", "rejected")      # requests.csv's status column
 MAX_RUNS = 10           # configurations drawn in the distribution, timeline and tier plots
 
 
@@ -111,6 +116,8 @@ def about(path: Path) -> Iterator[None]:
         raise
     except OSError as exc:
         raise KvschedError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise KvschedError(f"{path}: not UTF-8 text (byte {exc.start + 1})") from None
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
         raise KvschedError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
 
@@ -132,6 +139,9 @@ def _simulate(d: Path) -> Folder:
 
 def _compare(d: Path) -> Folder:
     summaries = read_json(d / "compare.json")
+    bad = next((name for name in summaries if not _is_key(name)), None)
+    if bad is not None:         # a name such as ../x would read another folder
+        raise KvschedError(f"{d / 'compare.json'}: {bad!r} is not the name of a policy's folder")
     runs = [_run_folder(d / name, name) for name in summaries]
     if not runs:
         raise KvschedError(f"{d / 'compare.json'}: no policies in it")
@@ -147,38 +157,113 @@ def _run_folder(d: Path, label: Optional[str]) -> Run:
     from kvsched.point import binned_timeline
     summary = read_json(d / "summary.json")
     with about(d / "summary.json"):
-        label, capacity = label or str(summary["policy"]), int(summary["kv_capacity_tokens"])
         figures = flatten(summary)
+        check_figures(figures, "")
+        capacity = _whole(summary, "kv_capacity_tokens", 1)
+        label = label if label is not None else summary["policy"]
+        if not isinstance(label, str):
+            raise ValueError(f"policy must be text, got {label!r}")
     ttft, tpot = _latencies(d / "requests.csv")
     timeline = []
     if (d / "timeline.csv").is_file():
-        with about(d / "timeline.csv"):
-            timeline = binned_timeline(_csv_rows(d / "timeline.csv"), capacity)
+        timeline = binned_timeline(_timeline_rows(d / "timeline.csv"), capacity)
     return Run(label, figures, _percentiles(ttft), _percentiles(tpot), timeline)
 
 
 def _latencies(path: Path) -> tuple[list[float], list[float]]:
     """TTFT and TPOT in ms of finished requests (TPOT of those with more than one token), as
-    `kvsched.point.figures` counts them."""
+    `kvsched.point.figures` counts them. Every other cell is checked too: a number or empty,
+    the status one of STATUSES."""
     ttft, tpot = [], []
-    with about(path), open(path, newline="") as f:
-        rows = csv.reader(f)
-        col = {name: k for k, name in enumerate(next(rows))}
-        status, t, n, s = col["status"], col["ttft"], col["itl_count"], col["itl_sum"]
-        for row in rows:
-            if row[status] != "finished":
-                continue
-            ttft.append(float(row[t]) * 1000)
-            if int(row[n]) > 0:
-                tpot.append(float(row[s]) / int(row[n]) * 1000)
+    rows = _read_csv(path)
+    header = next(rows)
+    col = {name: k for k, name in enumerate(header)}
+    missing = [name for name in ("status", "ttft", "itl_count", "itl_sum") if name not in col]
+    if missing:
+        raise KvschedError(f"{path}: no {missing[0]} column")
+    status, t, n, s = col["status"], col["ttft"], col["itl_count"], col["itl_sum"]
+    numeric = [k for k in range(len(header)) if k != status]
+    for where, row in rows:
+        values = _numbers(where, header, row, numeric)
+        if row[status] not in STATUSES:
+            raise KvschedError(f"{where}: status {row[status]!r} is not one of {', '.join(STATUSES)}")
+        if row[status] != "finished":
+            continue
+        if None in (values[t], values[n], values[s]) or values[n] < 0 or not values[n].is_integer():
+            raise KvschedError(f"{where}: a finished request needs ttft, itl_sum and a whole itl_count >= 0")
+        ttft.append(values[t] * 1000)
+        if values[n] > 0:
+            tpot.append(values[s] / values[n] * 1000)
     return ttft, tpot
 
 
-def _csv_rows(path: Path) -> list[list[float]]:
-    with open(path, newline="") as f:
+def _timeline_rows(path: Path) -> list[list[float]]:
+    """timeline.csv's rows: time, queue, running, KV tokens[, replica], every cell a number,
+    a replica a whole number below kvsched.limits.MAX_REPLICAS."""
+    from kvsched.limits import MAX_REPLICAS
+    rows = _read_csv(path)
+    header = next(rows)
+    if len(header) not in (4, 5):
+        raise KvschedError(f"{path}:1: expected 4 or 5 columns (time, queue_length, running, kv_used_tokens"
+                           f"[, replica]), got {len(header)}")
+    out = []
+    for where, row in rows:
+        values = _numbers(where, header, row, range(len(header)))
+        if None in values:
+            raise KvschedError(f"{where}: {header[values.index(None)]} is empty")
+        if len(values) == 5 and not (values[4].is_integer() and 0 <= values[4] < MAX_REPLICAS):
+            raise KvschedError(f"{where}: replica must be a whole number in [0, {MAX_REPLICAS:,}), got {row[4]!r}")
+        out.append(values)
+    return out
+
+
+def _read_csv(path: Path) -> Iterator[Any]:
+    """A CSV file kvsched wrote: its header, then each row as (`path:line`, cells). Every row
+    has the header's number of cells, and the file ends with a line break (one cut short
+    is refused, not read as a shorter last row)."""
+    with about(path), open(path, newline="", encoding="utf-8") as f:
         rows = csv.reader(f)
-        next(rows)
-        return [[float(v) for v in row] for row in rows]
+        try:
+            header = next(rows, None)
+            if not header:
+                raise KvschedError(f"{path}: empty (no header line)")
+            yield header
+            for row in rows:
+                if len(row) != len(header):
+                    raise KvschedError(f"{path}:{rows.line_num}: {len(row)} fields, the header has {len(header)}")
+                yield f"{path}:{rows.line_num}", row
+        except UnicodeDecodeError:      # decoded a block at a time: find the line
+            raise KvschedError(f"{path}:{_not_utf8(path)}: not UTF-8 text") from None
+        f.buffer.seek(-1, 2)
+        if f.buffer.read(1) != b"\n":
+            raise KvschedError(f"{path}:{rows.line_num}: cut short (the last line has no line break)")
+
+
+def _not_utf8(path: Path) -> int:
+    """The first line of `path` that is not UTF-8 (a line break is never part of a UTF-8 character)."""
+    with open(path, "rb") as f:
+        for line, text in enumerate(f, 1):
+            try:
+                text.decode("utf-8")
+            except UnicodeDecodeError:
+                return line
+    return 0
+
+
+def _numbers(where: str, header: list[str], row: list[str], columns: Any) -> list[Optional[float]]:
+    """The cells of `columns` as finite numbers (None: an empty cell, a time that did not
+    happen), indexed as the row; the other cells None."""
+    values: list[Optional[float]] = [None] * len(row)
+    for k in columns:
+        if row[k] == "":
+            continue
+        try:
+            values[k] = float(row[k])
+        except ValueError:
+            raise KvschedError(f"{where}: {header[k]} {row[k]!r} is not a number") from None
+        if not math.isfinite(values[k]):
+            raise KvschedError(f"{where}: {header[k]} {row[k]!r} is not a finite number")
+    return values
 
 
 def _percentiles(values: list[float]) -> list[float]:
@@ -190,7 +275,10 @@ def _percentiles(values: list[float]) -> list[float]:
 def flatten(summary: dict[str, Any]) -> dict[str, Any]:
     """A summary's scalars, its tiers as `tier_<name>_<key>` (the sweep's and capacity's form)."""
     flat = {k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool)) or v is None}
-    for tier in summary.get("tiers") or []:
+    tiers = summary.get("tiers") or []
+    if not (isinstance(tiers, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in tiers)):
+        raise ValueError("tiers must be a list of objects, each with a name")
+    for tier in tiers:
         flat.update({f"tier_{tier['name']}_{k}": v for k, v in tier.items() if k != "name"})
     return flat
 
@@ -236,7 +324,7 @@ def _point(f: Path) -> dict:
             axes, figures = p["axes"], p["figures"]
             if not isinstance(figures, dict) or not isinstance(axes["params"], dict):
                 raise TypeError("figures and axes.params must be objects")
-            check_lists(figures, "figures")
+            check_figures(figures, "figures")
             _rate_key(axes["rate"]), int(axes["seed"]), str(axes["policy"])
     return p
 
@@ -313,6 +401,26 @@ def check_lists(figures: Any, where: str) -> None:
         raise ValueError(f"{where}: timeline must be rows of 4 finite numbers (time, queue, running, KV use)")
 
 
+def check_figures(figures: Any, where: str, numbers: tuple[str, ...] = ()) -> None:
+    """`check_lists`, and the figures the page reads: NUMBERS, `numbers` and the flat tier
+    figures each a finite number or null, TEXTS text or null (ValueError naming the key)."""
+    check_lists(figures, where)
+    at = f"{where}: " if where else ""
+    for key, v in figures.items():
+        if (key in NUMBERS or key in numbers or key.startswith("tier_")) and not (v is None or _finite(v)):
+            raise ValueError(f"{at}{key} must be a finite number or null, got {v!r:.40}")
+        if key in TEXTS and not (v is None or isinstance(v, str)):
+            raise ValueError(f"{at}{key} must be text or null, got {v!r:.40}")
+
+
+def _whole(doc: dict, key: str, low: int) -> int:
+    """doc[key], a whole number >= low (not a boolean, not a float to truncate), else ValueError."""
+    v = doc[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{key} must be a whole number >= {low}, got {v!r:.40}")
+    return v
+
+
 def number(v: Any) -> float:
     """A figure as a float; NaN for a missing, null or non-numeric one."""
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
@@ -350,8 +458,12 @@ def _capacity(d: Path) -> Folder:
     path = d / "capacity.json"
     doc = read_json(path)
     with about(path):
-        cap = Capacity(_limits(doc), [_capacity_policy(n, p) for n, p in doc["policies"].items()],
-                       [int(s) for s in doc.get("seeds") or []])
+        limits = _limits(doc)
+        seeds = doc.get("seeds") or []
+        if not (isinstance(seeds, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
+            raise ValueError(f"seeds must be a list of whole numbers, got {seeds!r:.40}")
+        numbers = tuple(lim.key for lim in limits)
+        cap = Capacity(limits, [_capacity_policy(n, p, numbers) for n, p in doc["policies"].items()], seeds)
         runs = [_figures_run(n, p["at_max_rate_runs"][0]) for n, p in doc["policies"].items()
                 if p.get("at_max_rate_runs")][:MAX_RUNS]
     if not cap.policies:
@@ -365,7 +477,9 @@ def _limits(doc: dict) -> list[Limit]:
     limits = []
     for k, s in enumerate(doc["slos"]):
         ms = _num(s, "ms", f"slos[{k}]")
-        limits.append(Limit(str(s["key"]), ms, f"{s.get('stat', '')} {str(s.get('metric', '')).upper()} <= "
+        if not (isinstance(s["key"], str) and s["key"] and all(isinstance(s.get(f, ""), str) for f in ("stat", "metric"))):
+            raise ValueError(f"slos[{k}]: key must be a figure's name, stat and metric text")
+        limits.append(Limit(s["key"], ms, f"{s.get('stat', '')} {s.get('metric', '').upper()} <= "
                             f"{ms:g} ms ({s['key']})", "ms"))
     att = doc.get("attainment")
     if att:
@@ -375,24 +489,31 @@ def _limits(doc: dict) -> list[Limit]:
     return limits
 
 
-def _capacity_policy(name: str, p: dict) -> CapacityPolicy:
+def _capacity_policy(name: str, p: dict, numbers: tuple[str, ...]) -> CapacityPolicy:
+    """`numbers`: the SLOs' figures, read as numbers in every run besides NUMBERS."""
     where = f"policies.{name}"
     at = p.get("at_max_rate") or {}
+    met = at.get("met") if isinstance(at, dict) else "?"
+    if not (met is None or isinstance(met, bool)):
+        raise ValueError(f"{where}.at_max_rate must be an object whose met is true, false or null")
+    if not (isinstance(p.get("bounded_by", ""), str) and isinstance(p.get("gpus") or {}, dict)):
+        raise ValueError(f"{where}: bounded_by must be text and gpus an object or null")
     rates = [_num(p, key, where) for key in ("max_rate", "max_rate_min", "max_rate_max")]
     mu = None if p.get("mu") is None else _num(p, "mu", where)
     runs = p.get("at_max_rate_runs") or []
     if not isinstance(runs, list):
         raise ValueError(f"{where}.at_max_rate_runs must be a list of runs, got {runs!r:.40}")
     for k, run in enumerate(runs):
-        check_lists(run, f"{where}.at_max_rate_runs[{k}]")
+        check_figures(run, f"{where}.at_max_rate_runs[{k}]", numbers)
     evaluations = []
     for k, e in enumerate(p.get("evaluations") or []):
         seed, met = e["seed"], e["met"]
         if isinstance(seed, bool) or not isinstance(seed, int) or not isinstance(met, bool):
             raise ValueError(f"{where}.evaluations[{k}]: seed must be a whole number and met true or false, "
                              f"got {seed!r} and {met!r}")
+        check_figures(e["figures"], f"{where}.evaluations[{k}].figures", numbers)
         evaluations.append(Evaluation(seed, _num(e, "rate", f"{where}.evaluations[{k}]"), met, dict(e["figures"])))
-    return CapacityPolicy(name, *rates, mu, str(p.get("bounded_by", "")), at.get("met"), evaluations, p.get("gpus"))
+    return CapacityPolicy(name, *rates, mu, p.get("bounded_by", ""), met, evaluations, p.get("gpus"))
 
 
 def _num(doc: dict, key: str, where: str) -> float:

@@ -198,9 +198,14 @@ def _list_in_manifest(folder: Path, target: Path) -> None:
         return
     if not manifest.is_file():
         return
-    listed = [line for line in manifest.read_text().split("\n") if line]
+    try:        # names as run.py reads them: any bytes (surrogateescape), written back unchanged
+        listed = [line for line in manifest.read_bytes().decode("utf-8", "surrogateescape").split("\n") if line]
+    except OSError as exc:
+        raise KvschedError(f"cannot read {manifest}: {exc.strerror or exc}") from None
     if rel not in listed:
-        _write_text(manifest, "".join(f"{name}\n" for name in sorted(listed + [rel])))
+        text = "".join(f"{name}\n" for name in sorted(listed + [rel]))
+        with atomic_file(manifest, "wb") as f:
+            f.write(text.encode("utf-8", "surrogateescape"))
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -32,6 +32,7 @@ OPTIONAL = {"replicas", "router", "prefill_replicas", "decode_replicas", "decode
             "prefix_block_hit_rate", "prefill_tokens_saved", "prefix_evictions"}   # shown when present
 PERCENT = {"mean_kv_usage", "peak_kv_usage", "prefix_hit_rate", "prefix_block_hit_rate", "prefill_busy_fraction", "decode_busy_fraction",
            "busy_fraction", "ttft_slo_attainment", "tbt_slo_attainment", "itl_slo_attainment"}
+REPLICA_ROWS = 32         # per-replica rows a terminal table shows (JSON and files hold all)
 REPLICA_COLUMNS = [("replica", "replica"), ("role", "role"), ("completed", "completed"),
                    ("request_throughput", "requests/s"), ("mean_ttft_ms", "mean TTFT ms"),
                    ("iterations", "iterations"), ("preemptions", "preemptions"), ("busy_fraction", "busy"),
@@ -81,10 +82,14 @@ def summary_table(s: dict[str, Any]) -> Table | Group:
             tiers.add_row(*(escape(_fmt(k, row.get(k))) for k, _ in cols))
         parts.append(tiers)
     if s.get("replica_breakdown"):
-        per = Table(title="per replica", title_justify="left")
+        rows = s["replica_breakdown"]
+        shown = rows[:REPLICA_ROWS]         # a 1,000-replica table is unreadable (and slow) in a terminal
+        caption = (f"the first {len(shown)} of {len(rows):,} replicas; --json and --out's summary.json "
+                   "hold every one" if len(shown) < len(rows) else None)
+        per = Table(title="per replica", title_justify="left", caption=caption, caption_justify="left")
         for _, label in REPLICA_COLUMNS:
             per.add_column(label, justify="right")
-        for row in s["replica_breakdown"]:
+        for row in shown:
             per.add_row(*(_fmt(k, row.get(k)) for k, _ in REPLICA_COLUMNS))
         parts.append(per)
     return t if len(parts) == 1 else Group(*parts)

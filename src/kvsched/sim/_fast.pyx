@@ -734,10 +734,13 @@ cdef int _admit_step(object self, object policy, int kind, tuple roof, Tables tb
     cdef bint out = nd > 0
     if pt:
         self.prefill_backlog -= pt
+        reached = self.reqs.reached
         for i, ck in chunks:
             computed[i] += ck
             if computed[i] == target[i]:
                 _prefill_complete(self, i, end, tb)
+                out = True
+            elif computed[i] > reached[i]:      # Replica._execute: a prompt token never computed before
                 out = True
         if not out:
             self._stalled(end)

@@ -37,7 +37,7 @@ from kvsched.errors import KvschedError, PlanError
 from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram, RunRecords
 from kvsched.sim.prefix_cache import fewer_collections
-from kvsched.sim.replica import DEFAULT_STALL_BATCHES, Arrivals, Replica
+from kvsched.sim.replica import DEFAULT_STALL_BATCHES, POLICY_ERRORS, Arrivals, Replica, merged_tiers
 from kvsched.sim.requests import INF, RequestTable
 from kvsched.sim.routers import ReplicaSummary, Router, make_router
 from kvsched.sim.rowlog import MergedRows
@@ -89,6 +89,9 @@ class Cluster:
             self._set_next = self._set_next_turns
         self.disaggregated = prefill_replicas > 0
         self.replicas: list[Replica] = []
+        # the bins of the inter-token gap histograms (one, and one per tier), shared by the replicas
+        itl_bins = GapHistogram().counts
+        tier_bins = [GapHistogram().counts for _ in workload.tiers]
         for k, pol in enumerate(policies):
             role = "mixed" if not self.disaggregated else ("prefill" if k < prefill_replicas else "decode")
             self.replicas.append(Replica(
@@ -97,7 +100,8 @@ class Cluster:
                 record_batches=record_batches, stall_batches=stall_batches,
                 handoff=self._handoff if role == "prefill" else None,
                 share=1 / (prefill_replicas if role == "prefill" else r - prefill_replicas),
-                prefix_caching=prefix_caching, on_done=self._turn_done if self._turns is not None else None))
+                prefix_caching=prefix_caching, on_done=self._turn_done if self._turns is not None else None,
+                itl_bins=itl_bins, tier_bins=tier_bins))
         self.front = self.replicas[:prefill_replicas] if self.disaggregated else self.replicas
         self.back = self.replicas[prefill_replicas:]
         self.router = make_router(router, router_seed) if isinstance(router, str) else router
@@ -114,6 +118,29 @@ class Cluster:
         self._events: list[tuple] = []
         self._seq = 0
         self._seats = 0
+        # replicas with something to do, by (next event time, index): a heap whose entries a
+        # later change of the replica makes stale (`_touch`), so choosing the next replica costs
+        # O(log R) instead of a scan of every replica, idle ones included
+        self._ready: list[tuple[float, int, int]] = []
+        self._version = [0] * r
+
+    def _touch(self, rep: Replica) -> None:
+        """Replica `rep` may have changed its next event time: enter it anew."""
+        k = rep.index
+        v = self._version[k] = self._version[k] + 1
+        t = rep.next_event_time()
+        if t < INF:
+            heapq.heappush(self._ready, (t, k, v))
+
+    def _second(self) -> float:
+        """The next event time of the replicas other than the earliest (INF if none)."""
+        ready, version = self._ready, self._version
+        top = heapq.heappop(ready)
+        while ready and ready[0][2] != version[ready[0][1]]:
+            heapq.heappop(ready)
+        t = ready[0][0] if ready else INF
+        heapq.heappush(ready, top)
+        return t
 
     # ----- events ----------------------------------------------------------------------
     def _push(self, t: float, kind: int, *payload) -> None:
@@ -134,9 +161,16 @@ class Cluster:
             for k, rep in enumerate(pool):
                 out, kv, backlog = rep.summary_at(t)
                 view.append(ReplicaSummary(k, out, kv, rep.kv_capacity_blocks, backlog, cached[k] if cached else 0))
-            k = router.route(i, t, view) if cached is None else router.route(i, t, view, prompt=self.reqs.target[i])
+            args, kw = (i, t, view), ({} if cached is None else {"prompt": self.reqs.target[i]})
         else:
-            k = router.route(i, t, len(pool))
+            args, kw = (i, t, len(pool)), {}
+        try:
+            k = router.route(*args, **kw)
+        except KvschedError:
+            raise
+        except POLICY_ERRORS as exc:        # a custom router's error, named
+            raise KvschedError(f"router {getattr(router, 'name', type(router).__name__)} raised "
+                               f"{type(exc).__name__} routing request {i} at t={t:.6g}s: {exc}") from exc
         if not (isinstance(k, (int, np.integer)) and 0 <= k < len(pool)):
             raise KvschedError(f"router {router.name} chose replica {k!r} of {len(pool)}")
         return int(k)
@@ -153,6 +187,7 @@ class Cluster:
         k = self._route(self.router, self.front, i, t)
         self.front[k].accept(i, t)
         self.reqs.replica[i] = self.front[k].index
+        self._touch(self.front[k])
 
     def _event(self, ev: tuple, closed: list[int] | None) -> None:
         t, _, kind = ev[:3]
@@ -173,6 +208,8 @@ class Cluster:
             _, _, _, i, p, k = ev
             self.replicas[p].release(i, t)
             self.back[k].land(i, t)
+            self._touch(self.replicas[p])
+            self._touch(self.back[k])
 
     def _pull(self, k: int, t: float) -> None:
         """Decode replica k pulls waiting requests' KV while it has room; if it lacks room during
@@ -235,20 +272,16 @@ class Cluster:
         for r in reps:                          # replicas whose steady batches may run ahead
             r.runs_ahead = chain and r._steady
         nxt, steps = 0, 0
+        ready, version = self._ready, self._version
         while reqs.done < reqs.remaining:
             t_arr = arrival[nxt] if closed is None and nxt < n else INF
             if single is not None:                  # next_event_time(), inline: this is the hot loop
                 rep = single
                 t_rep = INF if rep._blocked or not (rep._queue or rep._running or rep._landing) else rep.now
-                t_other = INF
-            else:
-                rep, t_rep, t_other = None, INF, INF
-                for r in reps:
-                    t = r.next_event_time()
-                    if t < t_rep:
-                        rep, t_rep, t_other = r, t, t_rep
-                    elif t < t_other:
-                        t_other = t
+            else:                                   # the earliest replica, lowest index first
+                while ready and ready[0][2] != version[ready[0][1]]:
+                    heapq.heappop(ready)            # an entry an earlier change made stale
+                rep, t_rep = (reps[ready[0][1]], ready[0][0]) if ready else (None, INF)
             if t_arr <= t_rep or events:           # else the common case: the replica runs a batch
                 t_ev = events[0][0] if events else INF
                 if t_arr <= t_rep and t_arr <= t_ev and t_arr < INF:
@@ -279,7 +312,11 @@ class Cluster:
                 if t_rep == INF:
                     self._deadlock(closed is not None)
             before = reqs.done
-            until = min(t_arr, events[0][0] if events else INF, t_other) if rep.runs_ahead and not rep._queue else 0.0
+            until = 0.0
+            if rep.runs_ahead and not rep._queue:   # to the next thing that may change this replica
+                until = min(t_arr, events[0][0] if events else INF)
+                if self.disaggregated:
+                    until = min(until, self._second())   # another pool's batch may hand it work
             if rep.step(until):
                 steps += 1
                 if progress is not None and steps % 4096 == 0:
@@ -288,6 +325,7 @@ class Cluster:
                 self._push(rep.now, SEAT, reqs.done - before)
             if rep.pulls:                           # a decode replica's KV may have room at the batch end
                 self._push(rep.now, PULL, rep.index - len(self.front))
+            self._touch(rep)
         if turns is not None:
             self._drain_turns()
         return self._records(_time.perf_counter() - wall0)
@@ -303,6 +341,7 @@ class Cluster:
         if self.arrivals.pending and not pending:
             for r in self.replicas:
                 r.wake(t)
+                self._touch(r)
         self.arrivals.pending = pending
 
     # ----- sessions ----------------------------------------------------------------------
@@ -369,9 +408,7 @@ class Cluster:
         reqs, reps = self.reqs, self.replicas
         w = reqs.workload
         bs = reps[0].block_size
-        itl = reps[0].itl
-        if len(reps) > 1:
-            itl = GapHistogram.merged([r.itl for r in reps])
+        itl = reps[0].itl if len(reps) == 1 else GapHistogram.merged([r.itl for r in reps])
         rec = RunRecords(
             ids=w.ids, arrival=np.array(reqs.arrival, np.float64), prompt=w.prompt, output=w.output,
             admitted=reqs.admitted, first_token=reqs.first, finished=reqs.finished,
@@ -382,10 +419,8 @@ class Cluster:
             kv_peak_tokens=max(r.peak_kv for r in reps) * bs, peak_queue=max(r.peak_queue for r in reps),
             busy_time=sum(r.busy for r in reps), wall_seconds=wall)
         if w.tiers:
-            parts = [r.tier_histograms() for r in reps]
             rec.tier_index, rec.tiers = w.tier_index, tuple(w.tiers)
-            rec.tier_itl = parts[0] if len(reps) == 1 else [
-                GapHistogram.merged([p[t] for p in parts]) for t in range(len(w.tiers))]
+            rec.tier_itl = merged_tiers(reps)
         if len(reps) > 1:
             rec.replica = reqs.replica
             rec.decode_replica = self.decode_replica

@@ -19,7 +19,7 @@ summary), plus the requests routed to it since.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 from math import log as _log
@@ -35,11 +35,15 @@ from kvsched.sim.decode_set import Cohort, DecodeSet
 from kvsched.sim.prefix_cache import HitPlanner, LazyPlanner, PrefixCache
 from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING, RequestTable
 from kvsched.sim.rowlog import CHUNK, RowLog
-from kvsched.sim.view import ReadOnlySeq, ReplicaView
+from kvsched.sim.view import ReadOnlyKeys, ReadOnlySeq, ReplicaView, serve
 
 
 _fast = compiled.load()      # the compiled twins (sim/_fast.pyx), or None: pure Python
 DEFAULT_STALL_BATCHES = 100_000
+# what a policy's code may raise that stops the run with one error naming the policy: any
+# exception, and SystemExit too (a policy calling sys.exit must not end kvsched silently);
+# KeyboardInterrupt still interrupts
+POLICY_ERRORS = (Exception, SystemExit)
 IDLE_PLAN = Plan([], [], True, [])      # what a `decodes_when_idle` policy plans when idle (read only)
 
 
@@ -80,7 +84,8 @@ class Replica:
                  role: str = "mixed", arrivals: Arrivals | None = None, record_timeline: bool = False,
                  record_batches: bool = False, stall_batches: int = DEFAULT_STALL_BATCHES,
                  handoff: Callable[[int, float], None] | None = None, share: float = 1.0,
-                 prefix_caching: bool = False, on_done: Callable[[int, float], None] | None = None) -> None:
+                 prefix_caching: bool = False, on_done: Callable[[int, float], None] | None = None,
+                 itl_bins: list[int] | None = None, tier_bins: list[list[int]] | None = None) -> None:
         if stall_batches < 1:
             raise KvschedError(f"stall_batches must be >= 1, got {stall_batches}")
         self.reqs, self.policy, self.cost, self.kv = reqs, policy, cost, kv
@@ -109,12 +114,15 @@ class Replica:
         # the table's per-request lists, aliased for the view's hot reads (mutated in place only)
         self._arrival, self._prompt, self._output, self._known = reqs.arrival, reqs.prompt, reqs.output, reqs.known
         self._target, self._computed, self._status = reqs.target, reqs.computed, reqs.status
-        self.itl = GapHistogram()
+        # inter-token gaps; a cluster's replicas share the bins (`itl_bins`, `tier_bins`: only
+        # their sum is reported, and bins cost ~120 KB a histogram), each keeps its own totals
+        self.itl = GapHistogram(counts=itl_bins)
         # per-tier inter-token gaps, kept only when the workload has tiers: the tiered variants of
         # _decode_step and _fold shadow the plain ones, so a run without tiers pays nothing
         self.tier_itl: list[GapHistogram] | None = None
         if reqs.workload.tiers:
-            self.tier_itl = [GapHistogram() for _ in reqs.workload.tiers]
+            self.tier_itl = [GapHistogram(counts=None if tier_bins is None else tier_bins[t])
+                             for t in range(len(reqs.workload.tiers))]
             self._decode_step = self._decode_step_tiered
             self._fold = self._fold_tiered
         self.now = 0.0
@@ -160,11 +168,11 @@ class Replica:
                            and self._on_batch_end is None and self.tier_itl is None else 0)
         self.view = ReplicaView(self, {
             "index": index, "role": role, "block_size": bs, "kv_capacity_blocks": kv.capacity_blocks,
-            "cost_model": cost, "waiting": ReadOnlySeq(self._queue), "running": self._running.keys(),
-            "prefilling": self._prefilling.keys(), "decoding": self._decoders.where.keys(),
+            "waiting": ReadOnlySeq(self._queue), "running": self._running.keys(),
+            "prefilling": self._prefilling.keys(), "decoding": ReadOnlyKeys(self._decoders.where),
             "recent_batch_times": ReadOnlySeq(self.recent_batch_times),
             "recent_finished": ReadOnlySeq(self.recent_finished),
-            "_output": reqs.output_ro, "_admitted": reqs.admitted_ro,
+            "_output": reqs.output_ro, "_admitted": ReadOnlySeq(reqs.admitted),
             "declared_types": _declared(reqs.workload.declared_types, share),
             "prefix_caching": prefix_caching})
 
@@ -330,6 +338,7 @@ class Replica:
     def release(self, i: int, t: float) -> None:
         """The KV of request i (handed off) has left this replica at t."""
         self._free(i, self.reqs.computed[i], True)
+        self._order.pop(i, None)        # its admission rank: kept only while it runs here
         self.wake(t)
 
     def wake(self, t: float) -> None:
@@ -358,13 +367,13 @@ class Replica:
             plan = self._schedule(self.view)
         except KvschedError as exc:
             raise self._named(exc) from exc
-        except Exception as exc:
+        except POLICY_ERRORS as exc:
             raise self._policy_failed("schedule", exc) from exc
         try:
             ran = self._execute(plan)
         except KvschedError:
             raise
-        except Exception as exc:                # e.g. a generator in the plan that raises
+        except POLICY_ERRORS as exc:            # e.g. a generator in the plan that raises
             raise PlanError(f"policy {self.name} gave a plan that cannot be read: {type(exc).__name__}: "
                             f"{_short(exc, 120)}") from exc
         if not ran:
@@ -564,7 +573,7 @@ class Replica:
                 fn(i, self.view)
         except KvschedError as exc:
             raise self._named(exc) from exc
-        except Exception as exc:
+        except POLICY_ERRORS as exc:
             raise self._policy_failed(where, exc, i) from exc
 
     def _unknown(self, i, what: str) -> PlanError:
@@ -655,10 +664,13 @@ class Replica:
             self.prefill_backlog -= pt
             out = nd
             computed, target = self._computed, self._target
+            reached = self.reqs.reached
             for i, c in chunks:
                 computed[i] += c if type(c) is int else int(c)    # as _prefill_shape took it
                 if computed[i] == target[i]:
                     self._prefill_complete(i, end)
+                    out = True
+                elif computed[i] > reached[i]:  # a prompt token never computed before
                     out = True
             if not out:
                 self._stalled(end)
@@ -776,11 +788,14 @@ class Replica:
         done.clear()
 
     def _stalled(self, end: float) -> None:
-        """A batch without an output token: stop the policy after `stall_batches` in a row."""
+        """A batch that computed no new token (no output token, no prompt token beyond what the
+        request held before a preemption, `RequestTable.reached`): stop the policy after
+        `stall_batches` in a row. A long prompt prefilled in small chunks is progress; a policy
+        that preempts and recomputes the same tokens forever is not."""
         self._stall += 1
         if self._stall >= self._stall_limit:
             raise PlanError(
-                f"policy {self.name} made no progress: no output token in {self._stall} batches "
+                f"policy {self.name} made no progress: no new token in {self._stall} batches "
                 f"with {len(self._queue)} waiting and {len(self._running)} running requests on replica {self.index} "
                 f"(t={end:.6g}s; the limit is stall_batches={self._stall_limit})")
 
@@ -915,19 +930,16 @@ class Replica:
         """Per-tier gap histograms (None without tiers), with the gaps of requests still decoding
         here (not yet folded) added to copies: a run ends only when every request finished, so
         there are none then, but a replica stopped early loses nothing."""
-        if self.tier_itl is None:
-            return None
-        out = self.tier_itl
+        return None if self.tier_itl is None else merged_tiers([self])
+
+    def pending_tier_gaps(self) -> Iterator[tuple[int, np.ndarray]]:
+        """(tier, gaps) of each request still decoding here, not yet folded into `tier_itl`."""
         tier = self.reqs.tier
         for i, c in self._decoders.where.items():
             t = tier[i]
             window = c.window(i)
-            if t < 0 or not len(window):
-                continue
-            if out is self.tier_itl:
-                out = [h.copy() for h in out]
-            out[t].add_many(window)
-        return out
+            if t >= 0 and len(window):
+                yield t, window
 
     def _fold(self, i: int, gen: int, last: float, window: np.ndarray) -> None:
         """Record what a request did in a cohort it leaves: its gaps' maximum and SLO misses."""
@@ -1021,11 +1033,14 @@ class Replica:
             kv_tokens = self._leave_decode(i)
             r.target[i] = r.prompt[i] + r.gen[i]
             r.recomputed[i] += kv_tokens + 1
+            r.reached[i] = r.target[i]
             self.prefill_backlog += r.target[i]
         elif prefilling:
             kv_tokens = r.computed[i]
             del self._prefilling[i]
             r.recomputed[i] += kv_tokens
+            if kv_tokens > r.reached[i]:
+                r.reached[i] = kv_tokens
             self.prefill_backlog += kv_tokens
         else:
             self._check_id(i, "preempted")
@@ -1040,6 +1055,19 @@ class Replica:
         self.preemptions += 1
         if self._on_preempt is not None:
             self._call(self._on_preempt, "on_preempt", i)
+
+
+serve(Replica)       # the view's per-request reads are these methods
+
+
+def merged_tiers(replicas: list[Replica]) -> list[GapHistogram]:
+    """The per-tier gap histograms of `replicas` merged, with the gaps of requests still
+    decoding on them added (`Replica.pending_tier_gaps`; none once a run ends)."""
+    out = [GapHistogram.merged([r.tier_itl[t] for r in replicas]) for t in range(len(replicas[0].tier_itl))]
+    for r in replicas:
+        for t, window in r.pending_tier_gaps():
+            out[t].add_many(window)
+    return out
 
 
 def _seconds(dt) -> float:

@@ -37,6 +37,7 @@ class RequestTable:
         self.priority = [0 if t < 0 else w.tiers[t].priority for t in tiers]
         self.target = list(self.prompt)
         self.computed = [0] * n
+        self.reached = [0] * n          # prompt tokens held before its last preemption (progress guard)
         self.gen = [0] * n
         self.status = [ARRIVING] * n
         self.last_tok = [0.0] * n
@@ -48,9 +49,7 @@ class RequestTable:
         self.preempts = np.zeros(n, np.int64)
         self.recomputed = np.zeros(n, np.int64)
         self.replica = np.full(n, -1, np.int32)         # where it was routed on arrival
-        self.output_ro = tuple(self.output)             # read-only copies for the view
-        self.admitted_ro = self.admitted.view()
-        self.admitted_ro.flags.writeable = False
+        self.output_ro = tuple(self.output)             # a read-only copy for the view
         self.rejected = self._find_rejected(block_size, capacity_blocks, max_model_len, strict)
         self.rejected_list = self.rejected.tolist()
         for i in np.flatnonzero(self.rejected).tolist():

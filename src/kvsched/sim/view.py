@@ -1,63 +1,129 @@
 """The read-only view of a replica that policies and routers receive (policies/base.py,
 `ServerView`, documents every field).
 
-Read-only in fact: assigning any attribute raises a `PlanError` naming the policy, and
-every collection it hands out is a read-only face of the replica's own. Per-request reads
-are the replica's bound methods and the scalars are properties, so a read costs one
-attribute lookup more than reading the replica itself.
+Read-only in fact, not by convention:
+- assigning any attribute raises a `PlanError` naming the policy;
+- no attribute of the view, nor of anything it hands out, leads to an engine object: the
+  replica is held in slots whose descriptors are removed from the classes (`_sealed`), the
+  per-request reads are the view's own methods (a bound method's `__self__` is the view),
+  collections come as faces that hide what they wrap, `cost_model` is the policy's own copy
+  and `prefix_planner()` returns a face of the planner.
+What is left is introspection of the interpreter itself (`gc.get_referents`, a class's
+function globals), which no Python object can close; the compiled engine of "One engine,
+one source" is the place to close that too.
+
+Each read costs one Python call more than reading the replica itself.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Sequence, Set
 from operator import attrgetter
 
-from kvsched.errors import PlanError
+from kvsched.errors import KvschedError, PlanError
 
 _METHODS = ("blocks_for", "arrival", "prompt_len", "output_len", "prefill_target", "prefill_done",
             "generated", "kv_tokens", "kv_blocks", "is_decoding", "needs_block", "tier_priority",
-            "tbt_slo", "last_token_time", "cached_tokens", "prefix_planner")
-# view attribute -> the replica attribute path it reads (C-level attrgetter, no Python frame)
+            "tbt_slo", "last_token_time", "cached_tokens")
+# view attribute -> the replica attribute path it reads
 _SCALARS = {"now": "now", "num_decoding": "_decoders.n", "kv_used_blocks": "kv.used",
             "mean_batch_time": "mean_batch_time", "iterations": "iterations",
             "arrivals_pending": "_arrivals.pending", "next_arrival": "_arrivals.next_time",
             "outstanding": "outstanding", "prefill_backlog": "prefill_backlog", "num_waiting": "num_waiting",
             "issued": "reqs.issued", "in_flight": "reqs.in_flight", "prefix_hit_rate": "prefix_hit_rate"}
-_FIXED = ("index", "role", "block_size", "kv_capacity_blocks", "cost_model", "waiting", "running",
+_FIXED = ("index", "role", "block_size", "kv_capacity_blocks", "waiting", "running",
           "prefilling", "decoding", "recent_batch_times", "recent_finished", "_output", "_admitted", "declared_types",
           "prefix_caching")
 
 
+def _sealed(cls, name: str):
+    """Remove slot `name`'s descriptor from `cls` (so `obj.name` no longer reaches it) and
+    return its (get, set) functions, kept by this module only."""
+    slot = cls.__dict__[name]
+    delattr(cls, name)
+    return slot.__get__, slot.__set__
+
+
 class ReadOnlySeq(Sequence):
-    """Read-only face of a deque or list."""
+    """Read-only face of a deque, list or array (what it wraps is not reachable from it)."""
     __slots__ = ("_q",)
 
     def __init__(self, q) -> None:
-        self._q = q
+        _SET_Q(self, q)
 
     def __len__(self) -> int:
-        return len(self._q)
+        return len(_Q(self))
 
     def __getitem__(self, k):
-        return self._q[k]
+        return _Q(self)[k]
 
     def __iter__(self):
-        return iter(self._q)
+        return iter(_Q(self))
 
     def __bool__(self) -> bool:
-        return bool(self._q)
+        return bool(_Q(self))
+
+    def __repr__(self) -> str:
+        return f"ReadOnlySeq({list(_Q(self))!r})"
+
+
+_Q, _SET_Q = _sealed(ReadOnlySeq, "_q")
+
+
+class ReadOnlyKeys(Set):
+    """Read-only face of a dict's keys (its values, engine objects, are not reachable)."""
+    __slots__ = ("_d",)
+
+    def __init__(self, d: dict) -> None:
+        _SET_D(self, d)
+
+    def __contains__(self, k) -> bool:
+        return k in _D(self)
+
+    def __len__(self) -> int:
+        return len(_D(self))
+
+    def __iter__(self):
+        return iter(_D(self))
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyKeys({list(_D(self))!r})"
+
+
+_D, _SET_D = _sealed(ReadOnlyKeys, "_d")
+
+
+class PlannerFace:
+    """The planner `prefix_planner()` hands out (sim/prefix_cache.py, `HitPlanner`), without
+    a way to the cache or the replica behind it."""
+    __slots__ = ("_p",)
+
+    def __init__(self, planner) -> None:
+        _SET_P(self, planner)
+
+    def lookup(self, i: int, chunk: int | None = None) -> tuple[int, int]:
+        return _P(self).lookup(i, chunk)
+
+    def chunk(self, i: int, tokens: int) -> int:
+        return _P(self).chunk(i, tokens)
+
+    def preempt(self, i: int) -> int:
+        return _P(self).preempt(i)
+
+    def decodes(self, blocks: int) -> None:
+        _P(self).decodes(blocks)
+
+
+_P, _SET_P = _sealed(PlannerFace, "_p")
 
 
 class ReplicaView:
-    __slots__ = ("_r", "_kv", "_ds", "_policy_name") + _METHODS + _FIXED
+    __slots__ = ("_r", "_cost", "_policy_name") + _FIXED
 
     def __init__(self, replica, fixed: dict) -> None:
+        _SET_R(self, replica)
         put = object.__setattr__
-        put(self, "_r", replica)
-        put(self, "_kv", replica.kv)
-        put(self, "_ds", replica._decoders)
         put(self, "_policy_name", getattr(replica.policy, "name", type(replica.policy).__name__))
-        for name in _METHODS:
-            put(self, name, getattr(replica, name))
         for name in _FIXED:
             put(self, name, fixed[name])
 
@@ -68,20 +134,65 @@ class ReplicaView:
     def __delattr__(self, name: str) -> None:
         self.__setattr__(name, None)
 
-    # the hottest reads, one Python call each
+    # the hottest reads
     @property
     def kv_free_blocks(self) -> int:
-        kv = self._kv
+        kv = _R(self).kv
         return kv.capacity_blocks - kv.used
 
     @property
     def decode_new_blocks(self) -> int:
         """Blocks one decode step of every decoder needs."""
-        return self._ds.new_blocks
+        return _R(self)._decoders.new_blocks
+
+    @property
+    def cost_model(self):
+        """The batch-time model: the policy's own deep copy (made at its first read), so
+        nothing a policy does to it changes the engine's timing."""
+        try:
+            return _COST(self)
+        except AttributeError:
+            pass
+        try:
+            cost = copy.deepcopy(_R(self).cost)
+        except Exception as exc:
+            raise KvschedError(f"the cost model {type(_R(self).cost).__name__} cannot be copied for "
+                               f"policy {self._policy_name}'s read-only view: {exc}") from None
+        _SET_COST(self, cost)
+        return cost
+
+    def prefix_planner(self) -> PlannerFace | None:
+        """What a plan being built finds in the cache (None without prefix caching)."""
+        planner = _R(self).prefix_planner()
+        return None if planner is None else PlannerFace(planner)
 
     def __repr__(self) -> str:
         return f"<view of replica {self.index} at t={self.now:.6g}>"
 
 
+_R, _SET_R = _sealed(ReplicaView, "_r")
+_COST, _SET_COST = _sealed(ReplicaView, "_cost")
+
+
+def _method(fn):
+    def method(self, i):
+        return fn(_R(self), i)
+    method.__name__ = method.__qualname__ = fn.__name__
+    method.__doc__ = fn.__doc__
+    return method
+
+
+def _scalar(path: str) -> property:
+    read = attrgetter(path)
+    return property(lambda self: read(_R(self)))
+
+
+def serve(replica_cls: type) -> None:
+    """Give ReplicaView its per-request reads: `replica_cls`'s own one-argument methods,
+    called on the hidden replica (sim/replica.py calls this once, after defining Replica)."""
+    for name in _METHODS:
+        setattr(ReplicaView, name, _method(getattr(replica_cls, name)))
+
+
 for _name, _path in _SCALARS.items():
-    setattr(ReplicaView, _name, property(attrgetter(f"_r.{_path}")))
+    setattr(ReplicaView, _name, _scalar(_path))

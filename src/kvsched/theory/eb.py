@@ -12,12 +12,14 @@ import math
 import numpy as np
 
 from kvsched.errors import KvschedError
+from kvsched.theory.checks import finite, in_range, nonnegative, positive, probability
 
 
-def _pos(**values: float) -> None:
-    for name, v in values.items():
-        if not (v > 0 and math.isfinite(v)):
-            raise KvschedError(f"{name} must be a positive number, got {v}")
+def check_p0(p0: float) -> None:
+    """p0 is a probability: the chance that a decoding request finishes at an iteration,
+    h(t) = P(O = t | O >= t) under CFR (section 3.2; appendix B's Binomial(N_t, p0)
+    completions). Checked where a user gives it; a fitted intercept is used as it comes."""
+    probability("--p0", p0, "the completion hazard per decode iteration, 1 / mean output under CFR", one=True)
 
 
 def theta0(p0: float, alpha_p: float, alpha_d: float) -> float:
@@ -25,8 +27,9 @@ def theta0(p0: float, alpha_p: float, alpha_d: float) -> float:
     theta0 / (1 - theta0) + ln(1 - theta0) = p0 alpha_p / alpha_d (eq. 3, Proposition 3.1).
     The left side is 0 at 0, strictly increasing (derivative theta / (1 - theta)^2) and
     unbounded, so the root exists and is unique, and it grows with p0 alpha_p / alpha_d."""
-    _pos(p0=p0, alpha_p=alpha_p, alpha_d=alpha_d)
-    rhs = p0 * alpha_p / alpha_d
+    positive(p0=p0, alpha_p=alpha_p, alpha_d=alpha_d)
+    rhs = in_range("p0 alpha_p / alpha_d (eq. 3)", lambda: p0 * alpha_p / alpha_d, nonzero=True,
+                   p0=p0, alpha_p=alpha_p, alpha_d=alpha_d)
 
     def f(x: float) -> float:
         return x / (1 - x) + math.log1p(-x) - rhs
@@ -34,7 +37,10 @@ def theta0(p0: float, alpha_p: float, alpha_d: float) -> float:
     if f(hi) < 0:                        # only for astronomically large ratios
         raise KvschedError(f"p0 alpha_p / alpha_d = {rhs:.4g} is too large: theta0 rounds to 1")
     from scipy.optimize import brentq    # here, not at the top: importing it costs 0.35 s of start-up
-    return float(brentq(f, 0.0, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps))
+    th = float(brentq(f, 0.0, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps))
+    if th <= 0:
+        raise KvschedError(f"p0 alpha_p / alpha_d = {rhs:.4g} is too small: theta0 rounds to 0")
+    return th
 
 
 def zeta(theta: float) -> float:
@@ -47,13 +53,18 @@ def delta_theta(theta_0: float, p0: float, eta: float, alpha_d: float, beta_d: f
     Delta theta = eta (1 - theta0)^2 / (p0^2 theta0) [zeta (theta0 / (1 - theta0) - zeta / 2)
     + (beta_d N / alpha_d) (zeta - theta0)], positive for eta > 0. The expansion is linear in
     eta, so a fitted eta < 0 (decreasing hazard) gives a negative correction."""
-    _pos(p0=p0, alpha_d=alpha_d, batch_size=batch_size)
-    if not math.isfinite(eta) or beta_d < 0 or not 0 < theta_0 < 1:
-        raise KvschedError("need a finite eta, beta_d >= 0 and 0 < theta0 < 1")
+    positive(p0=p0, alpha_d=alpha_d, batch_size=batch_size)
+    finite(eta=eta)
+    nonnegative(beta_d=beta_d)
+    if batch_size < 1 or not 0 < theta_0 < 1:
+        raise KvschedError(f"need a batch size N >= 1 (slots) and 0 < theta0 < 1, got N={batch_size}, theta0={theta_0}")
     z = zeta(theta_0)
     duration = z * (theta_0 / (1 - theta_0) - z / 2)
-    per_token = beta_d * batch_size / alpha_d * (z - theta_0)
-    return eta * (1 - theta_0) ** 2 / (p0 ** 2 * theta_0) * (duration + per_token)
+
+    def correction() -> float:
+        per_token = beta_d * batch_size / alpha_d * (z - theta_0)
+        return eta * (1 - theta_0) ** 2 / (p0 ** 2 * theta_0) * (duration + per_token)
+    return in_range("delta_theta (eq. 5)", correction, p0=p0, eta=eta, beta_d=beta_d, batch_size=batch_size)
 
 
 def _memory_per_slot(theta: float, p0: float, mu_l: float) -> float:
@@ -90,29 +101,36 @@ def batch_sizes(kv_capacity: float, p0: float, mu_l: float, theta: float, eps: f
         N_expected  = floor((C - v) / (same))
         N_static    = floor(C / (same)).
     N* <= N_expected <= N_static holds when ln(1/eps) >= 1, i.e. eps <= 1/e."""
-    _pos(kv_capacity=kv_capacity, p0=p0, mu_l=mu_l)
+    positive(kv_capacity=kv_capacity, p0=p0, mu_l=mu_l)
     if not 0 < theta < 1 or not 0 < eps < 1:
         raise KvschedError(f"need 0 < theta < 1 and 0 < eps < 1, got theta={theta}, eps={eps}")
-    per_slot = _memory_per_slot(theta, p0, mu_l)
-    v = 1.0 / (p0 ** 2 * mu_l)
-    return {"n_star": max(0, math.floor((kv_capacity - v * math.log(1 / eps)) / per_slot)),
-            "n_expected": max(0, math.floor((kv_capacity - v) / per_slot)),
-            "n_static": max(0, math.floor(kv_capacity / per_slot)), "v_bar": v,
-            "memory_per_slot": per_slot}
+    given = {"kv_capacity": kv_capacity, "p0": p0, "mu_l": mu_l, "theta": theta}
+    per_slot = in_range("the memory per slot (appendix D.2)", lambda: _memory_per_slot(theta, p0, mu_l), **given)
+    v = in_range("v_bar = 1 / (p0^2 mu_L) (appendix D.4)", lambda: 1.0 / (p0 ** 2 * mu_l), **given)
+
+    def size(what: str, memory: float) -> int:      # a floor of inf is an error, not a traceback
+        return 0 if memory <= 0 else math.floor(in_range(what, lambda: memory / per_slot, **given))
+    return {"n_star": size("n_star (eq. 6)", kv_capacity + v * math.log(eps)),
+            "n_expected": size("n_expected", kv_capacity - v), "n_static": size("n_static", kv_capacity),
+            "v_bar": v, "memory_per_slot": per_slot}
 
 
 def throughput_eb(k: float, alpha_p: float, alpha_d: float, beta_p: float, beta_d: float,
                   mu_l: float, mu_o: float, theta: float) -> float:
     """TP_EB = [(alpha_p + alpha_d zeta mu_O) / k + beta_EB^w (mu_L + mu_O)]^-1 requests per
     second, beta_EB^w (mu_L + mu_O) = beta_p mu_L + beta_d mu_O (eq. 4, with theta = k / N)."""
-    _pos(k=k, mu_l=mu_l, mu_o=mu_o)
-    return 1.0 / ((alpha_p + alpha_d * zeta(theta) * mu_o) / k + beta_p * mu_l + beta_d * mu_o)
+    positive(k=k, mu_l=mu_l, mu_o=mu_o)
+    return in_range("throughput_eb (eq. 4)", lambda: 1.0 / ((alpha_p + alpha_d * zeta(theta) * mu_o) / k
+                                                           + beta_p * mu_l + beta_d * mu_o),
+                    nonzero=True, k=k, mu_l=mu_l, mu_o=mu_o)
 
 
 def throughput_mb(batch_size: float, alpha_mb: float, beta_mb: float, mu_l: float, mu_o: float) -> float:
     """TP_MB(N) = [alpha_MB (1 + mu_O) / N + beta_MB^e (mu_L + mu_O)]^-1 (section 3.5)."""
-    _pos(batch_size=batch_size, mu_l=mu_l, mu_o=mu_o)
-    return 1.0 / (alpha_mb * (1 + mu_o) / batch_size + beta_mb * (mu_l + mu_o))
+    positive(batch_size=batch_size, mu_l=mu_l, mu_o=mu_o)
+    return in_range("throughput_mb (section 3.5)",
+                    lambda: 1.0 / (alpha_mb * (1 + mu_o) / batch_size + beta_mb * (mu_l + mu_o)),
+                    nonzero=True, batch_size=batch_size, mu_l=mu_l, mu_o=mu_o)
 
 
 def crossover(batch_size: float, theta_0: float, alpha_p: float, alpha_d: float, beta_p: float,
@@ -120,13 +138,18 @@ def crossover(batch_size: float, theta_0: float, alpha_p: float, alpha_d: float,
     """The EB-MB crossover (eq. 7, Proposition 3.4): MB beats EB(k0*) iff
     beta_MB^e - beta_EB^w < [(alpha_p + alpha_d zeta mu_O) / k0* - alpha_MB (1 + mu_O) / N] / (mu_L + mu_O),
     with k0* = floor(theta0 N) and beta_EB^w = (beta_p mu_L + beta_d mu_O) / (mu_L + mu_O)."""
-    _pos(batch_size=batch_size, mu_l=mu_l, mu_o=mu_o)
+    positive(batch_size=batch_size, mu_l=mu_l, mu_o=mu_o)
+    finite(alpha_p=alpha_p, alpha_d=alpha_d, beta_p=beta_p, beta_d=beta_d, alpha_mb=alpha_mb, beta_mb=beta_mb)
     k0 = math.floor(theta_0 * batch_size)
     if k0 < 1:
         raise KvschedError(f"k0* = floor(theta0 N) = 0 for theta0={theta_0:.4g}, N={batch_size}: batch too small")
-    beta_eb = (beta_p * mu_l + beta_d * mu_o) / (mu_l + mu_o)
-    lhs = beta_mb - beta_eb
-    rhs = ((alpha_p + alpha_d * zeta(theta_0) * mu_o) / k0 - alpha_mb * (1 + mu_o) / batch_size) / (mu_l + mu_o)
+    given = {"batch_size": batch_size, "mu_l": mu_l, "mu_o": mu_o}
+    beta_eb = in_range("beta_EB^w", lambda: (beta_p * mu_l + beta_d * mu_o) / (mu_l + mu_o),
+                       beta_p=beta_p, beta_d=beta_d, **given)
+    lhs = in_range("beta_MB^e - beta_EB^w (eq. 7)", lambda: beta_mb - beta_eb, beta_mb=beta_mb, beta_eb_w=beta_eb)
+    rhs = in_range("the right side of eq. (7)", lambda: ((alpha_p + alpha_d * zeta(theta_0) * mu_o) / k0
+                                                        - alpha_mb * (1 + mu_o) / batch_size) / (mu_l + mu_o),
+                   alpha_p=alpha_p, alpha_d=alpha_d, alpha_mb=alpha_mb, **given)
     return {"lhs": lhs, "rhs": rhs, "favours": "MB" if lhs < rhs else "EB", "k0_star": k0,
             "beta_eb_w": beta_eb,
             "throughput_eb": throughput_eb(k0, alpha_p, alpha_d, beta_p, beta_d, mu_l, mu_o, theta_0),

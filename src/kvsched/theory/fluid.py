@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvsched.errors import KvschedError
+from kvsched.theory.checks import in_range
 
 
 @dataclass(frozen=True)
@@ -23,8 +24,9 @@ class FluidType:
     decode: float        # l'_j, decode stages
 
     def __post_init__(self) -> None:
-        if not (self.rate > 0 and math.isfinite(self.rate)) or self.prompt < 0 or self.decode < 0:
-            raise KvschedError(f"fluid type needs rate > 0, prompt >= 0, decode >= 0; got {self}")
+        if not (self.rate > 0 and self.prompt >= 0 and self.decode >= 0) \
+                or not all(map(math.isfinite, (self.rate, self.prompt, self.decode))):
+            raise KvschedError(f"fluid type needs finite rate > 0, prompt >= 0, decode >= 0; got {self}")
 
     @property
     def work(self) -> float:
@@ -36,7 +38,9 @@ def load(types: Sequence[FluidType]) -> float:
     """sum_j lambda_j (l'_j + 1)(l_j + l'_j / 2): the sum in the denominators of eqs. (6)-(7)."""
     if not types:
         raise KvschedError("the fluid model needs at least one request type")
-    return sum(t.work for t in types)
+    works = [in_range(f"type {j + 1}'s load lambda (l' + 1)(l + l'/2)", lambda: t.work, rate=t.rate,
+                      prompt=t.prompt, decode=t.decode) for j, t in enumerate(types)]
+    return in_range("the load sum_j lambda_j (l'_j + 1)(l_j + l'_j / 2)", lambda: sum(works))
 
 
 def unstable(types: Sequence[FluidType], d1: float) -> bool:
@@ -49,9 +53,14 @@ def unstable(types: Sequence[FluidType], d1: float) -> bool:
     return d1 * load(types) >= 1
 
 
+def check_costs(d0: float, d1: float) -> None:
+    """Eq. (1)'s batch time d0 + d1 x tokens: d0 > 0 and d1 >= 0, both finite."""
+    if not (d0 > 0 and d1 >= 0 and math.isfinite(d0) and math.isfinite(d1)):
+        raise KvschedError(f"the fluid model needs finite d0 > 0 and d1 >= 0, got d0={d0}, d1={d1}")
+
+
 def _check(types: Sequence[FluidType], d0: float, d1: float) -> float:
-    if not (d0 > 0 and d1 >= 0):
-        raise KvschedError(f"the fluid model needs d0 > 0 and d1 >= 0, got d0={d0}, d1={d1}")
+    check_costs(d0, d1)
     a = load(types)
     if d1 * a >= 1:
         raise KvschedError(f"no fluid equilibrium: d1 x load = {d1 * a:.4g} >= 1 (Proposition 1: unstable)")
@@ -61,25 +70,27 @@ def _check(types: Sequence[FluidType], d0: float, d1: float) -> float:
 def equilibrium_memory(types: Sequence[FluidType], d0: float, d1: float) -> float:
     """M* = d0 A / (1 - d1 A), A = sum_j lambda_j (l'_j + 1)(l_j + l'_j / 2) (eq. 6)."""
     a = _check(types, d0, d1)
-    return d0 * a / (1 - d1 * a)
+    return in_range("M* = d0 A / (1 - d1 A) (eq. 6)", lambda: d0 * a / (1 - d1 * a), d0=d0, d1=d1, A=a)
 
 
 def iteration_time(types: Sequence[FluidType], d0: float, d1: float) -> float:
     """Processing time per iteration in equilibrium: d0 / (1 - d1 A) = d0 + d1 M* (eq. 7)."""
     a = _check(types, d0, d1)
-    return d0 / (1 - d1 * a)
+    return in_range("the iteration time d0 / (1 - d1 A) (eq. 7)", lambda: d0 / (1 - d1 * a), d0=d0, d1=d1, A=a)
 
 
 def active_requests(types: Sequence[FluidType], d0: float, d1: float) -> list[float]:
     """n_j* = lambda_j (l'_j + 1) x time per iteration: type j's requests in each batch
     (eq. 3 for one type; section 3.2 for several)."""
     tau = iteration_time(types, d0, d1)
-    return [t.rate * (t.decode + 1) * tau for t in types]
+    return [in_range("n_j* (eq. 3)", lambda: t.rate * (t.decode + 1) * tau, rate=t.rate, decode=t.decode, d0=d0)
+            for t in types]
 
 
 def throughput(types: Sequence[FluidType]) -> float:
     """Throughput* = sum_j lambda_j (l'_j + 1) tokens per second (eq. 8)."""
-    return sum(t.rate * (t.decode + 1) for t in types)
+    return in_range("Throughput* = sum_j lambda_j (l'_j + 1) (eq. 8)",
+                    lambda: sum(t.rate * (t.decode + 1) for t in types))
 
 
 def single_type(t: FluidType, d0: float, d1: float) -> dict[str, float]:
@@ -95,8 +106,7 @@ def capacity_fit(types: Sequence[FluidType], d0: float, d1: float, capacity: flo
     as well as d1 (stability alone, Proposition 1, needs only d1 A < 1)."""
     if not (capacity > 0 and math.isfinite(capacity)):
         raise KvschedError(f"--kv-capacity must be a finite number of tokens > 0, got {capacity}")
-    if not (d0 > 0 and d1 >= 0):
-        raise KvschedError(f"the fluid model needs d0 > 0 and d1 >= 0, got d0={d0}, d1={d1}")
+    check_costs(d0, d1)
     a = load(types)
     max_load = capacity / (d0 + d1 * capacity)
     return {"kv_capacity": capacity, "fits": a <= max_load, "max_load": max_load}
@@ -104,6 +114,7 @@ def capacity_fit(types: Sequence[FluidType], d0: float, d1: float, capacity: flo
 
 def summary(types: Sequence[FluidType], d0: float, d1: float) -> dict[str, object]:
     """M_star, iteration_time, throughput_star and stable, as `kvsched theory fluid` prints."""
+    check_costs(d0, d1)
     if unstable(types, d1):
         return {"M_star": math.inf, "iteration_time": math.inf, "throughput_star": throughput(types),
                 "stable": False, "load": load(types), "n_star": [math.inf] * len(types)}

@@ -141,7 +141,7 @@ def _fluid(s: np.ndarray, o: np.ndarray, rate: float, d0: float, d1: float, kv_t
     pairs, counts = np.unique(np.column_stack([s, o]), axis=0, return_counts=True)
 
     def types(r: float) -> list:
-        return [fluid.FluidType(r * c / len(s), float(p), float(q - 1)) for (p, q), c in zip(pairs, counts)]
+        return [fluid.FluidType(r * (int(c) / len(s)), float(p), float(q - 1)) for (p, q), c in zip(pairs, counts)]
     if d0 <= 0:
         return {"note": "the cost model has no fixed batch overhead d0; the fluid model needs d0 > 0"}
     out = fluid.summary(types(rate), d0, d1)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvsched.errors import KvschedError
+from kvsched.theory.checks import in_range
 
 
 def decode_iterations(outputs) -> np.ndarray:
@@ -75,15 +76,21 @@ def cycle_length(t_col: int, t_max: float, t_r: float, eps: float) -> int:
         raise KvschedError(f"eps must be in (0, 1), got {eps}")
     if t_col < 1 or not (t_max > 0 and t_r > 0):
         raise KvschedError("t_col must be >= 1 and T^max, T_R > 0")
-    return math.floor((t_col - 1) * t_max / (eps * t_r)) + 1
+    bound = in_range("Theorem 2's cycle bound (t_col - 1) T^max / (eps T_R)", lambda: (t_col - 1) * t_max / (eps * t_r),
+                     eps=eps, t_col=t_col, T_max=t_max, T_R=t_r)
+    return math.floor(bound) + 1
 
 
 def split_capacity(cost, prompts, outputs, prefill_replicas: int, decode_replicas: int) -> float:
     """min(r_p / T_P, r_d / T_D): the rate a static split can serve if each pool runs optimally
     tiled batches of its own phase (derived from Theorem 1 applied to each pool)."""
+    return _split(phase_times(cost, prompts, outputs), prefill_replicas, decode_replicas)
+
+
+def _split(t: dict[str, float], prefill_replicas: int, decode_replicas: int) -> float:
+    """min(r_p / T_P, r_d / T_D) from phase_times `t` (computed once for every split)."""
     if prefill_replicas < 1 or decode_replicas < 1:
         raise KvschedError("a split needs at least one prefill and one decode replica")
-    t = phase_times(cost, prompts, outputs)
     return min(prefill_replicas / t["T_P"], decode_replicas / t["T_D"] if t["T_D"] > 0 else math.inf)
 
 
@@ -99,7 +106,7 @@ def analyse(cost, prompts, outputs, replicas: int = 1, eps: float = 0.1, t_col: 
                            "T_P": t["T_P"], "T_D": t["T_D"], "t_lcm": cost.t_lcm, "t_col": t_col,
                            "T_max": t_max, "eps": eps, "cycle_n": cycle_length(t_col, t_max, t["T_R"], eps)}
     if replicas >= 2:
-        splits = {p: split_capacity(cost, prompts, outputs, p, replicas - p) for p in range(1, replicas)}
+        splits = {p: _split(t, p, replicas - p) for p in range(1, replicas)}
         best = max(splits, key=splits.get)
         out["split_capacity"] = {f"{p}P+{replicas - p}D": v for p, v in splits.items()}
         out["best_split"] = f"{best}P+{replicas - best}D"

@@ -14,12 +14,15 @@ from typing import Sequence
 import numpy as np
 
 from kvsched.errors import KvschedError
+from kvsched.theory.checks import in_range, positive
+from kvsched.workload.lengths import MAX_TOKENS
 
 
-def _positive(**values: float) -> None:
-    for name, v in values.items():
-        if not (v > 0 and math.isfinite(v)):
-            raise KvschedError(f"{name} must be a positive number, got {v}")
+def check_chunk(chunk: int) -> None:
+    """The prefill chunk s_hat: 1..MAX_TOKENS tokens (a chunk longer than every prompt is a
+    whole-prompt prefill, so no larger value means anything)."""
+    if not 1 <= chunk <= MAX_TOKENS:
+        raise KvschedError(f"the prefill chunk s_hat (--chunk-size) must be 1..{MAX_TOKENS:,} tokens, got {chunk}")
 
 
 def lifetime_memory(s, o, chunk: int):
@@ -34,7 +37,7 @@ def lifetime_memory(s, o, chunk: int):
     prefill part s_hat (k - 1) k / 2 + s, which equals the paper's term when s_hat divides
     s. Vectorised over s and o.
     """
-    _positive(chunk=chunk)
+    check_chunk(chunk)
     s = np.asarray(s, dtype=np.float64)
     o = np.asarray(o, dtype=np.float64)
     k = np.ceil(s / chunk)
@@ -51,22 +54,25 @@ def mean_lifetime_memory(prompt: np.ndarray, output: np.ndarray, chunk: int,
     if weights is None:
         return float(g.mean())
     w = np.asarray(weights, dtype=np.float64)
-    if len(w) != len(g) or np.any(w < 0) or not w.sum() > 0:
-        raise KvschedError("p(s, o) weights must be >= 0, one per (s, o) pair, not all zero")
+    if len(w) != len(g) or not np.all(np.isfinite(w) & (w >= 0)) or not w.max() > 0:
+        raise KvschedError("p(s, o) weights must be finite and >= 0, one per (s, o) pair, not all zero")
+    w = w / w.max()                 # counts up to 1e308 sum without overflow
     return float(np.dot(g, w) / w.sum())
 
 
 def service_rate(kv_capacity: float, batch_time: float, mean_g: float) -> float:
     """mu = M / (b E[g(s, o)]), requests per second (stability-capacity.txt eq. 1)."""
-    _positive(kv_capacity=kv_capacity, batch_time=batch_time, mean_lifetime_memory=mean_g)
-    return kv_capacity / (batch_time * mean_g)
+    positive(kv_capacity=kv_capacity, batch_time=batch_time, mean_lifetime_memory=mean_g)
+    return in_range("mu = M / (b E[g]) (eq. 1)", lambda: kv_capacity / mean_g / batch_time, nonzero=True,
+                    kv_capacity=kv_capacity, batch_time=batch_time, mean_lifetime_memory=mean_g)
 
 
 def memory_slack(max_request_tokens: float, kv_capacity: float) -> float:
     """delta = ess sup(s + o) / M (stability-capacity.txt Theorem 4.2); the trace's largest
     s + o stands for the essential supremum."""
-    _positive(kv_capacity=kv_capacity)
-    return max_request_tokens / kv_capacity
+    positive(kv_capacity=kv_capacity)
+    return in_range("delta = ess sup(s + o) / M (Theorem 4.2)", lambda: max_request_tokens / kv_capacity,
+                    kv_capacity=kv_capacity, max_request_tokens=max_request_tokens)
 
 
 def stable_rate(mu: float, delta: float) -> float:
@@ -79,18 +85,22 @@ def mixture_rate(shares: Sequence[float], rates: Sequence[float]) -> float:
     """mu_mix = (sum_l q_l / mu_l)^-1 for a trace whose fraction q_l follows distribution
     F_l (stability-capacity.txt section 5.2, the display after Table 1)."""
     q, mu = np.asarray(shares, float), np.asarray(rates, float)
-    if len(q) != len(mu) or len(q) == 0 or np.any(q < 0) or abs(q.sum() - 1) > 1e-9 or np.any(mu <= 0):
-        raise KvschedError("mixture: shares must be >= 0 and sum to 1, one positive rate per share")
-    return float(1.0 / np.sum(q / mu))
+    if len(q) != len(mu) or len(q) == 0 or np.any(q < 0) or abs(q.sum() - 1) > 1e-9 \
+            or not np.all((mu > 0) & np.isfinite(mu)):
+        raise KvschedError("mixture: shares must be >= 0 and sum to 1, one finite positive rate per share")
+    low = mu[q > 0].min()           # (sum_l q_l low / mu_l)^-1 low: every ratio <= 1, so nothing overflows
+    return float(low / np.sum(q * (low / mu)))
 
 
 def gpus_needed(arrival_rate: float, mu: float, utilization: float = 0.9) -> int:
     """GPUs at a target utilisation rho: ceil(lambda / (mu rho)) (stability-capacity.txt,
     end of section 4; section 6 gives ceil(lambda / mu) at rho = 1)."""
-    _positive(arrival_rate=arrival_rate, mu=mu)
+    positive(arrival_rate=arrival_rate, mu=mu)
     if not 0 < utilization <= 1:
         raise KvschedError(f"--utilization must be in (0, 1], got {utilization}")
-    return max(1, math.ceil(arrival_rate / (mu * utilization) - 1e-12))
+    gpus = in_range("lambda / (mu rho)", lambda: arrival_rate / (mu * utilization),
+                    arrival_rate=arrival_rate, mu=mu, utilization=utilization)
+    return max(1, math.ceil(gpus - 1e-12))
 
 
 BATCH_TIME_ESTIMATORS = ("median", "mean", "trim5", "trim10")
@@ -194,8 +204,10 @@ def load_joint_table(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarr
             vals = [float(row[c]) for c in cols]
         except (ValueError, IndexError):
             raise KvschedError(f"{path}:{line}: expected numbers in {', '.join(header[c] for c in cols)}") from None
-        if vals[0] < 1 or vals[1] < 1 or vals[0] != int(vals[0]) or vals[1] != int(vals[1]) or not vals[2] >= 0:
-            raise KvschedError(f"{path}:{line}: token counts must be integers >= 1 and the {weight} >= 0")
+        if not all(1 <= v <= MAX_TOKENS and v == int(v) for v in vals[:2]) \
+                or not (vals[2] >= 0 and math.isfinite(vals[2])):
+            raise KvschedError(f"{path}:{line}: token counts must be integers in 1..{MAX_TOKENS:,} "
+                               f"and the {weight} a finite number >= 0")
         s.append(vals[0]), o.append(vals[1]), w.append(vals[2])
     if not s or sum(w) <= 0:
         raise KvschedError(f"{path}: no (s, o) pair with positive {weight}")

@@ -14,12 +14,8 @@ from typing import Sequence
 import numpy as np
 
 from kvsched.errors import KvschedError
-from kvsched.theory.fluid import FluidType
-
-
-def _costs(d0: float, d1: float) -> None:
-    if not (d0 > 0 and d1 >= 0):
-        raise KvschedError(f"need d0 > 0 and d1 >= 0, got d0={d0}, d1={d1}")
+from kvsched.theory.checks import in_range, probability
+from kvsched.theory.fluid import FluidType, check_costs, load as fluid_load
 
 
 def _counts(n: Sequence[float], m: int) -> np.ndarray:
@@ -35,15 +31,16 @@ def wait_memory(types: Sequence[FluidType], n: Sequence[float]) -> float:
     """M^pi = sum_j n_j (l'_j + 1)(l_j + l'_j / 2): memory of a batch holding n_j prompts of
     type j at every stage (eq. 9)."""
     a = _counts(n, len(types))
-    return float(sum(nj * (t.decode + 1) * (t.prompt + t.decode / 2) for nj, t in zip(a, types)))
+    return in_range("the memory M^pi (eq. 9)", lambda: sum(nj * (t.decode + 1) * (t.prompt + t.decode / 2)
+                                                           for nj, t in zip(a, types)), largest_threshold=a.max())
 
 
 def check_wait(types: Sequence[FluidType], n: Sequence[float], d0: float, d1: float,
                strict: bool = False) -> dict[str, object]:
     """Condition (9): Delta T = d0 + d1 M^pi <= n_j / lambda_j for every type j (strict
     '<' gives Theorem 1's O(1) latency)."""
-    _costs(d0, d1)
-    dt = d0 + d1 * wait_memory(types, n)
+    check_costs(d0, d1)
+    dt = in_range("Delta T = d0 + d1 M^pi (eq. 9)", lambda: d0 + d1 * wait_memory(types, n), d0=d0, d1=d1)
     slack = [nj / t.rate - dt for nj, t in zip(n, types)]
     ok = all(s > 0 for s in slack) if strict else all(s >= -1e-12 for s in slack)
     return {"satisfied": ok, "iteration_time": dt, "memory": wait_memory(types, n), "slack": slack}
@@ -56,11 +53,13 @@ def solve_wait(types: Sequence[FluidType], d0: float, d1: float, strict: bool = 
     l'_j / 2), so c >= d0 / (1 - d1 A): the fluid time per iteration, eq. (7), and then
     M^pi = M* (eq. 6). Rounding up to integers can break (9) again, so c is raised to the
     rounded batch's time until it holds."""
-    _costs(d0, d1)
-    a = sum(t.work for t in types)
+    check_costs(d0, d1)
+    a = fluid_load(types)
     if d1 * a >= 1:
         raise KvschedError(f"no thresholds satisfy (9): d1 x load = {d1 * a:.4g} >= 1 (unstable)")
     c = d0 / (1 - d1 * a)
+    if not all(math.isfinite(t.rate * c) for t in types):
+        raise KvschedError(f"the thresholds n_j = lambda_j d0 / (1 - d1 load) overflow at d0={d0:g}, d1={d1:g}")
     for _ in range(10_000):
         n = [max(1, math.ceil(t.rate * c * (1 + 1e-12) + (1e-9 if strict else 0))) for t in types]
         if check_wait(types, n, d0, d1, strict)["satisfied"]:
@@ -126,17 +125,18 @@ def nested_memory(prompt: float, decodes: Sequence[float], n: Sequence[float]) -
     a = _counts(n, len(ends))
     starts = np.concatenate(([0.0], ends[:-1] + 1))
     stages = ends - starts + 1
-    return float(np.sum(a * stages * (prompt + (starts + ends) / 2)))
+    return in_range("the memory M^pi (section 5.2)", lambda: np.sum(a * stages * (prompt + (starts + ends) / 2)),
+                    largest_threshold=a.max())
 
 
 def check_nested(prompt: float, decodes: Sequence[float], rates: Sequence[float], n: Sequence[float],
                  d0: float, d1: float) -> dict[str, object]:
     """Conditions (10) / (14): Delta T(n) = d0 + d1 M^pi < n_1 / sum lambda, and
     n_{i+1} / n_i > p_i for i < m."""
-    _costs(d0, d1)
+    check_costs(d0, d1)
     ends, lam = _segments(decodes, rates)
     a = _counts(n, len(ends))
-    dt = d0 + d1 * nested_memory(prompt, ends, a)
+    dt = in_range("Delta T = d0 + d1 M^pi (eq. 10)", lambda: d0 + d1 * nested_memory(prompt, ends, a), d0=d0, d1=d1)
     p = continuation(lam)
     ratios = a[1:] / a[:-1]
     ok = bool(dt < a[0] / lam.sum()) and bool(np.all(ratios > p))
@@ -154,10 +154,10 @@ def solve_nested(prompt: float, decodes: Sequence[float], rates: Sequence[float]
     (eq. 16). When n_k >= n_(k-1), at most n_(k-1) prompts enter segment k per batch, so the
     number left waiting to enter it after each batch (the paper's W_(k), Lemma 7) never
     exceeds n_k and the tail term of eq. (12) is 0 (`theta` returns inf)."""
-    _costs(d0, d1)
+    check_costs(d0, d1)
     ends, lam = _segments(decodes, rates)
     p = continuation(lam)
-    load = sum(FluidType(float(r), prompt, float(e)).work for r, e in zip(lam, ends))
+    load = fluid_load([FluidType(float(r), prompt, float(e)) for r, e in zip(lam, ends)])
     if d1 * load >= 1:
         raise KvschedError(f"no Nested WAIT thresholds: d1 x load = {d1 * load:.4g} >= 1 (Proposition 1: unstable)")
     tau = d0 / (1 - d1 * load)      # eq. (7); n_1 > tau Lambda_1 since M^pi >= (n_1 / Lambda_1) x load
@@ -167,6 +167,9 @@ def solve_nested(prompt: float, decodes: Sequence[float], rates: Sequence[float]
         for pi in p:
             n.append(math.floor(n[-1] * pi) + 1)
         return n
+    if not tau * float(lam.sum()) <= max_first:     # n_1 > tau Lambda_1, below
+        raise KvschedError(f"no Nested WAIT thresholds with n_1 <= {max_first:,}: n_1 > tau* sum lambda, and the "
+                           f"fluid iteration time tau* = d0 / (1 - d1 load) is {tau:.4g} s at d0={d0:g}, d1={d1:g}")
     n1 = max(1, math.ceil(tau * lam.sum() * (1 - 1e-12)))
     while n1 <= max_first:
         n = chain(n1)
@@ -204,6 +207,14 @@ def theta(n_prev: float, n_k: float, p_k: float) -> float:
     return float(brentq(g, lo, hi, xtol=1e-14, rtol=1e-12))
 
 
+def check_horizon(batches: float, delta: float) -> None:
+    """Eq. (12)'s horizon and confidence: S >= 1 batches (finite) and delta in (0, 1), the
+    probability that memory exceeds the bound within them."""
+    if not (batches >= 1 and math.isfinite(batches)):
+        raise KvschedError(f"--batches S must be a finite number of batches >= 1 (eq. 12), got {batches}")
+    probability("--delta", delta, "eq. 12: memory stays under the bound with probability >= 1 - delta")
+
+
 def memory_bound(prompt: float, decodes: Sequence[float], rates: Sequence[float], n: Sequence[float],
                  batches: float, delta: float, zeta: float = 1.0) -> dict[str, object]:
     """Memory that Nested WAIT stays under with probability >= 1 - delta over `batches`
@@ -214,14 +225,19 @@ def memory_bound(prompt: float, decodes: Sequence[float], rates: Sequence[float]
     A segment with theta_j = inf (n_j >= n_(j-1)) adds no tail term."""
     ends, lam = _segments(decodes, rates)
     a = _counts(n, len(ends))
-    if not (0 < delta < 1) or batches < 1 or zeta <= 0:
-        raise KvschedError("need 0 < delta < 1, batches S >= 1 and zeta > 0")
+    check_horizon(batches, delta)
+    if not (zeta > 0 and math.isfinite(zeta)):
+        raise KvschedError(f"need a finite zeta > 0, got {zeta}")
     p = continuation(lam)
     thetas = [theta(a[j - 1], a[j], p[j - 1]) for j in range(1, len(ends))]
-    log_term = math.log(len(ends) * zeta * batches / delta)
-    queue = sum((prompt + ends[j - 1]) * a[j] for j in range(1, len(ends)))
-    tail = sum((prompt + ends[j - 1]) * log_term / thetas[j - 1] for j in range(1, len(ends))
-               if math.isfinite(thetas[j - 1]))
+    log_term = math.log(len(ends)) + math.log(zeta) + math.log(batches) - math.log(delta)   # no overflow
+    later = range(1, len(ends))
+    queue = in_range("the queue term of eq. (12)", lambda: sum((prompt + ends[j - 1]) * a[j] for j in later),
+                     largest_threshold=a.max())
+    tail = in_range("the tail term of eq. (12)", lambda: sum((prompt + ends[j - 1]) * log_term / thetas[j - 1]
+                                                            for j in later if math.isfinite(thetas[j - 1])),
+                    batches=batches, delta=delta)
     m_pi = nested_memory(prompt, ends, a)
-    return {"memory_bound": m_pi + queue + tail, "M_pi": m_pi, "queue_term": queue, "tail_term": tail,
+    total = in_range("the memory bound (eq. 12)", lambda: m_pi + queue + tail, batches=batches, delta=delta)
+    return {"memory_bound": total, "M_pi": m_pi, "queue_term": queue, "tail_term": tail,
             "theta": thetas}

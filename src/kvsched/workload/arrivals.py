@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from kvsched.errors import KvschedError
+from kvsched.workload.lengths import is_whole
 
 
 class OpenLoop(Protocol):
@@ -33,7 +34,7 @@ class OpenLoop(Protocol):
 
 
 def _check_rate(rate: float, what: str = "rate") -> float:
-    if not (isinstance(rate, (int, float)) and rate > 0 and math.isfinite(rate)):
+    if isinstance(rate, bool) or not (isinstance(rate, (int, float)) and rate > 0 and math.isfinite(rate)):
         raise KvschedError(f"arrivals: {what} must be a positive number of requests per second, got {rate}")
     return float(rate)
 
@@ -229,9 +230,10 @@ class Closed:
     concurrency: int
 
     def __post_init__(self) -> None:
-        if int(self.concurrency) != self.concurrency or not 1 <= self.concurrency <= MAX_CONCURRENCY:
+        if not is_whole(self.concurrency) or not 1 <= self.concurrency <= MAX_CONCURRENCY:
             raise KvschedError(f"arrivals: closed-loop concurrency must be an integer >= 1 and at most "
-                               f"{MAX_CONCURRENCY:,}, got {self.concurrency}")
+                               f"{MAX_CONCURRENCY:,}, got {self.concurrency!r:.40}")
+        object.__setattr__(self, "concurrency", int(self.concurrency))
 
     def __str__(self) -> str:
         return f"closed:{self.concurrency}"

@@ -21,8 +21,68 @@ class LengthDist(Protocol):
 MAX_TOKENS = 2 ** 40       # longest length a distribution may produce (about 1.1e12 tokens)
 
 
+def is_whole(value) -> bool:
+    """Whether `value` is an integer (a Python or numpy int, or an integral float such as 5.0);
+    a bool, a string, nan and inf are not."""
+    if isinstance(value, (np.integer, np.floating)):
+        value = value.item()
+    return not isinstance(value, bool) and (isinstance(value, int) or (isinstance(value, float) and value.is_integer()))
+
+
+def whole(what: str, value, low: int = 1, high: int = MAX_TOKENS) -> int:
+    """`value` as an int in [low, high], else a KvschedError naming `what` and the range: never
+    truncated (5.7) or read from a bool. (limits.check_count refuses numpy integers and names
+    kvsched.limits as the bound's home.)"""
+    if not is_whole(value) or not low <= value <= high:
+        raise KvschedError(f"{what} must be an integer in {low:,}..{high:,}, got {value!r:.40}")
+    return int(value)
+
+
+def whole_array(what: str, values, low: int = 1, high: int = MAX_TOKENS) -> np.ndarray:
+    """`values` (a list or a 1-D array) as int64 in [low, high], checked before any cast: a bool,
+    a string, nan, inf, a non-integral or an out-of-range entry is a KvschedError naming
+    what[index], never truncated, wrapped or clamped."""
+    a = numbers(what, values)
+    floats = a.dtype.kind == "f"
+    bad = ~np.isfinite(a) | (a != np.trunc(a)) if floats else np.zeros(len(a), bool)
+    if bad.any():
+        k = int(np.argmax(bad))
+        raise KvschedError(f"{what}[{k}] must be a whole number, got {a[k].item()!r}")
+    out = (a < low) | (a > high)
+    if floats:
+        out |= np.abs(a) >= 2.0 ** 63           # float(high) may round up past int64
+    if out.any():
+        k = int(np.argmax(out))
+        raise KvschedError(f"{what}[{k}] must be in {low:,}..{high:,}, got {int(a[k].item()):,}")
+    return a.astype(np.int64)
+
+
+def numbers(what: str, values) -> np.ndarray:
+    """`values` as a 1-D numeric array (ints or floats, as given), else a KvschedError naming
+    `what`: bools (numpy would count True as 1), strings and nested lists are refused."""
+    if isinstance(values, (list, tuple)) and any(isinstance(v, (bool, np.bool_)) for v in values):
+        raise KvschedError(f"{what} must hold numbers, not True/False")
+    try:
+        a = np.asarray(values)
+    except (ValueError, TypeError, OverflowError):
+        a = None
+    if a is None or a.ndim != 1:
+        raise KvschedError(f"{what} must be a 1-D list of numbers, got {_short(values)}")
+    if a.dtype.kind not in "iuf":
+        within = " within 64 bits" if a.dtype.kind == "O" else ""
+        raise KvschedError(f"{what} must hold numbers{within}, got {_short(values)}")
+    return a
+
+
+def _short(values) -> str:
+    text = repr(values)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _positive(name: str, **values: float) -> None:
     for key, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise KvschedError(f"{name}: {key} must be a number, got {v!r:.40}")
         if not (v > 0 and math.isfinite(v)):
             raise KvschedError(f"{name}: {key} must be a finite number > 0, got {v}")
         if v > MAX_TOKENS:
@@ -34,8 +94,7 @@ class Fixed:
     value: int
 
     def __post_init__(self) -> None:
-        if int(self.value) != self.value or not 1 <= self.value <= MAX_TOKENS:
-            raise KvschedError(f"fixed: length must be an integer in 1..{MAX_TOKENS:,}, got {self.value}")
+        object.__setattr__(self, "value", whole("fixed: length", self.value))
 
     @property
     def mean(self) -> float:
@@ -55,8 +114,11 @@ class Uniform:
     high: int
 
     def __post_init__(self) -> None:
-        if not 1 <= self.low <= self.high <= MAX_TOKENS:
-            raise KvschedError(f"uniform: need 1 <= low <= high <= {MAX_TOKENS:,}, got {self.low}, {self.high}")
+        if not (is_whole(self.low) and is_whole(self.high) and 1 <= self.low <= self.high <= MAX_TOKENS):
+            raise KvschedError(f"uniform: need 1 <= low <= high <= {MAX_TOKENS:,}, integers, "
+                               f"got {self.low}, {self.high}")
+        object.__setattr__(self, "low", int(self.low))
+        object.__setattr__(self, "high", int(self.high))
 
     @property
     def mean(self) -> float:
@@ -85,7 +147,7 @@ class Geometric:
     mean: float
 
     def __post_init__(self) -> None:
-        if not 1 <= self.mean <= MAX_TOKENS:
+        if isinstance(self.mean, bool) or not 1 <= self.mean <= MAX_TOKENS:
             raise KvschedError(f"geometric: mean must be in 1..{MAX_TOKENS:,}, got {self.mean}")
 
     def sample(self, rng, n):
@@ -113,8 +175,9 @@ class Empirical:
     values: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if not self.values or min(self.values) < 1:
-            raise KvschedError("empirical: need at least one length, all >= 1")
+        if not len(self.values):
+            raise KvschedError("empirical: need at least one length")
+        object.__setattr__(self, "values", tuple(whole_array("empirical: lengths", self.values).tolist()))
 
     @property
     def mean(self) -> float:
@@ -138,6 +201,9 @@ class Quantiles:
     def __post_init__(self) -> None:
         p = [k[0] for k in self.knots]
         x = [k[1] for k in self.knots]
+        finite = numbers("quantiles: knots", p + x)
+        if not np.isfinite(finite).all() or max(x, default=0) > MAX_TOKENS:
+            raise KvschedError(f"quantiles: probabilities and lengths must be finite, lengths <= {MAX_TOKENS:,}")
         if len(p) < 2 or p[0] != 0 or p[-1] != 1 or any(b <= a for a, b in zip(p, p[1:])) \
                 or any(b < a for a, b in zip(x, x[1:])) or x[0] < 1:
             raise KvschedError("quantiles: need knots from p=0 to p=1, increasing, lengths >= 1 and non-decreasing")
@@ -162,7 +228,7 @@ class LinearHazard:
     eta: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (0 < self.p0 <= 1 and 0 <= self.eta < math.inf):
+        if isinstance(self.p0, bool) or not (0 < self.p0 <= 1 and 0 <= self.eta < math.inf):
             raise KvschedError(f"hazard: need 0 < p0 <= 1 and a finite eta >= 0, got {self.p0}, {self.eta}")
         if self.eta > 0 and self._support() > HAZARD_SUPPORT:
             raise KvschedError(f"hazard: p0 {self.p0:g} and eta {self.eta:g} give lengths beyond "
@@ -220,4 +286,4 @@ def parse_length(spec: str) -> LengthDist:
 
 
 def empirical(values: Sequence[int]) -> Empirical:
-    return Empirical(tuple(int(v) for v in values))
+    return Empirical(tuple(values))

@@ -7,7 +7,11 @@ Formats (`--format`, or detected from the first line):
               the prompt's 512-token blocks; each full block becomes a shared segment).
 - `lengths`:  length-only CSV: num_prefill_tokens, num_decode_tokens, ... (no times).
 - `csv`:      generic CSV: arrival_time (s), prompt_tokens, output_tokens[, tier].
-- `jsonl`:    generic JSONL with the same keys.
+- `jsonl`:    generic JSONL with the same keys, and optionally, per row, `segments`: the
+              shared content its prompt begins with, [[content_id, tokens], ...] (ids >= 0; what
+              `Workload.segments` holds, for prefix caching), and `hash_ids`: Mooncake prefix-block
+              ids, kept as `Workload.prefix` (statistics) and not made into segments. `kvsched
+              workload export --out NAME.jsonl` writes them, so a re-read workload is the same.
 A trace is a path or a bundled trace's name (workload/bundled.py); .gz and .xz files are read
 decompressed. Every malformed row is an error naming file:line; no row is skipped (blank lines are not rows).
 Times come back in seconds: Azure's relative to the first row, the others as written; with a
@@ -183,16 +187,21 @@ def detect_format(path: Path, first_line: str) -> str:
 class _Collector:
     """Accumulates rows, checks time order, applies a time window and a row limit."""
 
-    def __init__(self, where: _Where, timed: bool, window, limit: int | None, hashes: bool) -> None:
+    def __init__(self, where: _Where, timed: bool, window, limit: int | None, hashes: bool,
+                 segments: bool = False) -> None:
         self.where, self.timed, self.window, self.limit = where, timed, window, limit
         self.times, self.prompt, self.output = array("d"), array("q"), array("q")
         self.tiers: list[str] | None = None         # made at the first row with a tier
         self.hashes, self.offsets = (array("q"), array("q", [0])) if hashes else (None, None)
+        # generic JSONL: `segments` as (ids, lengths, offsets); whether any row had each key
+        self.segments = (array("q"), array("q"), array("q", [0])) if segments else None
+        self.saw_hashes = self.saw_segments = False
         self.origin = None
         self.last = -math.inf
         self.rows = 0
 
-    def add(self, t, prompt: int, output: int, tier: str | None = None, hashes=None) -> bool:
+    def add(self, t, prompt: int, output: int, tier: str | None = None, hashes=None,
+            segments: tuple[list[int], list[int]] | None = None) -> bool:
         """Take one row; False once no later row can be wanted (limit reached, window passed).
         `t` is seconds (float) or Azure ticks (int)."""
         self.rows += 1
@@ -223,6 +232,12 @@ class _Collector:
             except (TypeError, OverflowError):
                 raise self.where.error(HASH_ERROR) from None
             self.offsets.append(len(self.hashes))
+        if self.segments is not None:
+            ids, lengths, offsets = self.segments
+            if segments is not None:
+                ids.extend(segments[0])
+                lengths.extend(segments[1])
+            offsets.append(len(ids))
         return self.limit is None or len(self.prompt) < self.limit
 
 
@@ -248,7 +263,7 @@ def read_trace(path: str | Path, *, format: str = "auto", window: tuple[float, f
         fmt = detect_format(where.path, first_line) if format == "auto" else format
         if window is not None and fmt == "lengths":
             raise KvschedError(f"{where.path}: a length-only trace has no times, so no time window")
-        col = _Collector(where, fmt != "lengths", window, first, fmt == "mooncake")
+        col = _Collector(where, fmt != "lengths", window, first, fmt in JSON_FORMATS, fmt == "jsonl")
         if fmt in JSON_FORMATS:
             _read_jsonl(first_line, lines, where, fmt, col)
         else:
@@ -264,10 +279,14 @@ def read_trace(path: str | Path, *, format: str = "auto", window: tuple[float, f
     times = np.frombuffer(col.times, np.float64) if fmt != "lengths" else None
     prompt = np.frombuffer(col.prompt, np.int64)
     prefix = segments = None
-    if col.hashes is not None:
+    if col.hashes is not None and (fmt == "mooncake" or col.saw_hashes):
         hashes = Ragged(np.frombuffer(col.hashes, np.int64), np.frombuffer(col.offsets, np.int64))
-        segments = _block_segments(prompt, hashes) if len(col.hashes) else None
+        if fmt == "mooncake" and len(col.hashes):
+            segments = _block_segments(prompt, hashes)
         prefix = hashes if keep_hashes else None
+    if col.saw_segments:
+        ids, lengths, offsets = (np.frombuffer(a, np.int64) for a in col.segments)
+        segments = Segments(Ragged(ids, offsets), Ragged(lengths, offsets))
     return TraceRows(path, fmt, times, prompt, np.frombuffer(col.output, np.int64), col.tiers,
                      prefix, col.rows if complete else None, segments)
 
@@ -336,7 +355,7 @@ def _read_jsonl(first_line: str, lines, where: _Where, fmt: str, col: _Collector
         for key in names:
             if key not in obj:
                 raise where.error(f"missing key {key!r} for the {fmt} format")
-        hashes = None
+        hashes = segments = None
         if fmt == "mooncake":
             hashes = obj.get("hash_ids", _NO_HASHES)
             # every row is checked, so fast: the collector's int64 array refuses floats, strings and
@@ -344,12 +363,34 @@ def _read_jsonl(first_line: str, lines, where: _Where, fmt: str, col: _Collector
             # integer) can only be there if the line holds '-', 'true' or 'false'
             if type(hashes) is not list or "-" in text or "true" in text or "false" in text:
                 _check_hashes(where, hashes)
+        else:
+            hashes = obj.get("hash_ids", _NO_HASHES)
+            if hashes is not _NO_HASHES:
+                _check_hashes(where, hashes)
+                col.saw_hashes = True
         tier = obj.get("tier") if fmt == "jsonl" else None
         if tier is not None and not isinstance(tier, str):
             raise where.error(f"tier must be a string, got {tier!r}")
-        if not col.add(_seconds(where, names[0], obj[names[0]]) / scale, _tokens(where, names[1], obj[names[1]]),
-                       _tokens(where, names[2], obj[names[2]]), tier, hashes):
+        prompt = _tokens(where, names[1], obj[names[1]])
+        if fmt == "jsonl" and "segments" in obj:
+            segments = _segments(where, obj["segments"], prompt)
+            col.saw_segments = True
+        if not col.add(_seconds(where, names[0], obj[names[0]]) / scale, prompt,
+                       _tokens(where, names[2], obj[names[2]]), tier, hashes, segments):
             return
+
+
+def _segments(where: _Where, value, prompt: int) -> tuple[list[int], list[int]]:
+    """A generic JSONL row's `segments`, [[content_id, tokens], ...], as (ids, lengths): ids are
+    64-bit integers >= 0, token counts integers >= 1, together within the prompt."""
+    if not isinstance(value, list) or not all(isinstance(x, list) and len(x) == 2 for x in value):
+        raise where.error(f"segments must be a list of [content_id, tokens] pairs, got {value!r:.60}")
+    ids = [x[0] for x in value]
+    _check_hashes(where, ids, "segments content ids", "content")
+    lengths = [_tokens(where, "segments tokens", x[1]) for x in value]
+    if sum(lengths) > prompt:
+        raise where.error(f"segments hold {sum(lengths)} tokens, more than the prompt's {prompt}")
+    return ids, lengths
 
 
 _SCAN = json.JSONDecoder().scan_once     # the C scanner: json.loads without its per-call Python layers
@@ -372,10 +413,10 @@ def _json(where: _Where, text: str):
 HASH_ERROR = "hash_ids must be a list of 64-bit integers"
 
 
-def _check_hashes(where: _Where, hashes) -> None:
-    """The exact check of a Mooncake row's hash_ids: 64-bit integers >= 0."""
+def _check_hashes(where: _Where, hashes, what: str = "hash_ids", kind: str = "block") -> None:
+    """The exact check of a Mooncake row's hash_ids (or of other content ids): 64-bit integers >= 0."""
     if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool)
                                                and -2 ** 63 <= h < 2 ** 63 for h in hashes):
-        raise where.error(HASH_ERROR)
+        raise where.error(f"{what} must be a list of 64-bit integers")
     if hashes and min(hashes) < 0:
-        raise where.error(f"hash_ids holds {min(hashes)}; block ids must be >= 0")
+        raise where.error(f"{what} holds {min(hashes)}; {kind} ids must be >= 0")

@@ -8,6 +8,8 @@ from typing import Sequence
 import numpy as np
 
 from kvsched.errors import KvschedError
+from kvsched.workload.arrivals import MAX_CONCURRENCY
+from kvsched.workload.lengths import numbers, whole, whole_array
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class Tier:
                 raise KvschedError(f"tier {self.name}: {key} must be a positive finite number of seconds or None, "
                                    f"got {v!r:.40}")
             object.__setattr__(self, key, x)
+        priority = whole(f"tier {self.name}: priority", self.priority, -INT64_MAX - 1, INT64_MAX)
+        object.__setattr__(self, "priority", priority)
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,58 @@ class Segments:
         counts = np.bincount(rows[keep], minlength=len(self))
         new = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
         return Segments(Ragged(self.ids.values[keep], new), Ragged(np.minimum(lengths, room)[keep], new))
+
+
+INT64_MAX = 2 ** 63 - 1
+INT16_MAX = 2 ** 15 - 1        # tier and phase indices are int16
+
+
+def _per_request(values, n: int):
+    """A scalar given for every request, as n copies (bools stay bools, to be refused)."""
+    return [values] * n if isinstance(values, (int, float, bool, np.number, np.bool_)) else values
+
+
+def _sorted(name: str, a: np.ndarray, n: int, order: np.ndarray) -> np.ndarray:
+    if len(a) != n:
+        raise KvschedError(f"Workload.build: {name} has {len(a)} entries, arrival has {n}")
+    return a[order]
+
+
+def _seconds(name: str, values, n: int | None) -> np.ndarray:
+    """Times in seconds as float64: finite and >= 0, else a KvschedError naming name[index]. With
+    n, None is n zeros and a scalar is n copies."""
+    if n is not None:
+        values = np.zeros(n) if values is None else _per_request(values, n)
+    a = numbers(name, values).astype(np.float64)
+    bad = ~np.isfinite(a) | (a < 0)
+    if bad.any():
+        k = int(np.argmax(bad))
+        raise KvschedError(f"{name}[{k}] must be a finite number of seconds >= 0, got {a[k].item()!r}")
+    return a
+
+
+def _declared(types) -> tuple[tuple[int, int, float], ...] | None:
+    """declared_types checked: (prompt, output, rate req/s) with whole token counts and a finite rate > 0."""
+    if types is None:
+        return None
+    out = []
+    for j, t in enumerate(types):
+        if not isinstance(t, (tuple, list)) or len(t) != 3:
+            raise KvschedError(f"Workload.build: declared_types[{j}] must be (prompt, output, rate), got {t!r:.60}")
+        rate = t[2]
+        if isinstance(rate, bool) or not isinstance(rate, Real) or not 0 < rate < float("inf"):
+            raise KvschedError(f"Workload.build: declared_types[{j}] rate must be a finite number > 0, got {rate!r}")
+        out.append((whole(f"Workload.build: declared_types[{j}] prompt", t[0]),
+                    whole(f"Workload.build: declared_types[{j}] output", t[1]), float(rate)))
+    return tuple(out)
+
+
+def _flags(values, n: int) -> np.ndarray:
+    """output_known: one bool, or one per request (True/False or 1/0), never another number read as true."""
+    a = np.full(n, values) if isinstance(values, (bool, np.bool_)) else np.asarray(values)
+    if a.ndim != 1 or not (a.dtype.kind == "b" or (a.dtype.kind in "iu" and np.isin(a, (0, 1)).all())):
+        raise KvschedError(f"Workload.build: output_known must be True/False, or one per request, got {values!r:.60}")
+    return a.astype(bool)
 
 
 def session_roots(prev: np.ndarray) -> np.ndarray:
@@ -313,22 +369,31 @@ class Workload:
               prefix: Ragged | None = None, timed: bool = True,
               declared_types: tuple[tuple[int, int, float], ...] | None = None,
               segments: Segments | None = None, session_prev=None, think=None) -> "Workload":
-        """Arrays in any order -> a workload sorted by arrival (stable, so ties keep order)."""
-        arrival = np.asarray(arrival, dtype=np.float64)
+        """Arrays in any order -> a workload sorted by arrival (stable, so ties keep order).
+        Every value is checked before it is cast (a bool, nan, a non-integral token count or one
+        out of range is a KvschedError naming the parameter, never truncated or wrapped);
+        a per-request parameter other than arrival may be one scalar for all."""
+        arrival = _seconds("Workload.build: arrival", arrival, None)
         n = len(arrival)
         order = np.argsort(arrival, kind="stable")
 
-        def column(values, dtype, default):
-            a = np.full(n, default, dtype) if values is None else np.asarray(values, dtype)
-            return np.array(np.broadcast_to(a, (n,))[order])
-        return cls(arrival[order], np.asarray(prompt, np.int64)[order],
-                   np.asarray(output, np.int64)[order], column(output_known, bool, False),
-                   column(tier_index, np.int16, -1), tuple(tiers),
-                   np.arange(n, dtype=np.int64)[order] if ids is None else np.asarray(ids, np.int64)[order],
-                   source, column(phase, np.int16, 0), tuple(phases), column(concurrency, np.int64, 0),
-                   None if prefix is None else prefix.take(order), timed, declared_types,
-                   None if segments is None else segments.take(order), column(session_prev, np.int64, -1),
-                   column(think, np.float64, 0.0))
+        def ints(name, values, default, low, high):
+            if values is None and default is not None:
+                return np.full(n, default, np.int64)
+            return _sorted(name, whole_array(f"Workload.build: {name}", _per_request(values, n), low, high), n, order)
+        tiers, phases = tuple(tiers), tuple(phases)
+        known = _sorted("output_known", _flags(output_known, n), n, order)
+        # lengths up to int64: the simulation rejects and counts those no server can hold
+        return cls(arrival[order], ints("prompt", prompt, None, 1, INT64_MAX),
+                   ints("output", output, None, 1, INT64_MAX), known,
+                   ints("tier_index", tier_index, -1, -1, min(len(tiers), INT16_MAX) - 1).astype(np.int16), tiers,
+                   order.astype(np.int64) if ids is None else ints("ids", ids, None, -INT64_MAX - 1, INT64_MAX),
+                   source, ints("phase", phase, 0, 0, min(len(phases), INT16_MAX) - 1).astype(np.int16), phases,
+                   ints("concurrency", concurrency, 0, 0, MAX_CONCURRENCY),
+                   None if prefix is None else prefix.take(order), timed, _declared(declared_types),
+                   None if segments is None else segments.take(order),
+                   ints("session_prev", session_prev, -1, -1, INT64_MAX),
+                   _sorted("think", _seconds("Workload.build: think", think, n), n, order))
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request]) -> "Workload":

@@ -15,7 +15,7 @@ from kvsched.workload.lengths import parse_length
 from kvsched.workload.presets import PRESETS
 from kvsched.workload.request import Workload
 from kvsched.workload.sharing import parse_sessions, parse_shared_prefix
-from kvsched.workload.spec import Phase, RequestType, WorkloadSpec
+from kvsched.workload.spec import Phase, RequestType, WorkloadSpec, check_cap_len
 from kvsched.workload.traces import trace_arrivals
 
 DEFAULT_RATE = 8.0
@@ -79,8 +79,8 @@ def resolve(opts: WorkloadOptions) -> WorkloadSpec:
         raise KvschedError(f"--rate must be > 0 requests per second, got {opts.rate}")
     if opts.num_requests is not None and opts.num_requests < 1:
         raise KvschedError(f"--num-requests must be >= 1, got {opts.num_requests}")
-    if opts.cap_len is not None and (int(opts.cap_len) != opts.cap_len or opts.cap_len < 2):
-        raise KvschedError(f"--cap-len must be an integer >= 2 tokens, got {opts.cap_len}")
+    if opts.cap_len is not None:
+        check_cap_len(opts.cap_len)
     spec = base_spec(opts)
     arrivals = parse_arrivals(opts.arrivals) if opts.arrivals is not None else None
     window = parse_window("--window", opts.window) if opts.window is not None else None

@@ -21,7 +21,7 @@ from kvsched.errors import KvschedError
 from kvsched.workload.arrivals import Arrivals, Closed, Poisson, Replay, TraceRate
 from kvsched.workload.bundled import label
 from kvsched.workload.readers import read_trace
-from kvsched.workload.lengths import Fixed, LengthDist
+from kvsched.workload.lengths import MAX_TOKENS, Fixed, LengthDist, is_whole, numbers
 from kvsched.workload.request import Ragged, Segments, Tier, Workload, session_roots
 from kvsched.workload.sharing import Sessions, SharedPrefix, check_shared, share
 
@@ -94,8 +94,8 @@ class Phase:
         where = self.label(k)
         if bool(self.types) == (self.trace is not None):
             raise KvschedError(f"{where}: give either request lengths (prompt/output or types) or a trace")
-        if self.requests is not None and (int(self.requests) != self.requests or self.requests < 1):
-            raise KvschedError(f"{where}: requests must be an integer >= 1, got {self.requests}")
+        if self.requests is not None and not (is_whole(self.requests) and self.requests >= 1):
+            raise KvschedError(f"{where}: requests must be an integer >= 1, got {self.requests!r:.40}")
         if self.types and self.requests is None:
             raise KvschedError(f"{where}: a synthetic phase needs a number of requests")
         if self.types and isinstance(self.arrivals, Replay):
@@ -106,7 +106,8 @@ class Phase:
                                f"'permutation' (without replacement), got {self.sample!r}")
         if self.sample == "permutation" and self.trace is None:
             raise KvschedError(f"{where}: sample='permutation' draws a trace's rows; this phase has no trace")
-        if self.window is not None and not 0 <= self.window[0] < self.window[1]:
+        if self.window is not None and (any(isinstance(x, bool) for x in self.window)
+                                        or not 0 <= self.window[0] < self.window[1]):
             raise KvschedError(f"{where}: window needs 0 <= start < end, got {self.window}")
         if (self.shared_prefix or self.sessions) and self.trace is not None:
             raise KvschedError(f"{where}: shared_prefix and sessions apply to synthetic phases (prompt/output "
@@ -240,8 +241,8 @@ class WorkloadSpec:
         if tiers:
             raise KvschedError(f"{self.name}: tier shares cannot be combined with tiers that the "
                                "trace or the request types already set")
-        p = np.array([ts.share for ts in shares], float)
-        if np.any(p < 0) or abs(p.sum() - 1) > 1e-9:
+        p = numbers(f"{self.name}: tier shares", [ts.share for ts in shares]).astype(float)
+        if not np.isfinite(p).all() or np.any(p < 0) or abs(p.sum() - 1) > 1e-9:
             raise KvschedError(f"{self.name}: tier shares must be >= 0 and sum to 1, got "
                                f"{', '.join(f'{ts.tier.name}={ts.share:g}' for ts in shares)}")
         return [ts.tier for ts in shares], rng.choice(len(shares), size=len(codes), p=p).astype(np.int16)
@@ -251,9 +252,9 @@ def _generate(ph: Phase, k: int, rng: np.random.Generator, keep_hashes: bool, un
     if ph.trace is not None:
         return _from_trace(ph, k, rng, keep_hashes, untimed_ok)
     n = int(ph.requests)
-    rates = np.array([t.rate for t in ph.types], float)
-    if not np.all(rates > 0):
-        raise KvschedError(f"{ph.label(k)}: every request type needs a rate (weight) > 0")
+    rates = numbers(f"{ph.label(k)}: request type rates", [t.rate for t in ph.types]).astype(float)
+    if not np.all((rates > 0) & np.isfinite(rates)):
+        raise KvschedError(f"{ph.label(k)}: every request type needs a finite rate (weight) > 0")
     arrivals = ph.arrivals or Poisson(float(rates.sum()))
     conc = arrivals.concurrency if isinstance(arrivals, Closed) else 0
     turns = ph.sessions.layout(rng, n) if ph.sessions is not None else None
@@ -360,8 +361,7 @@ def _cap(prompt: np.ndarray, output: np.ndarray, cap: int | None):
     left. Reports how many requests changed (a warning, never silent)."""
     if cap is None:
         return prompt, output
-    if int(cap) != cap or cap < 2:
-        raise KvschedError(f"--cap-len must be an integer >= 2 tokens, got {cap}")
+    cap = check_cap_len(cap)
     new_prompt = np.minimum(prompt, cap - 1)
     new_output = np.minimum(output, cap - new_prompt)
     p, o = int((new_prompt != prompt).sum()), int((new_output != output).sum())
@@ -370,3 +370,16 @@ def _cap(prompt: np.ndarray, output: np.ndarray, cap: int | None):
         warnings.warn(f"capped {changed} of {len(prompt)} requests at {cap} tokens (prompt + output): "
                       f"{p} prompts and {o} outputs shortened", stacklevel=3)
     return new_prompt, new_output
+
+
+MAX_CAP_LEN = 2 * MAX_TOKENS       # a longest prompt plus a longest output
+
+
+def check_cap_len(cap) -> int:
+    """--cap-len (a workload's cap_len) as an int in 2..MAX_CAP_LEN: never read from nan, a
+    bool or a non-integral number, nor past int64 (numpy would overflow)."""
+    if not is_whole(cap) or cap < 2:
+        raise KvschedError(f"--cap-len must be an integer >= 2 tokens, got {cap!r:.40}")
+    if cap > MAX_CAP_LEN:
+        raise KvschedError(f"--cap-len must be at most {MAX_CAP_LEN:,} tokens (prompt + output), got {cap:,}")
+    return int(cap)

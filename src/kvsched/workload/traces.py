@@ -1,14 +1,14 @@
-"""Trace files as workloads, and the generic CSV writer (`kvsched workload export`).
+"""Trace files as workloads, and the generic CSV and JSONL writers (`kvsched workload export`).
 Formats and their checks live in `readers.py`."""
 from __future__ import annotations
 
-import math
+import json
 from pathlib import Path
-
 
 from kvsched.errors import KvschedError
 from kvsched.files import atomic_file
 from kvsched.workload.arrivals import Arrivals, Closed, Poisson, Replay, TraceRate
+from kvsched.workload.bundled import OPENERS
 from kvsched.workload.request import Workload
 from kvsched.workload.spec import Phase, WorkloadSpec
 
@@ -46,9 +46,74 @@ def load_trace(path: str | Path, *, rate: float | None = None, arrivals: Arrival
                         name=str(path)).build()
 
 
+def export(workload: Workload, path: str | Path) -> None:
+    """`kvsched workload export`: NAME.jsonl gets the generic JSONL (every request's content
+    kept), any other name the generic CSV (refused if it would lose content)."""
+    (export_jsonl if Path(path).suffix.lower() == ".jsonl" else export_csv)(workload, path)
+
+
+def not_carried(workload: Workload) -> list[str]:
+    """What schedulers see of `workload` that neither export format holds (the flags that set
+    it again when the file is read: `workload export` says so, it drops nothing silently)."""
+    out = []
+    if workload.output_known.any():
+        out.append("which output lengths schedulers may see (read it with --output-known)")
+    if any(t.ttft_slo is not None or t.tbt_slo is not None or t.priority for t in workload.tiers):
+        out.append("the tiers' SLOs and priorities (give the same --tier flags)")
+    if workload.declared_types is not None:
+        out.append("the declared request types WAIT reads")
+    return out
+
+
 def export_csv(workload: Workload, path: str | Path) -> None:
     """Write the generic CSV `arrival_time,prompt_tokens,output_tokens[,tier]`, exactly
-    (shortest round-trip float text), via a temporary file so nothing is half written."""
+    (shortest round-trip float text), via a temporary file so nothing is half written. A
+    workload whose content a CSV cannot hold (shared segments, hash_ids) is refused."""
+    path = _target(workload, path)
+    lost = _content(workload)
+    if lost:
+        raise KvschedError(f"--out {path}: a CSV cannot hold the workload's {' and '.join(lost)}; "
+                           f"write {path.with_suffix('.jsonl').name} (JSONL) to keep them")
+    names = [t.name for t in workload.tiers]
+    for name in names:
+        if "," in name or '"' in name or not name.strip():
+            raise KvschedError(f"tier name {name!r} cannot be written as a CSV field")
+    tiered = _tiered(workload)
+    with atomic_file(path) as f:
+        f.write("arrival_time,prompt_tokens,output_tokens" + (",tier\n" if tiered else "\n"))
+        tiers = workload.tier_index.tolist()
+        for k, (t, p, o) in enumerate(zip(workload.arrival.tolist(), workload.prompt.tolist(),
+                                          workload.output.tolist())):
+            tail = f",{names[tiers[k]] if tiers[k] >= 0 else ''}" if tiered else ""
+            f.write(f"{t!r},{p},{o}{tail}\n")
+
+
+def export_jsonl(workload: Workload, path: str | Path) -> None:
+    """Write the generic JSONL (readers.py): arrival_time, prompt_tokens, output_tokens, and where
+    the workload has them tier, segments ([[content_id, tokens], ...]) and hash_ids, so reading
+    the file back gives the same requests and the same prefix-cache hits. Times are exact (JSON
+    writes a float's shortest round-trip text); nothing is half written."""
+    path = _target(workload, path)
+    tiered = _tiered(workload)
+    names = [t.name for t in workload.tiers]
+    seg, prefix = workload.segments, workload.prefix
+    with atomic_file(path) as f:
+        tiers = workload.tier_index.tolist()
+        for k, (t, p, o) in enumerate(zip(workload.arrival.tolist(), workload.prompt.tolist(),
+                                          workload.output.tolist())):
+            row: dict = {"arrival_time": t, "prompt_tokens": p, "output_tokens": o}
+            if tiered and tiers[k] >= 0:
+                row["tier"] = names[tiers[k]]
+            if seg is not None:
+                row["segments"] = [list(x) for x in zip(seg.ids[k].tolist(), seg.lengths[k].tolist())]
+            if prefix is not None:
+                row["hash_ids"] = prefix[k].tolist()
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def _target(workload: Workload, path: str | Path) -> Path:
+    """The file to export to, once the workload is known to have an arrival time per request
+    (without sessions, no segment names another request's own tokens: Workload checks it)."""
     if not workload.timed:
         raise KvschedError("the workload has no arrival times (a length-only trace): give --rate "
                            "or --arrivals to export it")
@@ -61,20 +126,21 @@ def export_csv(workload: Workload, path: str | Path) -> None:
     if str(path).strip() in ("", ".") or Path(path).is_dir():
         raise KvschedError(f"--out {str(path)!r} must name a file to write")
     path = Path(path)
-    tiered = bool(workload.tiers) and bool((workload.tier_index >= 0).any())
-    names = [t.name for t in workload.tiers]
-    for name in names:
-        if "," in name or '"' in name or not name.strip():
-            raise KvschedError(f"tier name {name!r} cannot be written as a CSV field")
-    with atomic_file(path) as f:
-        f.write("arrival_time,prompt_tokens,output_tokens" + (",tier\n" if tiered else "\n"))
-        tiers = workload.tier_index.tolist()
-        for k, (t, p, o) in enumerate(zip(workload.arrival.tolist(), workload.prompt.tolist(),
-                                          workload.output.tolist())):
-            if not math.isfinite(t):
-                raise KvschedError(f"request {k} has no finite arrival time")
-            tail = f",{names[tiers[k]] if tiers[k] >= 0 else ''}" if tiered else ""
-            f.write(f"{t!r},{p},{o}{tail}\n")
+    if path.suffix.lower() in OPENERS:
+        raise KvschedError(f"--out {path}: export writes plain text, but a {path.suffix} file is read back "
+                           "as compressed; name it .csv or .jsonl")
+    return path
 
 
+def _content(workload: Workload) -> list[str]:
+    """What a workload holds beyond times, lengths and tiers (each a CSV would drop)."""
+    lost = []
+    if workload.segments is not None and len(workload.segments.ids.values):
+        lost.append("shared prompt segments (the content prefix caching shares)")
+    if workload.prefix is not None and len(workload.prefix.values):
+        lost.append("Mooncake hash_ids")
+    return lost
 
+
+def _tiered(workload: Workload) -> bool:
+    return bool(workload.tiers) and bool((workload.tier_index >= 0).any())

@@ -1,0 +1,389 @@
+"""Hardening, second round (issue 36): each case used to write through a device, grow
+without bound, let a policy write the engine or fail late; now a one-line error (exit 2) or
+the correct result."""
+import collections
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from kvsched.cli import app
+from kvsched.errors import KvschedError, PlanError
+from kvsched.hardware import get_gpu
+from kvsched.policies import Plan, make_policy
+from kvsched.run import Scenario, simulate
+from kvsched.sim import replica as replica_mod
+from kvsched.workload import Workload
+
+runner = CliRunner()
+_BASE = make_policy("vllm-v1", {}, get_gpu("a100-80gb"))
+
+
+def one_line_error(args, needle):
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2, (args, r.output)
+    err = r.output.strip()
+    assert err.count("\n") == 0 and err.startswith("kvsched: error:") and "Traceback" not in err, err
+    assert needle in err, err
+
+
+# ---- the view cannot be written ----------------------------------------------------------
+
+_LEAVES = (int, float, str, bytes, bool, type(None), complex, range)
+_FOLLOW = ("__self__", "__func__", "__wrapped__", "__dict__", "__closure__", "cell_contents",
+           "base", "mapping", "obj", "gi_frame", "f_locals")
+
+
+def _reachable(root, depth: int = 6):
+    """Every object reachable from `root` through attributes (public, private, the dunders
+    that lead from an object to another instance), items of containers and the planner
+    `prefix_planner()` returns."""
+    seen, frontier, out = {id(root)}, [root], []
+    for _ in range(depth):
+        nxt = []
+        for obj in frontier:
+            out.append(obj)
+            if isinstance(obj, _LEAVES) or isinstance(obj, type) or isinstance(obj, types.ModuleType):
+                continue
+            kids = []
+            names = set(_FOLLOW) | {n for n in dir(obj) if not n.startswith("__")}
+            names.discard("cost_model")        # the policy's own copy (tested below)
+            if isinstance(obj, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+                names.discard("__dict__")      # a function's attributes: the class's, not an instance's
+            for n in names:
+                try:
+                    kids.append(getattr(obj, n))
+                except Exception:
+                    pass
+            if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+                kids.extend(list(obj)[:50])
+            if isinstance(obj, (dict, types.MappingProxyType)):
+                kids.extend(list(obj.values())[:50])
+            if isinstance(obj, types.MethodType) and obj.__name__ == "prefix_planner":
+                kids.append(obj())
+            for k in kids:
+                if id(k) not in seen and not isinstance(k, type) and not isinstance(k, types.ModuleType):
+                    seen.add(id(k))
+                    nxt.append(k)
+        frontier = nxt
+    return out
+
+
+class _Probe:
+    """Collects, at its first batch, what can be reached from the view."""
+    name = "probe"
+
+    def __init__(self):
+        self.found = None
+
+    def schedule(self, v):
+        if self.found is None:
+            self.found = _reachable(v)
+        return _BASE.schedule(v)
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_no_engine_object_is_reachable_from_the_view(prefix):
+    """Issue 36: `view._kv.used = -1000` and `view.prompt_len.__self__.now = 0.0` wrote the
+    engine. No object reached from the view now is the replica, its KV, decode set, cache or
+    request table, or a mutable container or writable array of theirs."""
+    w = Workload.build(np.arange(30) * 0.05, [300] * 30, [20] * 30)
+    probe = _Probe()
+    simulate(Scenario(w, prefix_caching=prefix), probe)
+    found = probe.found
+    engine = (replica_mod.Replica, replica_mod.PagedKV) + tuple(
+        getattr(replica_mod, n) for n in ("DecodeSet", "RequestTable", "PrefixCache", "HitPlanner", "LazyPlanner")
+        if hasattr(replica_mod, n))
+    bad = [type(o).__name__ for o in found if isinstance(o, engine)]
+    assert not bad, bad
+    writable = [type(o).__name__ for o in found
+                if isinstance(o, (list, dict, set, collections.deque, bytearray))
+                or isinstance(o, np.ndarray) and o.flags.writeable]
+    assert not writable, writable
+
+
+def test_view_private_slots_and_bound_methods_lead_nowhere():
+    seen = {}
+
+    class Writer:
+        name = "writer"
+
+        def schedule(self, v):
+            for route in ("_r", "_kv", "_ds", "_cost"):
+                with pytest.raises(AttributeError):
+                    getattr(v, route)
+            assert v.prompt_len.__self__ is v
+            with pytest.raises(PlanError, match="writer assigned view.now"):
+                v.now = 0.0
+            seen["cost"] = v.cost_model
+            v.cost_model.__dict__.clear() if hasattr(v.cost_model, "__dict__") else None
+            return _BASE.schedule(v)
+
+    w = Workload.build(np.arange(20) * 0.05, [200] * 20, [10] * 20)
+    a = simulate(Scenario(w), Writer()).summary
+    b = simulate(Scenario(w), "vllm-v1").summary
+    assert a["completed"] == b["completed"] == 20
+    assert a["duration"] == b["duration"]          # the policy's cost copy was emptied, not the engine's
+
+
+# ---- writers never replace what is not a regular file ------------------------------------
+
+def _targets(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.csv"
+    link.symlink_to(tmp_path / "elsewhere.csv")
+    folder = tmp_path / "folder.csv"
+    folder.mkdir()
+    return [(fifo, "a FIFO"), (link, "a symbolic link"), (folder, "a folder"), (Path("/dev/null"), "a character device")]
+
+
+
+def test_writers_refuse_fifos_links_folders_and_devices(tmp_path, monkeypatch):
+    """Issue 36: `workload export --out FIFO` turned the FIFO into a file (as root, /dev/full
+    into a file). Every single-file writer now refuses a target that is not a regular file,
+    and leaves it as it was."""
+    monkeypatch.chdir(tmp_path)
+    log = tmp_path / "steps.csv"
+    log.write_text("kind,prefill_tokens,decode_requests,decode_context,seconds\n")
+    sim = tmp_path / "run"
+    assert runner.invoke(app, ["simulate", "--num-requests", "20", "--out", str(sim)]).exit_code == 0
+    for target, kind in _targets(tmp_path):
+        before = os.lstat(target)
+        needle = target.name if kind == "a folder" else f"it is {kind}"   # a folder: each command's own words
+        one_line_error(["workload", "export", "--num-requests", "20", "--out", str(target)], needle)
+        one_line_error(["report", str(sim), "--output", str(target)], needle)
+        after = os.lstat(target)
+        assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino)
+    assert not (tmp_path / "elsewhere.csv").exists()          # nothing written through the link
+
+
+def test_a_regular_file_is_still_replaced(tmp_path):
+    out = tmp_path / "w.csv"
+    out.write_text("old\n")
+    assert runner.invoke(app, ["workload", "export", "--num-requests", "20", "--out", str(out)]).exit_code == 0
+    assert out.read_text().startswith("arrival_time,")
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_what_a_killed_writer_left_is_removed_by_the_next_write(tmp_path):
+    """Issue 36: `kill -9` during --out left a hidden `.NAME.*` folder no later run removed.
+    Temporary names now carry the writer's process id; the next write of NAME removes those
+    of writers no longer running (and puts back a run one of them had moved aside)."""
+    dead = _dead_pid()
+    left = tmp_path / f".run.{dead}.abc123"
+    left.mkdir()
+    (left / "requests.csv").write_text("half")
+    stale_file = tmp_path / f".w.csv.{dead}.q1w2e3.tmp"
+    stale_file.write_text("half")
+    mine = tmp_path / f".run.{os.getpid()}.live"     # a live writer's: kept
+    mine.mkdir()
+    assert runner.invoke(app, ["simulate", "--num-requests", "20", "--out", str(tmp_path / "run")]).exit_code == 0
+    assert runner.invoke(app, ["workload", "export", "--num-requests", "20", "--out", str(tmp_path / "w.csv")]).exit_code == 0
+    assert not left.exists() and not stale_file.exists()
+    assert mine.exists()
+    hidden = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p != mine)
+    assert hidden == [], hidden
+
+
+def test_a_moved_aside_run_is_put_back(tmp_path):
+    """A writer killed between its two renames left the old run in `.NAME.PID.old.*/run` and
+    no NAME: the next write restores it first (then replaces it as usual)."""
+    from kvsched.run import MANIFEST, _clear_stale
+    dead = _dead_pid()
+    old = tmp_path / f".run.{dead}.old.abc" / "run"
+    old.mkdir(parents=True)
+    (old / "summary.json").write_text("{}")
+    (old / MANIFEST).write_text("summary.json\n")
+    _clear_stale(tmp_path, tmp_path / "run")
+    assert (tmp_path / "run" / "summary.json").read_text() == "{}"
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+def test_a_manifest_that_is_not_utf8_is_a_one_line_error(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".kvsched-run").write_bytes(b"\xff\xfe summary.json\n")
+    (out / "summary.json").write_text("{}")
+    one_line_error(["simulate", "--num-requests", "20", "--out", str(out)], "holds files kvsched did not write")
+
+
+# ---- sizes checked before anything is built ----------------------------------------------
+
+@pytest.mark.parametrize("args, needle", [
+    (["simulate", "--num-requests", "50", "--replicas", "1000000000"], "--replicas must be <= 10,000 (kvsched.limits)"),
+    (["simulate", "--num-requests", "50", "--prefill-replicas", "6000", "--decode-replicas", "6000"],
+     "--prefill-replicas + --decode-replicas must be <= 10,000"),
+    (["capacity", "--num-requests", "50", "--slo", "ttft:p99:2000", "--seeds", "1000000000000"],
+     "--seeds must be <= 10,000 (kvsched.limits)"),
+    (["capacity", "--num-requests", "50", "--slo", "ttft:p99:2000", "--rate", "5", "--utilization", "2"],
+     "--utilization must be in (0, 1], got 2.0"),
+    (["capacity", "--num-requests", "50", "--slo", "ttft:p99:2000", "--utilization", "0.5"], "give --rate too"),
+    (["capacity", "--num-requests", "50", "--slo", "ttft:p99:2000", "--tolerance", "5"], "--tolerance must be in (0, 1)"),
+    (["simulate", "--num-requests", "20", "--kv-transfer-bandwidth", "5"], "--kv-transfer-bandwidth sets the KV link"),
+    (["simulate", "--num-requests", "20", "--kv-transfer-latency", "0"], "--kv-transfer-latency sets the KV link"),
+])
+def test_sizes_and_settings_are_checked_first(args, needle, monkeypatch):
+    """Each refused before any simulation: the search, the service-rate measurement and the
+    cluster are never reached (they would raise here)."""
+    import kvsched.capacity
+    import kvsched.sim.cluster
+    import kvsched.theory.plan
+
+    def never(*a, **k):
+        raise AssertionError("work started before the check")
+    monkeypatch.setattr(kvsched.theory.plan, "service_rate", never)
+    monkeypatch.setattr(kvsched.capacity.Search, "run", never)
+    monkeypatch.setattr(kvsched.sim.cluster.Cluster, "__init__", never)
+    one_line_error(args, needle)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(replicas=2.5), "--replicas must be a whole number, got 2.5"),
+    (dict(replicas=True), "--replicas must be a whole number"),
+    (dict(replicas=0), "--replicas must be >= 1"),
+    (dict(prefix_caching="off"), "Scenario.prefix_caching must be True or False, got 'off'"),
+    (dict(strict="no"), "Scenario.strict must be True or False"),
+    (dict(prefill_replicas=1.5, decode_replicas=1), "--prefill-replicas must be a whole number"),
+    (dict(kv_transfer_latency=0.5), "--kv-transfer-latency sets the KV link"),
+])
+def test_scenario_fields_are_checked(kw, needle):
+    w = Workload.build(np.arange(5) * 0.1, [100] * 5, [10] * 5)
+    with pytest.raises(KvschedError, match=__import__("re").escape(needle)):
+        simulate(Scenario(w, **kw), "vllm-v1")
+
+
+def test_integral_numpy_and_float_replica_counts_are_taken():
+    w = Workload.build(np.arange(5) * 0.1, [100] * 5, [10] * 5)
+    assert simulate(Scenario(w, replicas=np.int64(2)), "vllm-v1").summary["completed"] == 5
+    assert simulate(Scenario(w, replicas=2.0), "vllm-v1").summary["completed"] == 5
+
+
+# ---- policies named ----------------------------------------------------------------------
+
+class _Uncopyable:
+    name = "locked"
+
+    def __init__(self):
+        import threading
+        self.lock = threading.Lock()
+
+    def schedule(self, v):
+        return _BASE.schedule(v)
+
+
+class _Exits:
+    name = "quitter"
+
+    def schedule(self, v):
+        raise SystemExit(7)
+
+
+def test_a_policy_that_cannot_be_copied_or_exits_is_named():
+    w = Workload.build(np.arange(5) * 0.1, [100] * 5, [10] * 5)
+    assert simulate(Scenario(w), _Uncopyable()).summary["completed"] == 5      # one replica: no copy needed
+    with pytest.raises(KvschedError, match="policy locked cannot be copied for replica 1 .*TypeError"):
+        simulate(Scenario(w, replicas=2), _Uncopyable())
+    with pytest.raises(PlanError, match="policy quitter raised SystemExit in schedule at t=0s: 7"):
+        simulate(Scenario(w), _Exits())
+
+
+def test_a_router_that_raises_is_named():
+    from kvsched.sim.routers import make_router
+    router = make_router("least-outstanding", 0)
+
+    def boom(*a, **k):
+        raise SystemExit(3)
+    router.route = boom
+    w = Workload.build(np.arange(5) * 0.1, [100] * 5, [10] * 5)
+    with pytest.raises(KvschedError, match="router least-outstanding raised SystemExit routing request 0"):
+        simulate(Scenario(w, replicas=2, router=router), "vllm-v1")
+
+
+# ---- the progress guard ------------------------------------------------------------------
+
+class _Trickle:
+    """Prefills one request at a time in 1-token chunks (slow, but always progress)."""
+    name = "trickle"
+
+    def schedule(self, v):
+        if v.running:
+            i = next(iter(v.running))
+            if v.is_decoding(i):
+                return Plan([], [], True, [])
+            return Plan([], [(i, 1)], False, [])
+        i = v.waiting[0]
+        return Plan([i], [(i, 1)], False, [])
+
+
+class _Thrash:
+    """Prefills half a prompt, preempts it, starts again: tokens computed, none new after the first pass."""
+    name = "thrash"
+
+    def schedule(self, v):
+        if v.running:
+            i = next(iter(v.running))
+            if v.prefill_done(i) >= v.prompt_len(i) // 2:
+                return Plan([i], [(i, 10)], False, [i])     # preempt it and start it again
+            return Plan([], [(i, 10)], False, [])
+        i = v.waiting[0]
+        return Plan([i], [(i, 10)], False, [])
+
+
+
+def test_a_long_prompt_in_one_token_chunks_is_progress():
+    """Issue 36: the guard counted output tokens only, so one 150,000-token prompt prefilled in
+    1-token chunks was called a stall. Every new prompt token counts now (here 2,000 tokens
+    under a limit of 100 batches)."""
+    w = Workload.build(np.zeros(1), [2000], [3])
+    s = simulate(Scenario(w, cost="constant", cost_params={"b": 0.01}, stall_batches=100), _Trickle()).summary
+    assert s["completed"] == 1 and s["iterations"] == 2000 + 2
+
+
+def test_recomputing_the_same_tokens_forever_is_still_a_stall():
+    w = Workload.build(np.zeros(1), [200], [3])
+    with pytest.raises(PlanError, match="policy thrash made no progress: no new token in 50 batches"):
+        simulate(Scenario(w, cost="constant", cost_params={"b": 0.01}, stall_batches=50), _Thrash())
+
+
+# ---- memory of clusters ------------------------------------------------------------------
+
+def test_a_disaggregated_run_keeps_no_per_request_state_on_its_replicas():
+    """Issue 36: disaggregated runs grew ~120 bytes per request: prefill replicas with prefix
+    caching kept every handed-off request's admission rank. After a run every replica's
+    per-request containers are empty."""
+    from kvsched.cost.constant import ConstantCost
+    from kvsched.kvcache import PagedKV
+    from kvsched.sim.cluster import Cluster
+    rng = np.random.default_rng(0)
+    w = Workload.build(np.sort(rng.uniform(0, 20, 400)), rng.integers(20, 300, 400), rng.integers(2, 40, 400))
+    pols = [make_policy("vllm-v1", {}, get_gpu("a100-80gb")) for _ in range(4)]
+    c = Cluster(w, pols, ConstantCost(0.02), PagedKV(20_000, 16), prefill_replicas=2, prefix_caching=True,
+                kv_bytes_per_token=1000)
+    rec = c.run()
+    assert int(np.isfinite(rec.finished).sum()) == 400
+    for r in c.replicas:
+        assert not (r._order or r._fresh or r._running or r._queue or r._landing or r.pulls), r.index
+
+
+def test_idle_replicas_cost_no_work_per_event(monkeypatch):
+    """Choosing the next replica no longer scans every replica: with 200 replicas and 20
+    requests, next_event_time is asked only of replicas something happened to."""
+    from kvsched.sim.replica import Replica
+    calls = []
+    orig = Replica.next_event_time
+    monkeypatch.setattr(Replica, "next_event_time", lambda self: calls.append(1) or orig(self))
+    w = Workload.build(np.arange(20) * 0.5, [100] * 20, [20] * 20)
+    s = simulate(Scenario(w, replicas=200), "vllm-v1").summary
+    assert s["completed"] == 20
+    assert len(calls) < 20 * 60, len(calls)       # a scan would ask 200 replicas at every step
