@@ -7,6 +7,9 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, settings
+from typer.testing import CliRunner
+
+from kvsched.cli import app
 
 from kvsched.cost import make_cost_model
 from kvsched.hardware import get_gpu, get_model
@@ -21,6 +24,16 @@ settings.register_profile("ci", max_examples=400, **CALM)
 settings.register_profile("deep", max_examples=2000, **CALM)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
 
+runner = CliRunner()
+
+
+def one_line_error(args, needle):
+    """The CLI refuses `args` with one line naming `needle`, exit code 2."""
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2, (args, r.output)
+    err = r.output.strip()
+    assert err.count("\n") == 0 and err.startswith("kvsched: error:") and "Traceback" not in err, err
+    assert needle in err, err
 
 
 class Forwarding:

@@ -4,8 +4,8 @@ import math
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
+from conftest import one_line_error, runner
 from kvsched.cli import app
 from kvsched.errors import KvschedError
 from kvsched.hardware import get_gpu
@@ -14,15 +14,6 @@ from kvsched.run import Scenario, simulate
 from kvsched.workload import Workload
 from kvsched.workload.lengths import LinearHazard
 
-runner = CliRunner()
-
-
-def one_line_error(args, needle):
-    r = runner.invoke(app, args)
-    assert r.exit_code == 2, (args, r.output)
-    err = r.output.strip()
-    assert err.count("\n") == 0 and err.startswith("kvsched: error:") and "Traceback" not in err, err
-    assert needle in err, err
 
 
 def test_int64_lengths_are_rejected_and_counted(tmp_path):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
+from conftest import one_line_error, runner
 from kvsched.cli import app
 from kvsched.errors import KvschedError, PlanError
 from kvsched.hardware import get_gpu
@@ -20,16 +20,7 @@ from kvsched.run import Scenario, simulate
 from kvsched.sim import replica as replica_mod
 from kvsched.workload import Workload
 
-runner = CliRunner()
 _BASE = make_policy("vllm-v1", {}, get_gpu("a100-80gb"))
-
-
-def one_line_error(args, needle):
-    r = runner.invoke(app, args)
-    assert r.exit_code == 2, (args, r.output)
-    err = r.output.strip()
-    assert err.count("\n") == 0 and err.startswith("kvsched: error:") and "Traceback" not in err, err
-    assert needle in err, err
 
 
 # ---- the view cannot be written ----------------------------------------------------------
@@ -158,6 +149,7 @@ def test_writers_refuse_fifos_links_folders_and_devices(tmp_path, monkeypatch):
         needle = target.name if kind == "a folder" else f"it is {kind}"   # a folder: each command's own words
         one_line_error(["workload", "export", "--num-requests", "20", "--out", str(target)], needle)
         one_line_error(["report", str(sim), "--output", str(target)], needle)
+        one_line_error(["calibrate", str(log), "--out", str(target)], needle)
         after = os.lstat(target)
         assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino)
     assert not (tmp_path / "elsewhere.csv").exists()          # nothing written through the link

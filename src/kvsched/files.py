@@ -19,7 +19,7 @@ from typing import IO, Iterator
 
 from kvsched.errors import KvschedError
 
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
@@ -37,6 +37,8 @@ def check_writable(path: str | Path, flag: str = "") -> Path:
         raise KvschedError(f"cannot write {who}: {getattr(exc, 'strerror', None) or exc}") from None
     if stat.S_ISREG(mode):
         return path
+    if stat.S_ISDIR(mode):
+        raise KvschedError(f"{who} is a folder: it must name a file to write")
     kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
     raise KvschedError(f"cannot write {who}: it is {kind}; kvsched writes only regular files "
                        "(give a new file name)")

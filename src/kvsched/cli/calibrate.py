@@ -13,6 +13,7 @@ from rich.text import Text
 from kvsched.cli.common import JsonOpt, app, emit, guard
 from kvsched.cli.names import CALIBRATION_MODELS
 from kvsched.errors import KvschedError
+from kvsched.files import check_writable
 
 if TYPE_CHECKING:       # the engine is imported when the command runs (fast `kvsched --help`)
     from kvsched.cost.calibrate import Calibration
@@ -72,6 +73,7 @@ def _check_out(out: Path) -> None:
         raise KvschedError(f"--out {out} is a folder; give a file name (e.g. {out / 'cost.json'})")
     if not out.parent.is_dir():
         raise KvschedError(f"--out {out}: no folder {out.parent}")
+    check_writable(out, "--out")        # a FIFO, device or link: refused before the fit
 
 
 def _chosen(cal: Calibration, use: Optional[str]) -> str:

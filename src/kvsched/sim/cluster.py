@@ -325,7 +325,8 @@ class Cluster:
                 self._push(rep.now, SEAT, reqs.done - before)
             if rep.pulls:                           # a decode replica's KV may have room at the batch end
                 self._push(rep.now, PULL, rep.index - len(self.front))
-            self._touch(rep)
+            if single is None:
+                self._touch(rep)
         if turns is not None:
             self._drain_turns()
         return self._records(_time.perf_counter() - wall0)

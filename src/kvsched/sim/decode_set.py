@@ -149,9 +149,6 @@ class DecodeSet:
             return c.residue[-c.clock % c.block_size]
         return sum(c.new_blocks for c in cs)
 
-    def last_token(self, i: int) -> float:
-        return self.where[i].last_token(i)
-
     def join(self, i: int, kv: int, gen: int, output: int, time: float) -> None:
         c = self.cohorts[0]
         c.join(i, kv, gen, output, time)

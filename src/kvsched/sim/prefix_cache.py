@@ -406,7 +406,7 @@ class HitPlanner:
     # ----- the plan's operations --------------------------------------------------------
     def preempt(self, i: int) -> int:
         """Plan to preempt running request i; returns the blocks that frees."""
-        c, r = self._c, self._r
+        c, r = self._c, self._r.view               # the policy's reads of request i
         kv_tokens = r.kv_tokens(i)
         n = c.exclusive_blocks(i, kv_tokens, self._dropped)
         held = c.held.get(i, ())

@@ -35,7 +35,7 @@ from kvsched.sim.decode_set import Cohort, DecodeSet
 from kvsched.sim.prefix_cache import HitPlanner, LazyPlanner, PrefixCache
 from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING, RequestTable
 from kvsched.sim.rowlog import CHUNK, RowLog
-from kvsched.sim.view import ReadOnlyKeys, ReadOnlySeq, ReplicaView, serve
+from kvsched.sim.view import ReadOnlyKeys, ReadOnlySeq, ReplicaView
 
 
 _fast = compiled.load()      # the compiled twins (sim/_fast.pyx), or None: pure Python
@@ -181,7 +181,7 @@ class Replica:
         fn = getattr(self.policy, name, None)
         return fn if callable(fn) and getattr(fn, "__func__", fn) not in NOOP_HOOKS else None
 
-    # ----- the view policies read (ReplicaView binds these; its scalars read our fields) ----
+    # ----- what the view reads (sim/view.py holds the per-request reads) ---------------
     @property
     def num_waiting(self) -> int:
         return len(self._queue)
@@ -189,65 +189,6 @@ class Replica:
     @property
     def mean_batch_time(self) -> float | None:
         return self.busy / self.iterations if self.iterations else None
-
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
-    def arrival(self, i: int) -> float:
-        return self._arrival[i]
-
-    def prompt_len(self, i: int) -> int:
-        return self._prompt[i]
-
-    def output_len(self, i: int) -> int | None:
-        return self._output[i] if self._known[i] else None
-
-    def prefill_target(self, i: int) -> int:
-        return self._target[i]
-
-    def prefill_done(self, i: int) -> int:
-        return self._computed[i]
-
-    def generated(self, i: int) -> int:
-        c = self._where.get(i)
-        if c is not None:
-            c0, _, g0, _ = c.members[i]
-            return g0 + c.clock - c0
-        return self.reqs.gen[i] if self._status[i] != DECODE else self._remote(i)
-
-    def kv_tokens(self, i: int) -> int:
-        c = self._where.get(i)
-        if c is not None:
-            c0, k0, _, _ = c.members[i]
-            return k0 + c.clock - c0
-        return self._computed[i] if self._status[i] != DECODE else self._remote(i)
-
-    def _remote(self, i: int):
-        raise PlanError(f"policy {self.name} asked about request {i}, which is decoding on another replica")
-
-    def kv_blocks(self, i: int) -> int:
-        return -(-self.kv_tokens(i) // self.block_size)
-
-    def is_decoding(self, i: int) -> bool:
-        return i in self._where
-
-    def needs_block(self, i: int) -> bool:
-        c = self._where.get(i)
-        if c is None:
-            return False
-        c0, k0, _, _ = c.members[i]
-        return (k0 + c.clock - c0) % self.block_size == 0
-
-    def tier_priority(self, i: int) -> int:
-        return self.reqs.priority[i]
-
-    def tbt_slo(self, i: int) -> float:
-        """The request's time-between-tokens SLO in seconds (infinity when its tier has none)."""
-        return self.reqs.tbt[i]
-
-    def cached_tokens(self, i: int) -> int:
-        """Prompt tokens of waiting request i that would hit the prefix cache now (0 without it)."""
-        return self.cache.cached_tokens(i) if self.cache is not None else 0
 
     def prefix_planner(self) -> HitPlanner | None:
         """What a plan being built finds in the cache (None without prefix caching)."""
@@ -265,15 +206,6 @@ class Replica:
         """Share of looked-up prompt tokens taken from the cache so far (None: none looked up)."""
         c = self.cache
         return c.hit_tokens / c.query_tokens if c is not None and c.query_tokens else None
-
-    def last_token_time(self, i: int) -> float | None:
-        """When its last output token came out (None before the first)."""
-        if i in self._where:
-            return self._decoders.last_token(i)
-        r = self.reqs
-        if r.status[i] == DONE:
-            return float(r.finished[i])
-        return r.last_tok[i] if r.gen[i] else None
 
     # ----- router summary --------------------------------------------------------------
     def summary_at(self, t: float) -> tuple[int, int, int]:
@@ -1057,7 +989,6 @@ class Replica:
             self._call(self._on_preempt, "on_preempt", i)
 
 
-serve(Replica)       # the view's per-request reads are these methods
 
 
 def merged_tiers(replicas: list[Replica]) -> list[GapHistogram]:

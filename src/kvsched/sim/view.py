@@ -5,14 +5,15 @@ Read-only in fact, not by convention:
 - assigning any attribute raises a `PlanError` naming the policy;
 - no attribute of the view, nor of anything it hands out, leads to an engine object: the
   replica is held in slots whose descriptors are removed from the classes (`_sealed`), the
-  per-request reads are the view's own methods (a bound method's `__self__` is the view),
+  per-request reads are the view's own methods, defined here only (a bound method's
+  `__self__` is the view),
   collections come as faces that hide what they wrap, `cost_model` is the policy's own copy
   and `prefix_planner()` returns a face of the planner.
 What is left is introspection of the interpreter itself (`gc.get_referents`, a class's
 function globals), which no Python object can close; the compiled engine of "One engine,
 one source" is the place to close that too.
 
-Each read costs one Python call more than reading the replica itself.
+A per-request read is one Python call, as it was when the view bound the replica's methods.
 """
 from __future__ import annotations
 
@@ -21,10 +22,8 @@ from collections.abc import Sequence, Set
 from operator import attrgetter
 
 from kvsched.errors import KvschedError, PlanError
+from kvsched.sim.requests import DECODE, DONE
 
-_METHODS = ("blocks_for", "arrival", "prompt_len", "output_len", "prefill_target", "prefill_done",
-            "generated", "kv_tokens", "kv_blocks", "is_decoding", "needs_block", "tier_priority",
-            "tbt_slo", "last_token_time", "cached_tokens")
 # view attribute -> the replica attribute path it reads
 _SCALARS = {"now": "now", "num_decoding": "_decoders.n", "kv_used_blocks": "kv.used",
             "mean_batch_time": "mean_batch_time", "iterations": "iterations",
@@ -161,6 +160,81 @@ class ReplicaView:
         _SET_COST(self, cost)
         return cost
 
+    # ----- per request (the replica's tables; requests are workload indices) --------------
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def arrival(self, i: int) -> float:
+        return _R(self)._arrival[i]
+
+    def prompt_len(self, i: int) -> int:
+        return _R(self)._prompt[i]
+
+    def output_len(self, i: int) -> int | None:
+        r = _R(self)
+        return r._output[i] if r._known[i] else None
+
+    def prefill_target(self, i: int) -> int:
+        return _R(self)._target[i]
+
+    def prefill_done(self, i: int) -> int:
+        return _R(self)._computed[i]
+
+    def generated(self, i: int) -> int:
+        r = _R(self)
+        c = r._where.get(i)
+        if c is not None:
+            c0, _, g0, _ = c.members[i]
+            return g0 + c.clock - c0
+        return r.reqs.gen[i] if r._status[i] != DECODE else self._remote(i)
+
+    def kv_tokens(self, i: int) -> int:
+        r = _R(self)
+        c = r._where.get(i)
+        if c is not None:
+            c0, k0, _, _ = c.members[i]
+            return k0 + c.clock - c0
+        return r._computed[i] if r._status[i] != DECODE else self._remote(i)
+
+    def _remote(self, i: int):
+        raise PlanError(f"policy {self._policy_name} asked about request {i}, which is decoding on another replica")
+
+    def kv_blocks(self, i: int) -> int:
+        return -(-self.kv_tokens(i) // self.block_size)
+
+    def is_decoding(self, i: int) -> bool:
+        return i in _R(self)._where
+
+    def needs_block(self, i: int) -> bool:
+        c = _R(self)._where.get(i)
+        if c is None:
+            return False
+        c0, k0, _, _ = c.members[i]
+        return (k0 + c.clock - c0) % self.block_size == 0
+
+    def tier_priority(self, i: int) -> int:
+        return _R(self).reqs.priority[i]
+
+    def tbt_slo(self, i: int) -> float:
+        """The request's time-between-tokens SLO in seconds (infinity when its tier has none)."""
+        return _R(self).reqs.tbt[i]
+
+    def last_token_time(self, i: int) -> float | None:
+        """When its last output token came out (None before the first)."""
+        r = _R(self)
+        c = r._where.get(i)
+        if c is not None:
+            return c.last_token(i)              # its cohort's
+        t = r.reqs
+        if t.status[i] == DONE:
+            return float(t.finished[i])
+        return t.last_tok[i] if t.gen[i] else None
+
+    def cached_tokens(self, i: int) -> int:
+        """Prompt tokens of waiting request i that would hit the prefix cache now (0 without it)."""
+        cache = _R(self).cache
+        return cache.cached_tokens(i) if cache is not None else 0
+
     def prefix_planner(self) -> PlannerFace | None:
         """What a plan being built finds in the cache (None without prefix caching)."""
         planner = _R(self).prefix_planner()
@@ -174,24 +248,9 @@ _R, _SET_R = _sealed(ReplicaView, "_r")
 _COST, _SET_COST = _sealed(ReplicaView, "_cost")
 
 
-def _method(fn):
-    def method(self, i):
-        return fn(_R(self), i)
-    method.__name__ = method.__qualname__ = fn.__name__
-    method.__doc__ = fn.__doc__
-    return method
-
-
 def _scalar(path: str) -> property:
     read = attrgetter(path)
     return property(lambda self: read(_R(self)))
-
-
-def serve(replica_cls: type) -> None:
-    """Give ReplicaView its per-request reads: `replica_cls`'s own one-argument methods,
-    called on the hidden replica (sim/replica.py calls this once, after defining Replica)."""
-    for name in _METHODS:
-        setattr(ReplicaView, name, _method(getattr(replica_cls, name)))
 
 
 for _name, _path in _SCALARS.items():
