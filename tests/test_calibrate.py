@@ -389,11 +389,13 @@ def test_out_may_not_overwrite_the_step_log(tmp_path, monkeypatch):
 DECODE = "2,0,0,0,0,4,400,,0,4,4,0.02"
 
 
-@pytest.mark.parametrize("args", [[], ["--json"], ["--out", "cost.json"]])
+@pytest.mark.parametrize("args", [[], ["--json"], ["--out", "cost.json"], ["--use", "linear"],
+                                  ["--use", "linear", "--json"], ["--use", "linear", "--out", "cost.json"]])
 def test_too_few_steps_for_any_model_is_one_line_naming_the_counts(tmp_path, monkeypatch, args):
     """Two steps (one prefill-only, one decode-only): linear fits them exactly (2 steps, 2
     parameters), which `best` does not count, and phase has too few of each kind: a one-line
-    error, exit 2, nothing written (was `best: None` with exit 0, and `KeyError: None` with --out)."""
+    error, exit 2, nothing written (was `best: None` with exit 0, and `KeyError: None` with --out;
+    with --use linear, `best: None` with exit 0 and an exact-fit cost file)."""
     monkeypatch.chdir(tmp_path)
     Path("steps.csv").write_text(f"{HEADER}\n{GOOD}\n{DECODE}\n")
     r = invoke("calibrate", "steps.csv", *args)
@@ -410,4 +412,18 @@ def test_one_step_more_than_parameters_is_fitted(tmp_path):
     third = "3,200,1,20100,200,0,0,0:200,0,200,200,0.015"
     (tmp_path / "steps.csv").write_text(f"{HEADER}\n{GOOD}\n{DECODE}\n{third}\n")
     s = calibrate_json(tmp_path / "steps.csv", "--models", "linear")
+    assert s["best"] == s["use"] == "linear"
+
+
+def test_use_of_a_model_with_too_few_steps_is_refused_though_another_has_enough(tmp_path, monkeypatch):
+    """Three steps: linear (2 parameters) is checked by the log, roofline (3) fits it exactly;
+    --use roofline is a one-line error naming its counts, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    Path("steps.csv").write_text(f"{HEADER}\n{GOOD}\n{DECODE}\n3,200,1,20100,200,0,0,0:200,0,200,200,0.015\n")
+    r = invoke("calibrate", "steps.csv", "--models", "linear,roofline", *HW, "--use", "roofline", "--out", "c.json")
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert "--use roofline: 3 steps for 3 parameters, needs at least 4" in r.stderr
+    assert "without --use: linear, which has enough" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.csv"]
+    s = calibrate_json("steps.csv", "--models", "linear,roofline", *HW, "--use", "linear")
     assert s["best"] == s["use"] == "linear"

@@ -5,6 +5,7 @@ import collections
 import os
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -168,38 +169,58 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def test_what_a_killed_writer_left_is_removed_by_the_next_write(tmp_path):
+def _aged(*paths: Path) -> None:
+    """Make `paths` older than files.STALE_AFTER."""
+    from kvsched.files import STALE_AFTER
+    old = time.time() - STALE_AFTER - 5
+    for p in paths:
+        os.utime(p, (old, old))
+
+
+def test_what_a_killed_writer_left_is_removed_by_a_later_write(tmp_path):
     """Issue 36: `kill -9` during --out left a hidden `.NAME.*` folder no later run removed.
-    Temporary names now carry the writer's process id; the next write of NAME removes those
-    of writers no longer running (and puts back a run one of them had moved aside)."""
+    Temporary names now carry the writer's process id; a later write of NAME removes those of
+    writers no longer running (exact kvsched names only, this user's, a minute old)."""
     dead = _dead_pid()
-    left = tmp_path / f".run.{dead}.abc123"
+    left = tmp_path / f".run.{dead}.abc12_xy"
     left.mkdir()
     (left / "requests.csv").write_text("half")
-    stale_file = tmp_path / f".w.csv.{dead}.q1w2e3.tmp"
+    stale_file = tmp_path / f".w.csv.{dead}.q1w2e3r4.tmp"
     stale_file.write_text("half")
-    mine = tmp_path / f".run.{os.getpid()}.live"     # a live writer's: kept
+    young = tmp_path / f".run.{dead}.young123"          # too recent to judge
+    young.mkdir()
+    mine = tmp_path / f".run.{os.getpid()}.livewrit"     # a live writer's
     mine.mkdir()
+    users = [tmp_path / f".w.csv.{dead}.backup", tmp_path / f".w.csv.{dead}.q1w2e3r4.tmp.keep",
+             tmp_path / f".run.{dead}.old.zz", tmp_path / f".w.csv.99999999999999999999.abcdefgh.tmp"]
+    for u in users:
+        u.write_text("the user's own")
+    _aged(left, stale_file, mine, *users)
     assert runner.invoke(app, ["simulate", "--num-requests", "20", "--out", str(tmp_path / "run")]).exit_code == 0
     assert runner.invoke(app, ["workload", "export", "--num-requests", "20", "--out", str(tmp_path / "w.csv")]).exit_code == 0
     assert not left.exists() and not stale_file.exists()
-    assert mine.exists()
-    hidden = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p != mine)
-    assert hidden == [], hidden
+    assert young.exists() and mine.exists() and all(u.read_text() == "the user's own" for u in users)
 
 
 def test_a_moved_aside_run_is_put_back(tmp_path):
     """A writer killed between its two renames left the old run in `.NAME.PID.old.*/run` and
-    no NAME: the next write restores it first (then replaces it as usual)."""
+    no NAME: a later write restores it first (then replaces it as usual). A folder of that
+    name that does not hold a run is the user's: left alone."""
     from kvsched.run import MANIFEST, _clear_stale
     dead = _dead_pid()
-    old = tmp_path / f".run.{dead}.old.abc" / "run"
+    old = tmp_path / f".run.{dead}.old.abcdefgh" / "run"
     old.mkdir(parents=True)
     (old / "summary.json").write_text("{}")
     (old / MANIFEST).write_text("summary.json\n")
+    theirs = tmp_path / f".mine.{dead}.old.abcdefgh" / "run"
+    theirs.mkdir(parents=True)
+    (theirs / "notes.txt").write_text("mine")
+    _aged(old.parent, theirs.parent)
     _clear_stale(tmp_path, tmp_path / "run")
+    _clear_stale(tmp_path, tmp_path / "mine")
     assert (tmp_path / "run" / "summary.json").read_text() == "{}"
-    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+    assert (theirs / "notes.txt").read_text() == "mine" and not (tmp_path / "mine").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", theirs.parent.name])
 
 
 def test_a_manifest_that_is_not_utf8_is_a_one_line_error(tmp_path):
@@ -248,6 +269,14 @@ def test_sizes_and_settings_are_checked_first(args, needle, monkeypatch):
     (dict(strict="no"), "Scenario.strict must be True or False"),
     (dict(prefill_replicas=1.5, decode_replicas=1), "--prefill-replicas must be a whole number"),
     (dict(kv_transfer_latency=0.5), "--kv-transfer-latency sets the KV link"),
+    (dict(stall_batches=2.5), "--stall-batches must be a whole number, got 2.5"),
+    (dict(stall_batches=True), "--stall-batches must be a whole number"),
+    (dict(stall_batches="5"), "--stall-batches must be a whole number"),
+    (dict(trim=1.5), "--trim must be a whole number"),
+    (dict(memory_utilization="0.9"), "--memory-utilization must be in (0, 1], got '0.9'"),
+    (dict(router=5), "Scenario.router must be a name (text), got 5"),
+    (dict(gpu=5), "Scenario.gpu must be a name (text), got 5"),
+    (dict(router_seed=1.5), "--seed (of the router) must be a whole number"),
 ])
 def test_scenario_fields_are_checked(kw, needle):
     w = Workload.build(np.arange(5) * 0.1, [100] * 5, [10] * 5)
@@ -288,6 +317,51 @@ def test_a_policy_that_cannot_be_copied_or_exits_is_named():
         simulate(Scenario(w, replicas=2), _Uncopyable())
     with pytest.raises(PlanError, match="policy quitter raised SystemExit in schedule at t=0s: 7"):
         simulate(Scenario(w), _Exits())
+
+
+class _ExitsWhenCopied:
+    name = "copyquit"
+
+    def __deepcopy__(self, memo):
+        raise SystemExit(7)
+
+    def schedule(self, v):
+        return _BASE.schedule(v)
+
+
+class _Odd(BaseException):
+    pass
+
+
+class _RaisesOdd:
+    name = "odd"
+
+    def schedule(self, v):
+        raise _Odd("odd")
+
+
+class _OutOfMemory:
+    name = "hungry"
+
+    def schedule(self, v):
+        raise MemoryError
+
+
+def test_any_exit_from_policy_code_is_named_but_ctrl_c_and_memory_pass():
+    w = Workload.build(np.arange(5) * 0.1, [100] * 5, [10] * 5)
+    with pytest.raises(KvschedError, match="policy copyquit cannot be copied for replica 1 .*SystemExit: 7"):
+        simulate(Scenario(w, replicas=2), _ExitsWhenCopied())
+    with pytest.raises(PlanError, match="policy odd raised _Odd in schedule"):
+        simulate(Scenario(w), _RaisesOdd())
+    with pytest.raises(MemoryError):           # the machine's, not the policy's
+        simulate(Scenario(w), _OutOfMemory())
+
+
+def test_jobs_are_bounded():
+    one_line_error(["capacity", "--num-requests", "30", "--slo", "ttft:p99:1000", "--jobs", "100000000"],
+                   "--jobs must be <= 1,024 (kvsched.limits)")
+    one_line_error(["sweep", "--num-requests", "5", "--rates", "1", "--jobs", "100000000", "--out", "x"],
+                   "--jobs must be <= 1,024 (kvsched.limits)")
 
 
 def test_a_router_that_raises_is_named():
@@ -379,3 +453,72 @@ def test_idle_replicas_cost_no_work_per_event(monkeypatch):
     s = simulate(Scenario(w, replicas=200), "vllm-v1").summary
     assert s["completed"] == 20
     assert len(calls) < 20 * 60, len(calls)       # a scan would ask 200 replicas at every step
+
+
+def test_iterators_slices_and_set_algebra_hand_out_no_engine_container():
+    """Review of issue 36: `iter(v.waiting).__reduce__()` returned the replica's queue, a slice
+    of `v._admitted` was a writable view of the table, and `v.decoding - s` was a one-shot
+    set. Iterators now run over snapshots, slices are copies, set algebra gives frozensets."""
+    seen = {}
+
+    class Poke:
+        name = "poke"
+
+        def schedule(self, v):
+            if len(v.waiting) >= 2 and v.num_decoding >= 2 and "done" not in seen:
+                seen["done"] = True
+                for coll in (v.waiting, v.recent_batch_times, v.recent_finished, v.decoding, v.running):
+                    reduced = iter(coll).__reduce__()
+                    inner = [x for x in reduced[1] if not isinstance(x, int)] if len(reduced) > 1 else []
+                    assert all(isinstance(x, (tuple, list)) for x in inner), reduced
+                    for x in inner:             # a copy, if anything: changing it changes nothing
+                        if isinstance(x, list):
+                            x.clear()
+                a = v._admitted[:]
+                a[:] = 0.0                      # a copy
+                d = v.decoding - {-1}
+                assert isinstance(d, frozenset) and len(d) == v.num_decoding and list(d) == list(d)
+            return _BASE.schedule(v)
+
+    w = Workload.build(np.arange(60) * 0.01, [300] * 60, [40] * 60)
+    a = simulate(Scenario(w, cost="constant", cost_params={"b": 0.01}), Poke())
+    b = simulate(Scenario(w, cost="constant", cost_params={"b": 0.01}), "vllm-v1")
+    assert seen.get("done")
+    assert a.records.admitted.tolist() == b.records.admitted.tolist()
+    assert a.records.finished.tolist() == b.records.finished.tolist()
+
+
+def test_recomputing_a_long_prompt_after_one_preemption_is_progress():
+    """Review of issue 36: vllm-v1 with an 11-token budget recomputes a preempted 6,000-token
+    prompt alone for ~550 batches without a new token; that is progress (only batches that
+    preempt again count), so a limit of 50 does not stop it."""
+    w = Workload.build([0.0] * 4 + [0.001], [64] * 4 + [6000], [3000] * 4 + [2])
+    r = simulate(Scenario(w, kv_capacity=8000, block_size=16, cost="constant", cost_params={"b": 0.01},
+                          stall_batches=50), "vllm-v1", {"max_num_batched_tokens": 11, "max_num_seqs": 11})
+    assert r.summary["completed"] == 5 and int(r.records.preemptions.sum()) >= 1
+
+
+@pytest.mark.parametrize("kw", [
+    dict(replicas=4), dict(replicas=5, router="least-outstanding"), dict(replicas=3, router="prefix-affinity"),
+    dict(prefill_replicas=2, decode_replicas=3), dict(replicas=3, closed=6), dict(replicas=3, sessions=True),
+])
+def test_the_heap_and_the_scan_choose_the_same_replicas(kw, monkeypatch):
+    """Clusters above SCAN_UP_TO replicas choose the next replica from a heap, smaller ones
+    by a scan: both give the same run, bit for bit."""
+    import kvsched.sim.cluster as cluster
+    rng = np.random.default_rng(3)
+    n = 300
+    closed, sessions = kw.pop("closed", None), kw.pop("sessions", False)
+    build = dict(concurrency=closed) if closed else {}
+    if sessions:
+        build["session_prev"] = [-1 if k % 3 == 0 else k - 1 for k in range(n)]
+        build["think"] = [0.0 if k % 3 == 0 else 0.5 for k in range(n)]
+    w = Workload.build(np.sort(rng.uniform(0, 30, n)), rng.integers(20, 600, n), rng.integers(2, 80, n), **build)
+    runs = []
+    for up_to in (cluster.SCAN_UP_TO, 0):
+        monkeypatch.setattr(cluster, "SCAN_UP_TO", up_to)
+        r = simulate(Scenario(w, prefix_caching=True, **kw), "vllm-v1", record_timeline=True)
+        rec = r.records
+        runs.append(({k: v for k, v in r.summary.items() if "wall" not in k}, rec.finished.tolist(),
+                     rec.first_token.tolist(), list(r.timeline)))
+    assert runs[0] == runs[1]

@@ -187,7 +187,7 @@ def test_plan_subclass_is_a_plan():
 def test_stall_limit_is_configurable_and_checked():
     with pytest.raises(PlanError, match="no new token in 7 batches"):
         sim(Bad("bad", "spin"), stall_batches=7)
-    with pytest.raises(KvschedError, match="stall_batches must be >= 1"):
+    with pytest.raises(KvschedError, match="stall.batches must be >= 1"):
         sim(Fcfs(), stall_batches=0)
 
 

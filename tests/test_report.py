@@ -209,6 +209,9 @@ def test_corrupt_figures_are_one_line_errors(tmp_path, where, value, words):
     (lambda p: p["at_max_rate"].update(met="yes"), "policies.vllm-v1.at_max_rate must be an object whose met is"),
     (lambda p: p.update(bounded_by=3), "policies.vllm-v1: bounded_by must be text and gpus an object or null"),
     (lambda p: p.update(gpus="4"), "policies.vllm-v1: bounded_by must be text and gpus an object or null"),
+    (lambda p: p.update(max_rate=10 ** 400), "policies.vllm-v1.max_rate must be a number, got 1000"),
+    (lambda p: p["evaluations"][0]["figures"].update(preemptions=-1),
+     "policies.vllm-v1.evaluations[0].figures: preemptions must be a whole number >= 0 or null, got -1"),
 ])
 def test_corrupt_capacity_numbers_are_one_line_errors(tmp_path, change, words):
     cap = make_capacity(tmp_path / "cap", rates=(2.0, 5.0), seeds=(0,))
@@ -322,6 +325,27 @@ CORRUPT_RUNS = {
     "summary-list": (lambda d: (d / "summary.json").write_text("[1, 2]"), "summary.json: malformed"),
     "summary-not-utf8": (lambda d: (d / "summary.json").write_bytes(b'{"policy": "\xff"}'),
                          "summary.json: not UTF-8 text (byte 13)"),
+    # a JSON integer of 401 digits: math.isfinite raised OverflowError (a traceback)
+    "summary-huge-count": (_summary(lambda s: s.update(completed=10 ** 400)),
+                           "summary.json: malformed (ValueError: completed must be a finite number or null"),
+    "summary-huge-rejected": (_summary(lambda s: s.update(rejected=10 ** 400)),
+                              "rejected must be a whole number >= 0 or null, got 1000"),
+    "summary-huge-capacity": (_summary(lambda s: s.update(kv_capacity_tokens=10 ** 400)),
+                              "kv_capacity_tokens must be a whole number >= 1, got 1000"),
+    "summary-negative-count": (_summary(lambda s: s.update(completed=-5)),
+                               "summary.json: malformed (ValueError: completed must be a whole number >= 0 or "
+                               "null, got -5)"),
+    "summary-fractional-count": (_summary(lambda s: s.update(preemptions=1.5)), "preemptions must be a whole"),
+    "summary-negative-tier-count": (_summary(lambda s: s["tiers"][0].update(requests=-3)),
+                                    "tier_paying_requests must be a whole number >= 0 or null, got -3"),
+    # requests.csv cut exactly at a row boundary: every row whole, 50 of 60 requests missing
+    "requests-cut-at-a-row": (lambda d: (d / "requests.csv").write_bytes(
+        b"".join((d / "requests.csv").read_bytes().splitlines(keepends=True)[:11])),
+        "requests.csv: 10 finished rows, but summary.json has completed 60 (cut short, or another run's file)"),
+    "summary-more-completed": (_summary(lambda s: s.update(completed=61)),
+                               "requests.csv: 60 finished rows, but summary.json has completed 61"),
+    "summary-more-rejected": (_summary(lambda s: s.update(rejected=2)),
+                              "requests.csv: 0 rejected rows, but summary.json has rejected 2"),
 }
 
 
@@ -376,6 +400,9 @@ def test_every_figure_the_page_reads_as_a_number_is_checked():
     (lambda f: f.update(request_throughput="3"), "figures: request_throughput must be a finite number or null"),
     (lambda f: f.update(tier_a_p99_itl_ms=[1]), "figures: tier_a_p99_itl_ms must be a finite number or null"),
     (lambda f: f.update(model=3), "figures: model must be text or null"),
+    (lambda f: f.update(completed=10 ** 400), "figures: completed must be a finite number or null"),   # a traceback
+    (lambda f: f.update(request_throughput=-10 ** 400), "figures: request_throughput must be a finite number"),
+    (lambda f: f.update(completed=-5), "figures: completed must be a whole number >= 0 or null, got -5"),
 ])
 def test_a_sweep_point_with_text_for_a_number_is_refused(tmp_path, change, words):
     sw = make_sweep(tmp_path / "sw", rates=(2.0,), seeds=(0,))
@@ -406,3 +433,61 @@ def test_a_corrupt_capacity_document_is_refused(tmp_path, change, words):
     r = runner.invoke(app, ["report", str(cap)])
     assert r.exit_code == 2 and "capacity.json: not UTF-8 text (byte 19)" in r.output, r.output
     assert not (cap / "report.html").exists()
+
+
+def test_a_sweep_point_whose_key_is_not_its_file_name_is_refused(tmp_path):
+    """points/KEY.json holds the point KEY (sweep.Store.path): another key is a copied or
+    renamed file, not this grid's point (was rendered, exit 0)."""
+    sw = make_sweep(tmp_path / "sw", rates=(2.0,), seeds=(0,))
+    point = sw / "points" / "vllm-v1-r2-s0.json"
+    point.write_text(json.dumps({**json.loads(point.read_text()), "key": "sarathi-r2-s0"}))
+    r = runner.invoke(app, ["report", str(sw)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert f"{point}: malformed (ValueError: key 'sarathi-r2-s0' is not its file's name 'vllm-v1-r2-s0'" in r.output
+    assert not (sw / "report.html").exists()
+
+
+def _own_files(folders: dict[str, Path], tmp_path: Path) -> list[tuple[Path, str]]:
+    """Copies of a run, compare, sweep and capacity folder, each with the names of its own files."""
+    import shutil
+    out = []
+    for kind, names in (("run", ["requests.csv", "summary.json", "timeline.csv", "run.json", ".kvsched-run"]),
+                        ("compare", ["compare.json", "sarathi/requests.csv", "vllm-v1/summary.json",
+                                     "vllm-v1/run.json"]),
+                        ("sweep", ["sweep.json", "points/bad.json", "points/vllm-v1-r2-s0.json"]),
+                        ("capacity", ["capacity.json"])):
+        d = tmp_path / kind
+        shutil.copytree(folders[kind], d)
+        (d / "report.html").unlink(missing_ok=True)
+        out += [(d, name) for name in names]
+    return out
+
+
+def test_output_may_not_replace_one_of_the_folders_own_files(folders, tmp_path):
+    """`--output DIR/requests.csv` replaced the run's data with HTML (exit 0): any file the
+    report reads, the manifest or a file it lists is refused before anything is written,
+    however the path is spelt (.., a linked parent)."""
+    for d, name in _own_files(folders, tmp_path):
+        before = (d / name).read_bytes()
+        (tmp_path / "alias").unlink(missing_ok=True)
+        (tmp_path / "alias").symlink_to(d)
+        for spelling in (d / name, d / "points" / ".." / name, tmp_path / "alias" / name):
+            r = runner.invoke(app, ["report", str(d), "--output", str(spelling)])
+            assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+            assert f"--output {spelling} is one of the folder's own files" in r.output, r.output
+        assert (d / name).read_bytes() == before and not (d / "report.html").exists()
+        assert not [p for p in d.rglob("*") if p.name.startswith(".") and p.name != ".kvsched-run"]
+
+
+def test_output_may_write_report_html_again_and_a_report_elsewhere(folders, tmp_path):
+    """The default report.html, an earlier report (at any name in the folder, though the
+    manifest lists it) and a file outside the folder are written, and written again."""
+    import shutil
+    d = tmp_path / "run"
+    shutil.copytree(folders["run"], d)
+    for args in ([], [], ["--output", str(d / "report.html")], ["--output", str(d / "other.html")],
+                 ["--output", str(d / "other.html")], ["--output", str(tmp_path / "summary.json")]):
+        r = runner.invoke(app, ["report", str(d), *args])
+        assert r.exit_code == 0, r.output
+    assert (tmp_path / "summary.json").read_text().startswith("<!DOCTYPE html>")
+    assert json.loads((d / "summary.json").read_text())["completed"] == 60

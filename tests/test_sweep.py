@@ -415,6 +415,10 @@ INCOMPLETE = {
     "axes-seed-bool": lambda r: r["axes"].update(seed=False),
     "axes-other-rate": lambda r: r["axes"].update(rate=3.0),
     "not-an-object": lambda r: r.clear(),
+    # JSON integers of 401 digits: math.isfinite raised OverflowError through Store.load
+    "figure-huge-integer": lambda r: r["figures"].update(completed=10 ** 400),
+    "seconds-huge-integer": lambda r: r.update(seconds=10 ** 400),
+    "count-negative": lambda r: r["figures"].update(completed=-5),
 }
 
 
@@ -454,6 +458,19 @@ def test_a_resumed_sweep_runs_a_point_file_missing_its_figures_again(tmp_path, o
     assert (json.loads(r.stdout)["done"], json.loads(r.stdout)["skipped"]) == (1, 0)
     assert json.loads(path.read_text()) == {**one_point[1], "seconds": json.loads(path.read_text())["seconds"]}
     assert rows(out / "sweep.csv")[0]["completed"] == "20"
+
+
+def test_a_resumed_sweep_runs_a_point_with_a_huge_integer_again(tmp_path, one_point):
+    """A figure of 401 digits: the resume crashed with OverflowError; now the point runs again."""
+    import shutil
+    out = tmp_path / "s"
+    shutil.copytree(one_point[0], out)
+    [path] = (out / "points").glob("*.json")
+    path.write_text(json.dumps({**one_point[1], "figures": {**one_point[1]["figures"], "completed": 10 ** 400}}))
+    r = sweep("--rates", "2", "--num-requests", "20", "--jobs", "1", "--out", str(out), "--json")
+    assert r.exit_code == 0, r.output
+    assert (json.loads(r.stdout)["done"], json.loads(r.stdout)["skipped"]) == (1, 0)
+    assert json.loads(path.read_text())["figures"]["completed"] == 20
 
 
 # ---- Ray -------------------------------------------------------------------------------------

@@ -216,12 +216,41 @@ STAB = ["theory", "stability", "-w", "stability-pd-switch"]
       "--eps", "1e-308"], "cycle bound"),
     ([*STAB, "--kv-capacity", "131000", "--batch-time", "0.05", "--chunk-size", "1" + "0" * 400],
      "--chunk-size) must be 1..1,099,511,627,776"),
+    # N beyond any KV capacity: exit 0 with rhs -4e-310 (underflow) and a 309-digit k0_star
+    ([*EB_CROSS, "--p0", "0.004", "--batch-size", "1e30"],
+     "the batch size N (--batch-size) must be 1..1,099,511,627,776 request slots (each holds at least one KV "
+     "token), got 1e+30"),
+    ([*EB_CROSS, "--p0", "0.004", "--batch-size", "1e308"], "--batch-size) must be 1..1,099,511,627,776"),
+    ([*EB_CROSS, "--p0", "0.004", "--batch-size", "1099511627777"], "got 1099511627777"),
+    ([*EB_CROSS, "--p0", "0.004", "--batch-size", "nan"], "--batch-size) must be 1..1,099,511,627,776"),
+    (["theory", "eb-threshold", "--p0", "0.004", *EB, "--eta", "1e-5", "--batch-size", "1e30"],
+     "--batch-size) must be 1..1,099,511,627,776"),
+    ([*EB_BATCH[:2], "--kv-capacity", "1e300", *EB_BATCH[4:], "--p0", "0.004"],
+     "the KV capacity C (--kv-capacity) must be at most 1,099,511,627,776 tokens, got 1e+300"),
+    # a term of eq. (7) below the float range (its difference with the other is no check)
+    ([*EB_CROSS[:-4], "--mu-l", "1e306", "--mu-o", "256", "--p0", "0.004"],
+     "(alpha_p + alpha_d zeta mu_O) / (k0* (mu_L + mu_O)) in eq. (7) is beyond the floating-point range"),
+    ([*EB_CROSS[:-4], "--mu-l", "1e300", "--mu-o", "256", "--p0", "0.004", "--alpha-mb", "1e-20"],
+     "alpha_MB (1 + mu_O) / (N (mu_L + mu_O)) in eq. (7) is beyond"),
 ])
 def test_theory_parameter_outside_its_domain_is_one_line(args, needle):
     r = invoke(*args)
     assert r.exit_code == 2, r.output
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "Traceback" not in r.output and "warning" not in r.stderr
+
+
+def test_eb_crossover_at_the_largest_batch_size_is_computed():
+    """N = 2^40 slots: k0* = floor(theta0 N) a plausible count, rhs = eq. (7)'s right side."""
+    from kvsched.theory.eb import theta0, zeta
+    r = invoke(*EB_CROSS[:2], "--batch-size", str(2 ** 40), *EB_CROSS[4:], "--p0", "0.004", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    th = theta0(0.004, 0.03, 0.01)
+    k0 = int(th * 2 ** 40)
+    assert d["k0_star"] == k0 < 2 ** 40
+    assert d["rhs"] == pytest.approx(((0.03 + 0.01 * zeta(th) * 256) / k0 - 0.01 * 257 / 2 ** 40) / (512 + 256))
+    assert d["rhs"] > 1e-16 and d["favours"] == ("MB" if d["lhs"] < d["rhs"] else "EB")
 
 
 def test_p0_of_one_is_a_probability():

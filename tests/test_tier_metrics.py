@@ -13,6 +13,7 @@ from conftest import Forwarding
 from kvsched.hardware import get_gpu
 from kvsched.metrics import GapHistogram, summarize
 from kvsched.policies import make_policy
+from kvsched.sim.replica import merged_tiers
 from kvsched.sim.view import _R
 from kvsched.report.table import comparison_table, summary_table
 from kvsched.run import Scenario, simulate
@@ -67,7 +68,7 @@ class TokenTimes(Forwarding):
         self.batches += 1
         if self.replica.tier_itl is not None and self.batches % 40 == 0:
             # gaps so far, with those of requests still decoding: every tiered gap is in a tier
-            hs = self.replica.tier_histograms()
+            hs = merged_tiers([self.replica])
             untiered = sum(len(np.diff(t)) for i, t in self.times.items() if self.replica.reqs.tier[i] < 0)
             assert sum(h.n for h in hs) + untiered == self.replica.itl.n
             self.checks += 1

@@ -4,7 +4,8 @@ whether an option names a file.
 A writer replaces only a regular file or creates an absent one: a FIFO, a device, a folder or
 a symbolic link at the target is refused, so `--out /dev/full` never turns a device node into
 a file and a link never leads a write out of its folder. Temporary names carry the writer's
-process id (`.NAME.PID.*`), so the next write to NAME removes what a killed writer left.
+process id (`.NAME.PID.*`), so a later write to NAME removes what a killed writer left
+(`stale_temporaries` says which names count).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import re
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -49,51 +51,70 @@ def temp_prefix(name: str) -> str:
     return f".{name}.{os.getpid()}."
 
 
+STALE_AFTER = 60.0      # seconds: a temporary younger than this is never taken for a killed writer's
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:             # another user's live process
+    except (OSError, OverflowError):    # another user's live process, or not a pid at all
         return True
     return True
 
 
-def stale_temporaries(folder: Path, name: str) -> list[Path]:
+def stale_temporaries(folder: Path, name: str, suffix: str = "") -> list[Path]:
     """Temporary files and folders for target `name` in `folder` left by writers that are no
-    longer running (killed before they could clean up)."""
-    pattern = re.compile(rf"\.{re.escape(name)}\.(\d+)\.")
+    longer running (killed before they could clean up). Only exact kvsched temporary names
+    count (`.NAME.PID.` then `old.` for a moved-aside run, then tempfile's 8 random
+    characters and `suffix`), owned by this user, at least STALE_AFTER seconds old (a writer
+    in another PID namespace sharing the folder is not judged by a pid it does not have
+    here), whose pid runs no process."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.(\d{{1,7}})\.(?:old\.)?[a-z0-9_]{{8}}{re.escape(suffix)}")
+    found = []
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return []
-    found = []
+    now = time.time()
     for e in entries:
-        m = pattern.match(e.name)
-        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+        m = pattern.fullmatch(e.name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if st.st_uid == os.geteuid() and now - st.st_mtime >= STALE_AFTER and not _alive(int(m.group(1))):
             found.append(Path(e.path))
     return found
 
 
 def remove(path: Path) -> None:
-    """Remove a file or a folder tree (not following links); quietly if already gone."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    """Remove a file or a folder tree (not following links); quietly if gone or not ours."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | Path, mode: str = "w", suffix: str = ".tmp") -> Iterator[IO]:
+def atomic_file(path: str | Path, mode: str = "w", suffix: str = ".tmp", clean: bool = True) -> Iterator[IO]:
     """Open a temporary file beside `path`; when the block ends normally it replaces `path`
     with a plain file's permissions, otherwise it is removed, so `path` is either untouched or
     complete. A target that is not a regular file is refused (`check_writable`). An OSError
     becomes a KvschedError naming `path`. Text files are opened with newline="" (CSV writers
-    choose their own line ends)."""
+    choose their own line ends). `clean`: first remove what killed writers of `path` left
+    (a scan of the folder: a caller writing many files into one folder cleans it once itself)."""
     path = check_writable(path)
     folder = Path(os.path.abspath(path)).parent
-    for stale in stale_temporaries(folder, path.name):
-        remove(stale)
+    if clean:
+        for stale in stale_temporaries(folder, path.name, suffix):
+            remove(stale)
     try:
         fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=suffix, dir=folder)
     except OSError as exc:

@@ -13,6 +13,7 @@ from kvsched.errors import KvschedError
 MAX_REPLICAS = 10_000           # replicas in one cluster (all pools together)
 MAX_SEEDS = 10_000              # seeds in one capacity search
 MAX_SWEEP_POINTS = 1_000_000    # points in one sweep grid
+MAX_JOBS = 1_024                # worker processes of capacity and sweep
 
 
 def check_count(what: str, value, limit: int, low: int = 1) -> int:

@@ -13,6 +13,7 @@ import shutil
 import signal
 import tempfile
 from dataclasses import dataclass, field
+from numbers import Real
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -27,7 +28,7 @@ from kvsched.limits import MAX_REPLICAS, check_count
 from kvsched.metrics import Goodput, RunRecords, summarize
 from kvsched.policies import Policy, make_policy
 from kvsched.sim.cluster import Cluster
-from kvsched.sim.replica import DEFAULT_STALL_BATCHES
+from kvsched.sim.replica import DEFAULT_STALL_BATCHES, PASS_THROUGH
 from kvsched.workload.request import Workload
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class Scenario:
     decode_replicas: int = 0
     kv_transfer_bandwidth: float = 25.0     # GB/s (1e9 bytes) per prefill replica's link
     kv_transfer_latency: float = 0.0        # seconds
-    stall_batches: int = DEFAULT_STALL_BATCHES   # batches without an output token before a policy is stopped
+    stall_batches: int = DEFAULT_STALL_BATCHES   # preempting batches without a new token before a policy is stopped
     tbt_first_zero: bool = False            # also report p99 TBT with a 0 s gap per first token (SLAI's telemetry)
     prefix_caching: bool | None = None      # None: the policy's default (on for vllm-v1, as vLLM)
 
@@ -88,18 +89,23 @@ class Scenario:
                         ("--block-size", self.block_size)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
                 raise KvschedError(f"{flag} must be >= 1 (a whole number of tokens), got {v!r}")
-        if not 0 < self.memory_utilization <= 1:
-            raise KvschedError(f"--memory-utilization must be in (0, 1], got {self.memory_utilization}")
-        if self.trim < 0:
-            raise KvschedError(f"--trim must be >= 0 requests, got {self.trim}")
+        u = self.memory_utilization
+        if isinstance(u, bool) or not isinstance(u, Real) or not 0 < u <= 1:
+            raise KvschedError(f"--memory-utilization must be in (0, 1], got {u!r}")
+        check_count("--trim", self.trim, 2 ** 63 - 1, low=0)
+        check_count("--stall-batches", self.stall_batches, 2 ** 63 - 1)
+        check_count("--seed (of the router)", self.router_seed, 2 ** 63 - 1, low=0)
+        for name in ("model", "gpu", "cost") + (("router",) if not hasattr(self.router, "route") else ()):
+            if not isinstance(getattr(self, name), str):
+                raise KvschedError(f"Scenario.{name} must be a name (text), got {getattr(self, name)!r}")
         for name in ("strict", "tbt_first_zero") + (("prefix_caching",) if self.prefix_caching is not None else ()):
             if not isinstance(getattr(self, name), (bool, np.bool_)):   # "off" would be true
                 raise KvschedError(f"Scenario.{name} must be True or False, got {getattr(self, name)!r}")
         self.pools()
 
     def resolve(self):
-        model, gpu = get_model(self.model), get_gpu(self.gpu)
         self.check()
+        model, gpu = get_model(self.model), get_gpu(self.gpu)
         tokens = self.kv_capacity if self.kv_capacity is not None else usable_kv_tokens(
             model, gpu, self.memory_utilization, self.block_size)
         cost = make_cost_model(self.cost, self.cost_params, model, gpu)
@@ -274,14 +280,28 @@ def _restore(old: Path, out: Path) -> None:
 
 
 def _clear_stale(parent: Path, out: Path) -> None:
-    """Remove the temporary folders of killed writers of `out`, restoring a run one of them
-    had moved aside."""
-    stale = stale_temporaries(parent, out.name)
-    for path in sorted(stale, key=lambda p: ".old." not in p.name):     # moved-aside runs first
-        if ".old." in path.name and path.is_dir():
-            _restore(path, out)
-        else:
+    """Remove the temporary folders of killed writers of `out` (files.stale_temporaries),
+    restoring a run one of them had moved aside; a moved-aside folder that does not hold a
+    kvsched run (its manifest, or nothing) is left alone."""
+    def moved(p: Path) -> bool:          # `.NAME.PID.old.*`
+        return ".old." in p.name[len(out.name) + 1:]
+    for path in sorted(stale_temporaries(parent, out.name), key=moved, reverse=True):   # moved-aside runs first
+        if not moved(path):
             remove(path)
+        elif path.is_dir() and _moved_run(path):
+            with contextlib.suppress(OSError):
+                _restore(path, out)
+
+
+def _moved_run(old: Path) -> bool:
+    """Whether `old` is what write_atomically moves aside: one folder `run` holding a run
+    (its manifest) or nothing."""
+    try:
+        names = [p.name for p in old.iterdir()]
+        run = old / "run"
+        return names == ["run"] and run.is_dir() and ((run / MANIFEST).is_file() or not any(run.iterdir()))
+    except OSError:
+        return False
 
 
 def check_out(out) -> Path:
@@ -414,7 +434,9 @@ def _policy(policy: str | Policy, params: dict[str, Any] | None, gpu, k: int) ->
         return policy
     try:
         return copy.deepcopy(policy)
-    except Exception as exc:            # each replica needs its own: policies keep state
+    except PASS_THROUGH:
+        raise
+    except BaseException as exc:        # each replica needs its own: policies keep state
         name = getattr(policy, "name", type(policy).__name__)
         raise KvschedError(f"policy {name} cannot be copied for replica {k} (every replica runs its own "
                            f"copy; make it deep-copyable or run one replica): {type(exc).__name__}: {exc}") from None

@@ -614,7 +614,7 @@ class Store:
     @staticmethod
     def replace(path: Path, write: Callable[[Any], None], mode: str = "w") -> None:
         """Write `path` by a temporary file in the same folder and a rename."""
-        with atomic_file(path, mode, suffix=TEMP_SUFFIX) as f:
+        with atomic_file(path, mode, suffix=TEMP_SUFFIX, clean=False) as f:    # `open` cleaned the folder
             write(f)
 
 
@@ -623,14 +623,14 @@ def whole(record: Any, key: str, axes: dict[str, Any]) -> bool:
     for it (the same JSON), status ok without error or error with one, seconds a number, and
     figures an object `kvsched report` accepts. The table, the summary and the report read
     these fields; a file missing one (a partial copy, an edit) is not a finished point."""
-    from kvsched.report.folders import check_figures
+    from kvsched.report.folders import check_figures, finite
     if not (isinstance(record, dict) and set(RECORD) <= set(record) and record["key"] == key
             and _same_json(record["axes"], axes)):
         return False
     status, error, seconds, figs = (record[k] for k in RECORD[2:])
     if not (status == "ok" and error is None or status == "error" and isinstance(error, str)):
         return False
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+    if not finite(seconds):         # a number a float holds (an integer of 400 digits overflows)
         return False
     try:
         check_figures(figs, "figures")

@@ -77,13 +77,19 @@ def _check_out(out: Path) -> None:
 
 
 def _chosen(cal: Calibration, use: Optional[str]) -> str:
-    """The model --out writes: --use, else the best fit; an error when it was not fitted, or
-    when no fit has more steps than parameters (best is None: nothing to report or write)."""
-    if not cal.fits or (use is None and cal.best() is None):
+    """The model --out writes: --use, else the best fit. An error, --use or not, when no fit
+    has more steps than parameters (best is None: no fit is checked, nothing to report or
+    write), and when --use was not fitted or has too few steps itself."""
+    best = cal.best()
+    if best is None:
         raise KvschedError(cal.why_no_best())
-    if use is not None and use in cal.skipped:
+    if use is None:
+        return best
+    if use in cal.skipped:
         raise KvschedError(f"--use {use}: not fitted ({cal.skipped[use]})")
-    return use or cal.best()
+    if (why := cal.too_few_steps(use)) is not None:
+        raise KvschedError(f"--use {use}: {why}; without --use: {best}, which has enough")
+    return use
 
 
 def _render(s: dict) -> Group:

@@ -14,7 +14,7 @@ from kvsched.cli.common import (ClusterOptions, HardwareOptions, JsonOpt, Progre
                                 hardware_flags, workload_flags)
 from kvsched.cli.theory import ChunkOpt
 from kvsched.errors import KvschedError
-from kvsched.limits import MAX_SEEDS, check_count
+from kvsched.limits import MAX_JOBS, MAX_SEEDS, check_count
 
 if TYPE_CHECKING:       # the engine is imported when the command runs (fast `kvsched --help`)
     from kvsched.workload.source import WorkloadOptions
@@ -90,8 +90,7 @@ def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], 
     criteria = Criteria([Slo.parse(s) for s in slo],
                         Attainment(attainment, Goodput.parse(goodput)) if attainment is not None else None)
     seeds = check_count("--seeds", seeds, MAX_SEEDS)        # before the seed list is built
-    if jobs < 0:
-        raise KvschedError(f"--jobs must be >= 0, got {jobs}")
+    check_count("--jobs", jobs, MAX_JOBS, low=0)            # 0: all cores
     if not (math.isfinite(tolerance) and 0 < tolerance < 1):
         raise KvschedError(f"--tolerance must be in (0, 1), got {tolerance}")
     target = check_rate(wopts.rate, "--rate") if wopts.rate is not None else None

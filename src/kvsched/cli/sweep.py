@@ -14,6 +14,7 @@ from kvsched.cli.common import (CLUSTER_FLAGS, HARDWARE_FLAGS, OUTPUT_FLAGS, WOR
                                 HardwareOptions, JsonOpt, Progress, app, cluster_flags, emit, guard,
                                 hardware_flags, say, workload_flags)
 from kvsched.errors import KvschedError
+from kvsched.limits import MAX_JOBS, check_count
 
 if TYPE_CHECKING:       # the engine is imported when the command runs (fast `kvsched --help`)
     from kvsched.sweep import Grid, Store, Task
@@ -75,8 +76,8 @@ def _check_flags(wopts: WorkloadOptions, backend: str, jobs: int | None) -> None
         raise KvschedError("a sweep's seeds are --seeds (or seeds in the --grid file), not --seed")
     if backend not in BACKENDS:
         raise KvschedError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if jobs is not None and jobs < 1:
-        raise KvschedError(f"--jobs must be >= 1, got {jobs}")
+    if jobs is not None:
+        check_count("--jobs", jobs, MAX_JOBS)
 
 
 def _given(ctx: typer.Context) -> set[str]:

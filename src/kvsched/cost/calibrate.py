@@ -436,19 +436,25 @@ class Calibration:
         """Parameters of fitted model `name` not held fixed."""
         return len(self.fits[name].params) - len(self.fits[name].fixed)
 
+    def too_few_steps(self, name: str) -> str | None:
+        """Why fitted model `name`'s fit is not checked by the log, or None: with no more steps
+        than free parameters any log fits exactly (its errors are 0 whatever the model)."""
+        n, k = len(self.log), self.free_parameters(name)
+        if n > k:
+            return None
+        return f"{n} steps for {k} parameters, needs at least {k + 1} (with fewer any log fits exactly)"
+
     def best(self) -> str | None:
         """The fitted model with the lowest median relative error over all steps (the first on
-        ties), among those with more steps than parameters (fewer fit any log exactly)."""
-        ok = [k for k in self.fits if len(self.log) > self.free_parameters(k)]
+        ties), among those with more steps than parameters (`too_few_steps`)."""
+        ok = [k for k in self.fits if self.too_few_steps(k) is None]
         return min(ok, key=lambda k: self.fits[k].errors["all"]["median"], default=None)
 
     def why_no_best(self) -> str:
         """Why no model can be chosen (`best` is None): the log's steps per kind and, per model,
         why it was skipped or how many steps it needs."""
         n, kinds = len(self.log), self.log.counts()
-        why = {**self.skipped, **{k: f"{n} steps for {self.free_parameters(k)} parameters, needs at least "
-                                     f"{self.free_parameters(k) + 1} (with fewer any log fits exactly)"
-                                  for k in self.fits}}
+        why = {**self.skipped, **{k: self.too_few_steps(k) for k in self.fits}}
         return (f"no model could be fitted to {self.log.path}: {n} step{'s' if n != 1 else ''} "
                 f"({kinds['prefill']} prefill-only, {kinds['decode']} decode-only, {kinds['mixed']} mixed); "
                 + "; ".join(f"{k}: {why[k]}" for k in sorted(why, key=MODELS.index)))

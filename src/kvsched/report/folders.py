@@ -7,7 +7,7 @@ import csv
 import json
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -20,7 +20,10 @@ CURVE_KEYS = ("request_throughput",) + LATENCY
 # checks) and as text; with the flat tier figures (tier_<name>_<key>) each is checked where read.
 NUMBERS = CURVE_KEYS + ("p99_itl_ms", "mean_kv_usage", "peak_queue_length", "preemptions", "completed")
 TEXTS = ("policy", "model", "gpu", "cost_model")
+COUNTS = ("completed", "rejected", "preemptions", "peak_queue_length")    # whole numbers >= 0 (or null)
+TIER_COUNTS = ("_requests", "_completed", "_rejected")                   # a tier's: tier_<name>_requests, ...
 STATUSES = ("finished", "unfinished", "rejected")      # requests.csv's status column
+RUN_FILES = ("summary.json", "requests.csv", "timeline.csv")   # what a simulate run's folder is read from
 MAX_RUNS = 10           # configurations drawn in the distribution, timeline and tier plots
 
 
@@ -130,6 +133,33 @@ def read_json(path: Path, kind: type = dict) -> Any:
         return doc
 
 
+def own_files(path: Path) -> set[Path]:
+    """The files of folder `path` that are its data, resolved (another spelling or a linked
+    parent names the same file): what `load` reads of each kind (RUN_FILES here and in each
+    policy's folder, compare.json, sweep.json and points/*.json, capacity.json), a sweep's
+    tables, and an --out folder's manifest with every file it lists but report pages (.html:
+    kvsched writes no other HTML, and a report joins the manifest). A report must never
+    replace one; report.html, or an earlier report anywhere, may be written again."""
+    from kvsched.run import MANIFEST
+    names = (MANIFEST, *RUN_FILES, "compare.json", "sweep.json", "sweep.csv", "sweep.parquet", "capacity.json")
+    with about(path):
+        folders = [path, *(sub for sub in path.iterdir() if sub.is_dir())]
+        files = {d / name for d in folders for name in names} | set((path / "points").glob("*.json"))
+        files |= {path / name for name in manifest_names(path) if not name.endswith(".html")}
+        return {f.resolve() for f in files}
+
+
+def manifest_names(path: Path) -> list[str]:
+    """The names in folder `path`'s --out manifest (none without one), as run.py reads them:
+    any bytes (surrogateescape), so a name that is not UTF-8 is kept, not an error."""
+    from kvsched.run import MANIFEST
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return []
+    with about(manifest):
+        return [line for line in manifest.read_bytes().decode("utf-8", "surrogateescape").split("\n") if line]
+
+
 # ---- simulate and compare folders: requests.csv, timeline.csv, summary.json ----
 
 def _simulate(d: Path) -> Folder:
@@ -141,7 +171,7 @@ def _compare(d: Path) -> Folder:
     summaries = read_json(d / "compare.json")
     bad = next((name for name in summaries if not _is_key(name)), None)
     if bad is not None:         # a name such as ../x would read another folder
-        raise KvschedError(f"{d / 'compare.json'}: {bad!r} is not the name of a policy's folder")
+        raise KvschedError(f"{d / 'compare.json'}: {_brief(bad)} is not the name of a policy's folder")
     runs = [_run_folder(d / name, name) for name in summaries]
     if not runs:
         raise KvschedError(f"{d / 'compare.json'}: no policies in it")
@@ -160,21 +190,23 @@ def _run_folder(d: Path, label: Optional[str]) -> Run:
         figures = flatten(summary)
         check_figures(figures, "")
         capacity = _whole(summary, "kv_capacity_tokens", 1)
+        counts = {key: _whole(summary, key, 0) for key in ("completed", "rejected")}
         label = label if label is not None else summary["policy"]
         if not isinstance(label, str):
-            raise ValueError(f"policy must be text, got {label!r}")
-    ttft, tpot = _latencies(d / "requests.csv")
+            raise ValueError(f"policy must be text, got {_brief(label)}")
+    ttft, tpot, rows = _latencies(d / "requests.csv")
+    _check_rows(d / "requests.csv", rows, counts)
     timeline = []
     if (d / "timeline.csv").is_file():
         timeline = binned_timeline(_timeline_rows(d / "timeline.csv"), capacity)
     return Run(label, figures, _percentiles(ttft), _percentiles(tpot), timeline)
 
 
-def _latencies(path: Path) -> tuple[list[float], list[float]]:
+def _latencies(path: Path) -> tuple[list[float], list[float], Counter]:
     """TTFT and TPOT in ms of finished requests (TPOT of those with more than one token), as
-    `kvsched.point.figures` counts them. Every other cell is checked too: a number or empty,
-    the status one of STATUSES."""
-    ttft, tpot = [], []
+    `kvsched.point.figures` counts them, and the rows of each status. Every other cell is
+    checked too: a number or empty, the status one of STATUSES."""
+    ttft, tpot, statuses = [], [], Counter()
     rows = _read_csv(path)
     header = next(rows)
     col = {name: k for k, name in enumerate(header)}
@@ -186,7 +218,8 @@ def _latencies(path: Path) -> tuple[list[float], list[float]]:
     for where, row in rows:
         values = _numbers(where, header, row, numeric)
         if row[status] not in STATUSES:
-            raise KvschedError(f"{where}: status {row[status]!r} is not one of {', '.join(STATUSES)}")
+            raise KvschedError(f"{where}: status {_brief(row[status])} is not one of {', '.join(STATUSES)}")
+        statuses[row[status]] += 1
         if row[status] != "finished":
             continue
         if None in (values[t], values[n], values[s]) or values[n] < 0 or not values[n].is_integer():
@@ -194,7 +227,17 @@ def _latencies(path: Path) -> tuple[list[float], list[float]]:
         ttft.append(values[t] * 1000)
         if values[n] > 0:
             tpot.append(values[s] / values[n] * 1000)
-    return ttft, tpot
+    return ttft, tpot, statuses
+
+
+def _check_rows(path: Path, statuses: Counter, counts: dict[str, int]) -> None:
+    """requests.csv has a row per request (run.py): as many finished and rejected rows as
+    summary.json's completed and rejected, else it was cut at a row boundary or is another
+    run's. (Unfinished requests have no count in summary.json to check.)"""
+    for status, key in (("finished", "completed"), ("rejected", "rejected")):
+        if statuses[status] != counts[key]:
+            raise KvschedError(f"{path}: {statuses[status]:,} {status} rows, but summary.json has {key} "
+                               f"{counts[key]:,} (cut short, or another run's file)")
 
 
 def _timeline_rows(path: Path) -> list[list[float]]:
@@ -212,7 +255,8 @@ def _timeline_rows(path: Path) -> list[list[float]]:
         if None in values:
             raise KvschedError(f"{where}: {header[values.index(None)]} is empty")
         if len(values) == 5 and not (values[4].is_integer() and 0 <= values[4] < MAX_REPLICAS):
-            raise KvschedError(f"{where}: replica must be a whole number in [0, {MAX_REPLICAS:,}), got {row[4]!r}")
+            raise KvschedError(f"{where}: replica must be a whole number in [0, {MAX_REPLICAS:,}), "
+                               f"got {_brief(row[4])}")
         out.append(values)
     return out
 
@@ -260,9 +304,9 @@ def _numbers(where: str, header: list[str], row: list[str], columns: Any) -> lis
         try:
             values[k] = float(row[k])
         except ValueError:
-            raise KvschedError(f"{where}: {header[k]} {row[k]!r} is not a number") from None
+            raise KvschedError(f"{where}: {header[k]} {_brief(row[k])} is not a number") from None
         if not math.isfinite(values[k]):
-            raise KvschedError(f"{where}: {header[k]} {row[k]!r} is not a finite number")
+            raise KvschedError(f"{where}: {header[k]} {_brief(row[k])} is not a finite number")
     return values
 
 
@@ -320,6 +364,8 @@ def _is_key(k: Any) -> bool:
 def _point(f: Path) -> dict:
     p = read_json(f)
     with about(f):
+        if p["key"] != f.stem:         # a point file copied or renamed: not this grid's point
+            raise ValueError(f"key {_brief(p['key'])} is not its file's name {f.stem!r} (points/KEY.json)")
         if p["status"] == "ok":
             axes, figures = p["axes"], p["figures"]
             if not isinstance(figures, dict) or not isinstance(axes["params"], dict):
@@ -364,8 +410,8 @@ def _rate_key(rate: Any) -> float:
     """A point's rate; none (the trace's own rate) sorts first."""
     if rate is None:
         return -math.inf
-    if not _finite(rate):
-        raise TypeError(f"axes.rate must be a number or null, got {rate!r}")
+    if not finite(rate):
+        raise TypeError(f"axes.rate must be a number or null, got {_brief(rate)}")
     return float(rate)
 
 
@@ -382,42 +428,64 @@ def _mean(values: list[Any]) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+def finite(v: Any) -> bool:
+    """A number (not a boolean) that is finite as a float: a JSON integer of 400 digits is not
+    (math.isfinite raises OverflowError on it)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _brief(v: Any) -> str:
+    """A bad value for a message: its repr, a long one cut with its length (a 401-digit
+    integer cut to 40 digits would read as a plausible number)."""
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text):,} characters)"
+
+
+def _count(key: str) -> bool:
+    return key in COUNTS or key.startswith("tier_") and key.endswith(TIER_COUNTS)
 
 
 def check_lists(figures: Any, where: str) -> None:
     """The figure lists a report draws: 101 percentiles (or none) and timeline rows of 4
     numbers, all finite; anything else is malformed (ValueError naming the key)."""
     if not isinstance(figures, dict):
-        raise ValueError(f"{where} must be an object of figures, got {figures!r:.40}")
+        raise ValueError(f"{where} must be an object of figures, got {_brief(figures)}")
     for key in ("ttft_quantiles_ms", "tpot_quantiles_ms"):
         q = figures.get(key) or []
-        if not (isinstance(q, list) and len(q) in (0, 101) and all(_finite(v) for v in q)):
+        if not (isinstance(q, list) and len(q) in (0, 101) and all(finite(v) for v in q)):
             raise ValueError(f"{where}: {key} must be 101 finite numbers (percentiles 0..100) or empty")
     rows = figures.get("timeline") or []
-    if not (isinstance(rows, list) and all(isinstance(r, list) and len(r) == 4 and all(_finite(v) for v in r)
+    if not (isinstance(rows, list) and all(isinstance(r, list) and len(r) == 4 and all(finite(v) for v in r)
                                            for r in rows)):
         raise ValueError(f"{where}: timeline must be rows of 4 finite numbers (time, queue, running, KV use)")
 
 
 def check_figures(figures: Any, where: str, numbers: tuple[str, ...] = ()) -> None:
     """`check_lists`, and the figures the page reads: NUMBERS, `numbers` and the flat tier
-    figures each a finite number or null, TEXTS text or null (ValueError naming the key)."""
+    figures each a finite number or null, COUNTS and the tiers' counts whole numbers >= 0 or
+    null, TEXTS text or null (ValueError naming the key)."""
     check_lists(figures, where)
     at = f"{where}: " if where else ""
     for key, v in figures.items():
-        if (key in NUMBERS or key in numbers or key.startswith("tier_")) and not (v is None or _finite(v)):
-            raise ValueError(f"{at}{key} must be a finite number or null, got {v!r:.40}")
+        if (key in NUMBERS or key in numbers or key.startswith("tier_")) and not (v is None or finite(v)):
+            raise ValueError(f"{at}{key} must be a finite number or null, got {_brief(v)}")
+        if _count(key) and not (v is None or isinstance(v, int) and finite(v) and v >= 0):
+            raise ValueError(f"{at}{key} must be a whole number >= 0 or null, got {_brief(v)}")
         if key in TEXTS and not (v is None or isinstance(v, str)):
-            raise ValueError(f"{at}{key} must be text or null, got {v!r:.40}")
+            raise ValueError(f"{at}{key} must be text or null, got {_brief(v)}")
 
 
 def _whole(doc: dict, key: str, low: int) -> int:
-    """doc[key], a whole number >= low (not a boolean, not a float to truncate), else ValueError."""
+    """doc[key], a whole number >= low that a float holds (not a boolean, not a float to
+    truncate), else ValueError."""
     v = doc[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(f"{key} must be a whole number >= {low}, got {v!r:.40}")
+    if not (isinstance(v, int) and finite(v)) or v < low:
+        raise ValueError(f"{key} must be a whole number >= {low}, got {_brief(v)}")
     return v
 
 
@@ -461,7 +529,7 @@ def _capacity(d: Path) -> Folder:
         limits = _limits(doc)
         seeds = doc.get("seeds") or []
         if not (isinstance(seeds, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
-            raise ValueError(f"seeds must be a list of whole numbers, got {seeds!r:.40}")
+            raise ValueError(f"seeds must be a list of whole numbers, got {_brief(seeds)}")
         numbers = tuple(lim.key for lim in limits)
         cap = Capacity(limits, [_capacity_policy(n, p, numbers) for n, p in doc["policies"].items()], seeds)
         runs = [_figures_run(n, p["at_max_rate_runs"][0]) for n, p in doc["policies"].items()
@@ -502,7 +570,7 @@ def _capacity_policy(name: str, p: dict, numbers: tuple[str, ...]) -> CapacityPo
     mu = None if p.get("mu") is None else _num(p, "mu", where)
     runs = p.get("at_max_rate_runs") or []
     if not isinstance(runs, list):
-        raise ValueError(f"{where}.at_max_rate_runs must be a list of runs, got {runs!r:.40}")
+        raise ValueError(f"{where}.at_max_rate_runs must be a list of runs, got {_brief(runs)}")
     for k, run in enumerate(runs):
         check_figures(run, f"{where}.at_max_rate_runs[{k}]", numbers)
     evaluations = []
@@ -510,7 +578,7 @@ def _capacity_policy(name: str, p: dict, numbers: tuple[str, ...]) -> CapacityPo
         seed, met = e["seed"], e["met"]
         if isinstance(seed, bool) or not isinstance(seed, int) or not isinstance(met, bool):
             raise ValueError(f"{where}.evaluations[{k}]: seed must be a whole number and met true or false, "
-                             f"got {seed!r} and {met!r}")
+                             f"got {_brief(seed)} and {_brief(met)}")
         check_figures(e["figures"], f"{where}.evaluations[{k}].figures", numbers)
         evaluations.append(Evaluation(seed, _num(e, "rate", f"{where}.evaluations[{k}]"), met, dict(e["figures"])))
     return CapacityPolicy(name, *rates, mu, p.get("bounded_by", ""), met, evaluations, p.get("gpus"))
@@ -518,6 +586,6 @@ def _capacity_policy(name: str, p: dict, numbers: tuple[str, ...]) -> CapacityPo
 
 def _num(doc: dict, key: str, where: str) -> float:
     """doc[key], a finite number (not a boolean), else malformed (ValueError naming the key)."""
-    if not _finite(doc[key]):
-        raise ValueError(f"{where}.{key} must be a number, got {doc[key]!r}")
+    if not finite(doc[key]):
+        raise ValueError(f"{where}.{key} must be a number, got {_brief(doc[key])}")
     return float(doc[key])

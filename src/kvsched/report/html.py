@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 from kvsched.errors import KvschedError
 from kvsched.files import atomic_file
-from kvsched.report.folders import Folder, load
+from kvsched.report.folders import Folder, load, manifest_names, own_files
 
 CSS = """body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1160px;margin:24px auto;
 padding:0 16px;color:#222}h1{font-size:1.6em;margin-bottom:4px}h2{margin-top:36px;border-bottom:1px solid #ddd;
@@ -40,11 +40,16 @@ class Section:
 
 
 def write_report(folder: Path, output: Optional[Path] = None) -> tuple[Path, list[str]]:
-    """Render `folder`'s report into `output` (default folder/report.html); the plots' ids."""
-    page, ids = render(load(folder))
+    """Render `folder`'s report into `output` (default folder/report.html); the plots' ids.
+    `output` may not be one of the folder's own files (its data would become HTML)."""
     target = Path(output) if output is not None else folder / "report.html"
     if target.is_dir():
         raise KvschedError(f"--output {target} is a folder; give a file name")
+    data = load(folder)
+    if target.resolve() in own_files(folder):
+        raise KvschedError(f"--output {target} is one of the folder's own files; give another file name "
+                           f"(default: {folder / 'report.html'})")
+    page, ids = render(data)
     _list_in_manifest(folder, target)
     _write_text(target, page)
     return target, ids
@@ -198,10 +203,7 @@ def _list_in_manifest(folder: Path, target: Path) -> None:
         return
     if not manifest.is_file():
         return
-    try:        # names as run.py reads them: any bytes (surrogateescape), written back unchanged
-        listed = [line for line in manifest.read_bytes().decode("utf-8", "surrogateescape").split("\n") if line]
-    except OSError as exc:
-        raise KvschedError(f"cannot read {manifest}: {exc.strerror or exc}") from None
+    listed = manifest_names(folder)     # any bytes (surrogateescape), written back unchanged
     if rel not in listed:
         text = "".join(f"{name}\n" for name in sorted(listed + [rel]))
         with atomic_file(manifest, "wb") as f:

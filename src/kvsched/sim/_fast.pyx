@@ -742,9 +742,7 @@ cdef int _admit_step(object self, object policy, int kind, tuple roof, Tables tb
                 out = True
             elif computed[i] > reached[i]:      # Replica._execute: a prompt token never computed before
                 out = True
-        if not out:
-            self._stalled(end)
-        elif self._stall:
+        if out and self._stall:                 # (its plans preempt nothing: never a stalled batch)
             self._stall = 0
     if tb.finishing:
         _free_finished(self, tb)

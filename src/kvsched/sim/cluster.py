@@ -37,7 +37,7 @@ from kvsched.errors import KvschedError, PlanError
 from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram, RunRecords
 from kvsched.sim.prefix_cache import fewer_collections
-from kvsched.sim.replica import DEFAULT_STALL_BATCHES, POLICY_ERRORS, Arrivals, Replica, merged_tiers
+from kvsched.sim.replica import DEFAULT_STALL_BATCHES, PASS_THROUGH, Arrivals, Replica, merged_tiers
 from kvsched.sim.requests import INF, RequestTable
 from kvsched.sim.routers import ReplicaSummary, Router, make_router
 from kvsched.sim.rowlog import MergedRows
@@ -45,6 +45,7 @@ from kvsched.sim.transfer import KVLink
 from kvsched.workload.request import Workload
 
 SEAT, HANDOFF, PULL, LAND, ISSUE = range(5)
+SCAN_UP_TO = 8          # replicas up to which choosing the next one scans them all (else a heap)
 
 
 class _Turns:
@@ -123,9 +124,12 @@ class Cluster:
         # O(log R) instead of a scan of every replica, idle ones included
         self._ready: list[tuple[float, int, int]] = []
         self._version = [0] * r
+        self._heap = r > SCAN_UP_TO             # fewer replicas are scanned: cheaper than the heap
 
     def _touch(self, rep: Replica) -> None:
         """Replica `rep` may have changed its next event time: enter it anew."""
+        if not self._heap:
+            return
         k = rep.index
         v = self._version[k] = self._version[k] + 1
         t = rep.next_event_time()
@@ -168,7 +172,9 @@ class Cluster:
             k = router.route(*args, **kw)
         except KvschedError:
             raise
-        except POLICY_ERRORS as exc:        # a custom router's error, named
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:        # a custom router's error, named
             raise KvschedError(f"router {getattr(router, 'name', type(router).__name__)} raised "
                                f"{type(exc).__name__} routing request {i} at t={t:.6g}s: {exc}") from exc
         if not (isinstance(k, (int, np.integer)) and 0 <= k < len(pool)):
@@ -273,12 +279,21 @@ class Cluster:
             r.runs_ahead = chain and r._steady
         nxt, steps = 0, 0
         ready, version = self._ready, self._version
+        scan = single is None and not self._heap
         while reqs.done < reqs.remaining:
             t_arr = arrival[nxt] if closed is None and nxt < n else INF
             if single is not None:                  # next_event_time(), inline: this is the hot loop
                 rep = single
                 t_rep = INF if rep._blocked or not (rep._queue or rep._running or rep._landing) else rep.now
-            else:                                   # the earliest replica, lowest index first
+            elif scan:                              # a few replicas: the earliest, lowest index first
+                rep, t_rep, t_other = None, INF, INF
+                for r in reps:
+                    t = r.next_event_time()
+                    if t < t_rep:
+                        rep, t_rep, t_other = r, t, t_rep
+                    elif t < t_other:
+                        t_other = t
+            else:                                   # many: the same from the heap
                 while ready and ready[0][2] != version[ready[0][1]]:
                     heapq.heappop(ready)            # an entry an earlier change made stale
                 rep, t_rep = (reps[ready[0][1]], ready[0][0]) if ready else (None, INF)
@@ -315,8 +330,8 @@ class Cluster:
             until = 0.0
             if rep.runs_ahead and not rep._queue:   # to the next thing that may change this replica
                 until = min(t_arr, events[0][0] if events else INF)
-                if self.disaggregated:
-                    until = min(until, self._second())   # another pool's batch may hand it work
+                if self.disaggregated:                  # another pool's batch may hand it work
+                    until = min(until, t_other if scan else self._second())
             if rep.step(until):
                 steps += 1
                 if progress is not None and steps % 4096 == 0:
@@ -325,7 +340,7 @@ class Cluster:
                 self._push(rep.now, SEAT, reqs.done - before)
             if rep.pulls:                           # a decode replica's KV may have room at the batch end
                 self._push(rep.now, PULL, rep.index - len(self.front))
-            if single is None:
+            if not scan:
                 self._touch(rep)
         if turns is not None:
             self._drain_turns()

@@ -40,10 +40,10 @@ from kvsched.sim.view import ReadOnlyKeys, ReadOnlySeq, ReplicaView
 
 _fast = compiled.load()      # the compiled twins (sim/_fast.pyx), or None: pure Python
 DEFAULT_STALL_BATCHES = 100_000
-# what a policy's code may raise that stops the run with one error naming the policy: any
-# exception, and SystemExit too (a policy calling sys.exit must not end kvsched silently);
-# KeyboardInterrupt still interrupts
-POLICY_ERRORS = (Exception, SystemExit)
+# what a policy's code raises stops the run with one error naming the policy, whatever it is
+# (SystemExit included: a policy calling sys.exit must not end kvsched silently), except these:
+# Ctrl-C still interrupts, and running out of memory is the machine's, not the policy's
+PASS_THROUGH = (KeyboardInterrupt, MemoryError)
 IDLE_PLAN = Plan([], [], True, [])      # what a `decodes_when_idle` policy plans when idle (read only)
 
 
@@ -115,7 +115,9 @@ class Replica:
         self._arrival, self._prompt, self._output, self._known = reqs.arrival, reqs.prompt, reqs.output, reqs.known
         self._target, self._computed, self._status = reqs.target, reqs.computed, reqs.status
         # inter-token gaps; a cluster's replicas share the bins (`itl_bins`, `tier_bins`: only
-        # their sum is reported, and bins cost ~120 KB a histogram), each keeps its own totals
+        # their sum is reported, and bins cost ~120 KB a histogram), each keeps its own count,
+        # sums and maximum: in a cluster a replica's histogram alone is not its gaps, only
+        # `GapHistogram.merged` over all of them (or `merged_tiers`) is a histogram
         self.itl = GapHistogram(counts=itl_bins)
         # per-tier inter-token gaps, kept only when the workload has tiers: the tiered variants of
         # _decode_step and _fold shadow the plain ones, so a run without tiers pays nothing
@@ -299,13 +301,17 @@ class Replica:
             plan = self._schedule(self.view)
         except KvschedError as exc:
             raise self._named(exc) from exc
-        except POLICY_ERRORS as exc:
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:
             raise self._policy_failed("schedule", exc) from exc
         try:
             ran = self._execute(plan)
         except KvschedError:
             raise
-        except POLICY_ERRORS as exc:            # e.g. a generator in the plan that raises
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:            # e.g. a generator in the plan that raises
             raise PlanError(f"policy {self.name} gave a plan that cannot be read: {type(exc).__name__}: "
                             f"{_short(exc, 120)}") from exc
         if not ran:
@@ -505,7 +511,9 @@ class Replica:
                 fn(i, self.view)
         except KvschedError as exc:
             raise self._named(exc) from exc
-        except POLICY_ERRORS as exc:
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:
             raise self._policy_failed(where, exc, i) from exc
 
     def _unknown(self, i, what: str) -> PlanError:
@@ -521,6 +529,7 @@ class Replica:
         """Check and run one plan; False if it is empty."""
         if type(plan) is not Plan and not isinstance(plan, Plan):
             raise PlanError(f"policy {self.name} returned {_short(plan)} ({type(plan).__name__}), not a Plan")
+        preempted = self.preemptions
         try:
             for i in plan.preempt:
                 self._preempt(i)
@@ -604,10 +613,11 @@ class Replica:
                     out = True
                 elif computed[i] > reached[i]:  # a prompt token never computed before
                     out = True
-            if not out:
+            if out:
+                if self._stall:
+                    self._stall = 0
+            elif self.preemptions != preempted:  # recomputing what a preemption discarded, again
                 self._stalled(end)
-            elif self._stall:
-                self._stall = 0
         if self._finishing:
             self._free_finished()
         self.recent_batch_times.append(dt)
@@ -720,14 +730,16 @@ class Replica:
         done.clear()
 
     def _stalled(self, end: float) -> None:
-        """A batch that computed no new token (no output token, no prompt token beyond what the
-        request held before a preemption, `RequestTable.reached`): stop the policy after
-        `stall_batches` in a row. A long prompt prefilled in small chunks is progress; a policy
-        that preempts and recomputes the same tokens forever is not."""
+        """A batch that preempted and computed no new token (no output token, no prompt token
+        beyond what its request held before a preemption, `RequestTable.reached`): stop the
+        policy after `stall_batches` of them with no new token between. A long prompt
+        prefilled in small chunks is progress, and so is recomputing, in as many batches as it
+        takes, what one preemption discarded; preempting and recomputing the same tokens over
+        and over is not."""
         self._stall += 1
         if self._stall >= self._stall_limit:
             raise PlanError(
-                f"policy {self.name} made no progress: no new token in {self._stall} batches "
+                f"policy {self.name} made no progress: no new token in {self._stall} batches that preempted, "
                 f"with {len(self._queue)} waiting and {len(self._running)} running requests on replica {self.index} "
                 f"(t={end:.6g}s; the limit is stall_batches={self._stall_limit})")
 
@@ -857,12 +869,6 @@ class Replica:
         t = self.reqs.tier[i]
         if t >= 0 and len(window):
             self.tier_itl[t].add_many(window)
-
-    def tier_histograms(self) -> list[GapHistogram] | None:
-        """Per-tier gap histograms (None without tiers), with the gaps of requests still decoding
-        here (not yet folded) added to copies: a run ends only when every request finished, so
-        there are none then, but a replica stopped early loses nothing."""
-        return None if self.tier_itl is None else merged_tiers([self])
 
     def pending_tier_gaps(self) -> Iterator[tuple[int, np.ndarray]]:
         """(tier, gaps) of each request still decoding here, not yet folded into `tier_itl`."""

@@ -9,9 +9,11 @@ Read-only in fact, not by convention:
   `__self__` is the view),
   collections come as faces that hide what they wrap, `cost_model` is the policy's own copy
   and `prefix_planner()` returns a face of the planner.
-What is left is introspection of the interpreter itself (`gc.get_referents`, a class's
-function globals), which no Python object can close; the compiled engine of "One engine,
-one source" is the place to close that too.
+What is left is introspection of the interpreter itself, which no Python object can close:
+`gc.get_referents`, the globals of this module's functions (`fn.__globals__`), and frames
+(`sys._getframe().f_back`, or an exception's `__traceback__`, reach the replica's own
+frames). The compiled engine of "One engine, one source" (frames without Python locals) is
+the place to close those.
 
 A per-request read is one Python call, as it was when the view bound the replica's methods.
 """
@@ -20,6 +22,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence, Set
 from operator import attrgetter
+
+import numpy as np
 
 from kvsched.errors import KvschedError, PlanError
 from kvsched.sim.requests import DECODE, DONE
@@ -44,7 +48,9 @@ def _sealed(cls, name: str):
 
 
 class ReadOnlySeq(Sequence):
-    """Read-only face of a deque, list or array (what it wraps is not reachable from it)."""
+    """Read-only face of a deque, list or array (what it wraps is not reachable from it: an
+    iterator runs over a snapshot, since a deque's or list's iterator hands out its container
+    through `__reduce__`, and a slice of an array is a copy, not a view of it)."""
     __slots__ = ("_q",)
 
     def __init__(self, q) -> None:
@@ -54,10 +60,11 @@ class ReadOnlySeq(Sequence):
         return len(_Q(self))
 
     def __getitem__(self, k):
-        return _Q(self)[k]
+        v = _Q(self)[k]
+        return v.copy() if isinstance(v, np.ndarray) else v
 
     def __iter__(self):
-        return iter(_Q(self))
+        return iter(tuple(_Q(self)))
 
     def __bool__(self) -> bool:
         return bool(_Q(self))
@@ -70,11 +77,17 @@ _Q, _SET_Q = _sealed(ReadOnlySeq, "_q")
 
 
 class ReadOnlyKeys(Set):
-    """Read-only face of a dict's keys (its values, engine objects, are not reachable)."""
+    """Read-only face of a dict's keys (its values, engine objects, are not reachable; an
+    iterator runs over a snapshot of the keys). Set algebra (`-`, `&`, `|`, `^`) gives
+    frozensets."""
     __slots__ = ("_d",)
 
     def __init__(self, d: dict) -> None:
         _SET_D(self, d)
+
+    @classmethod
+    def _from_iterable(cls, it) -> frozenset:
+        return frozenset(it)
 
     def __contains__(self, k) -> bool:
         return k in _D(self)
@@ -83,7 +96,7 @@ class ReadOnlyKeys(Set):
         return len(_D(self))
 
     def __iter__(self):
-        return iter(_D(self))
+        return iter(tuple(_D(self)))
 
     def __repr__(self) -> str:
         return f"ReadOnlyKeys({list(_D(self))!r})"

@@ -13,6 +13,7 @@ import numpy as np
 
 from kvsched.errors import KvschedError
 from kvsched.theory.checks import finite, in_range, nonnegative, positive, probability
+from kvsched.workload.lengths import MAX_TOKENS
 
 
 def check_p0(p0: float) -> None:
@@ -20,6 +21,24 @@ def check_p0(p0: float) -> None:
     h(t) = P(O = t | O >= t) under CFR (section 3.2; appendix B's Binomial(N_t, p0)
     completions). Checked where a user gives it; a fitted intercept is used as it comes."""
     probability("--p0", p0, "the completion hazard per decode iteration, 1 / mean output under CFR", one=True)
+
+
+def check_batch_size(batch_size: float) -> None:
+    """N, the request slots of a batch (section 3): 1..MAX_TOKENS. Each slot holds at least
+    one KV token, so a larger N fits no KV cache (kvsched's token counts stop at MAX_TOKENS);
+    it also keeps k0* = floor(theta0 N), the requests that end a decode phase (section 3.2),
+    a count of requests, not a 300-digit integer."""
+    if not 1 <= batch_size <= MAX_TOKENS:
+        raise KvschedError(f"the batch size N (--batch-size) must be 1..{MAX_TOKENS:,} request slots "
+                           f"(each holds at least one KV token), got {batch_size:.15g}")
+
+
+def check_kv_capacity(kv_capacity: float) -> None:
+    """C, KV tokens: a finite number > 0 up to MAX_TOKENS (beyond it N* is a meaningless giant)."""
+    positive(kv_capacity=kv_capacity)
+    if kv_capacity > MAX_TOKENS:
+        raise KvschedError(f"the KV capacity C (--kv-capacity) must be at most {MAX_TOKENS:,} tokens, "
+                           f"got {kv_capacity:.15g}")
 
 
 def theta0(p0: float, alpha_p: float, alpha_d: float) -> float:
@@ -58,6 +77,7 @@ def delta_theta(theta_0: float, p0: float, eta: float, alpha_d: float, beta_d: f
     nonnegative(beta_d=beta_d)
     if batch_size < 1 or not 0 < theta_0 < 1:
         raise KvschedError(f"need a batch size N >= 1 (slots) and 0 < theta0 < 1, got N={batch_size}, theta0={theta_0}")
+    check_batch_size(batch_size)        # its upper bound
     z = zeta(theta_0)
     duration = z * (theta_0 / (1 - theta_0) - z / 2)
 
@@ -101,7 +121,8 @@ def batch_sizes(kv_capacity: float, p0: float, mu_l: float, theta: float, eps: f
         N_expected  = floor((C - v) / (same))
         N_static    = floor(C / (same)).
     N* <= N_expected <= N_static holds when ln(1/eps) >= 1, i.e. eps <= 1/e."""
-    positive(kv_capacity=kv_capacity, p0=p0, mu_l=mu_l)
+    check_kv_capacity(kv_capacity)
+    positive(p0=p0, mu_l=mu_l)
     if not 0 < theta < 1 or not 0 < eps < 1:
         raise KvschedError(f"need 0 < theta < 1 and 0 < eps < 1, got theta={theta}, eps={eps}")
     given = {"kv_capacity": kv_capacity, "p0": p0, "mu_l": mu_l, "theta": theta}
@@ -137,19 +158,26 @@ def crossover(batch_size: float, theta_0: float, alpha_p: float, alpha_d: float,
               beta_d: float, alpha_mb: float, beta_mb: float, mu_l: float, mu_o: float) -> dict[str, object]:
     """The EB-MB crossover (eq. 7, Proposition 3.4): MB beats EB(k0*) iff
     beta_MB^e - beta_EB^w < [(alpha_p + alpha_d zeta mu_O) / k0* - alpha_MB (1 + mu_O) / N] / (mu_L + mu_O),
-    with k0* = floor(theta0 N) and beta_EB^w = (beta_p mu_L + beta_d mu_O) / (mu_L + mu_O)."""
-    positive(batch_size=batch_size, mu_l=mu_l, mu_o=mu_o)
+    with k0* = floor(theta0 N) and beta_EB^w = (beta_p mu_L + beta_d mu_O) / (mu_L + mu_O).
+    Each positive term is checked for underflow on its own: a difference may rightly be 0 or
+    negative, so a term lost below the float range would not show in it."""
+    check_batch_size(batch_size)
+    positive(mu_l=mu_l, mu_o=mu_o)
     finite(alpha_p=alpha_p, alpha_d=alpha_d, beta_p=beta_p, beta_d=beta_d, alpha_mb=alpha_mb, beta_mb=beta_mb)
     k0 = math.floor(theta_0 * batch_size)
     if k0 < 1:
         raise KvschedError(f"k0* = floor(theta0 N) = 0 for theta0={theta_0:.4g}, N={batch_size}: batch too small")
     given = {"batch_size": batch_size, "mu_l": mu_l, "mu_o": mu_o}
     beta_eb = in_range("beta_EB^w", lambda: (beta_p * mu_l + beta_d * mu_o) / (mu_l + mu_o),
-                       beta_p=beta_p, beta_d=beta_d, **given)
+                       nonzero=beta_p + beta_d > 0, beta_p=beta_p, beta_d=beta_d, **given)
     lhs = in_range("beta_MB^e - beta_EB^w (eq. 7)", lambda: beta_mb - beta_eb, beta_mb=beta_mb, beta_eb_w=beta_eb)
-    rhs = in_range("the right side of eq. (7)", lambda: ((alpha_p + alpha_d * zeta(theta_0) * mu_o) / k0
-                                                        - alpha_mb * (1 + mu_o) / batch_size) / (mu_l + mu_o),
-                   alpha_p=alpha_p, alpha_d=alpha_d, alpha_mb=alpha_mb, **given)
+    eb_term = in_range("(alpha_p + alpha_d zeta mu_O) / (k0* (mu_L + mu_O)) in eq. (7)",
+                       lambda: (alpha_p + alpha_d * zeta(theta_0) * mu_o) / k0 / (mu_l + mu_o), nonzero=True,
+                       alpha_p=alpha_p, alpha_d=alpha_d, **given)
+    mb_term = in_range("alpha_MB (1 + mu_O) / (N (mu_L + mu_O)) in eq. (7)",
+                       lambda: alpha_mb * (1 + mu_o) / batch_size / (mu_l + mu_o), nonzero=alpha_mb > 0,
+                       alpha_mb=alpha_mb, **given)
+    rhs = eb_term - mb_term
     return {"lhs": lhs, "rhs": rhs, "favours": "MB" if lhs < rhs else "EB", "k0_star": k0,
             "beta_eb_w": beta_eb,
             "throughput_eb": throughput_eb(k0, alpha_p, alpha_d, beta_p, beta_d, mu_l, mu_o, theta_0),
