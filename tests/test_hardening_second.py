@@ -277,11 +277,16 @@ def test_sizes_and_settings_are_checked_first(args, needle, monkeypatch):
     (dict(router=5), "Scenario.router must be a name (text), got 5"),
     (dict(gpu=5), "Scenario.gpu must be a name (text), got 5"),
     (dict(router_seed=1.5), "--seed (of the router) must be a whole number"),
+    (dict(kv_transfer_bandwidth="25"), "--kv-transfer-bandwidth must be a number, got '25'"),
+    (dict(cost_params=None), "Scenario.cost_params must be dict, got NoneType"),
+    (dict(goodput="ttft:5"), "Scenario.goodput must be a Goodput or None, got str"),
+    (dict(workload=None), "Scenario.workload must be a Workload, got NoneType"),
+    (dict(router=type("R", (), {"route": lambda *a: 0})()), "needs name, uses_state and route"),
 ])
 def test_scenario_fields_are_checked(kw, needle):
-    w = Workload.build(np.arange(5) * 0.1, [100] * 5, [10] * 5)
+    kw = {"workload": Workload.build(np.arange(5) * 0.1, [100] * 5, [10] * 5), **kw}
     with pytest.raises(KvschedError, match=__import__("re").escape(needle)):
-        simulate(Scenario(w, **kw), "vllm-v1")
+        simulate(Scenario(**kw), "vllm-v1")
 
 
 def test_integral_numpy_and_float_replica_counts_are_taken():
@@ -408,9 +413,9 @@ class _Thrash:
 
 
 def test_a_long_prompt_in_one_token_chunks_is_progress():
-    """Issue 36: the guard counted output tokens only, so one 150,000-token prompt prefilled in
-    1-token chunks was called a stall. Every new prompt token counts now (here 2,000 tokens
-    under a limit of 100 batches)."""
+    """Issue 36: the guard counted every batch without an output token, so one 150,000-token
+    prompt prefilled in 1-token chunks was called a stall. Only batches that preempt count now
+    (here 2,000 batches under a limit of 100)."""
     w = Workload.build(np.zeros(1), [2000], [3])
     s = simulate(Scenario(w, cost="constant", cost_params={"b": 0.01}, stall_batches=100), _Trickle()).summary
     assert s["completed"] == 1 and s["iterations"] == 2000 + 2
@@ -418,7 +423,7 @@ def test_a_long_prompt_in_one_token_chunks_is_progress():
 
 def test_recomputing_the_same_tokens_forever_is_still_a_stall():
     w = Workload.build(np.zeros(1), [200], [3])
-    with pytest.raises(PlanError, match="policy thrash made no progress: no new token in 50 batches"):
+    with pytest.raises(PlanError, match="policy thrash made no progress: no output token in 50 batches that preempted"):
         simulate(Scenario(w, cost="constant", cost_params={"b": 0.01}, stall_batches=50), _Thrash())
 
 
@@ -488,10 +493,36 @@ def test_iterators_slices_and_set_algebra_hand_out_no_engine_container():
     assert a.records.finished.tolist() == b.records.finished.tolist()
 
 
+class _Creep:
+    """Prefills one token a batch; each time its request holds a token more than ever before, it
+    preempts it and starts again from 0 (second review of issue 36: a prompt token gained per
+    round reset a guard that counted new prompt tokens, so it ran ~P^2/2 batches)."""
+    name = "creep"
+
+    def __init__(self):
+        self.high = 0
+
+    def schedule(self, v):
+        if v.running:
+            i = next(iter(v.running))
+            done = v.prefill_done(i)
+            if done > self.high:
+                self.high = done
+                return Plan([i], [(i, 1)], False, [i])
+            return Plan([], [(i, 1)], False, [])
+        i = v.waiting[0]
+        return Plan([i], [(i, 1)], False, [])
+
+
+def test_gaining_a_prompt_token_per_preemption_is_no_progress():
+    w = Workload.build(np.zeros(1), [8000], [3])
+    with pytest.raises(PlanError, match="policy creep made no progress: no output token in 100 batches that preempted"):
+        simulate(Scenario(w, cost="constant", cost_params={"b": 0.01}, stall_batches=100), _Creep())
+
+
 def test_recomputing_a_long_prompt_after_one_preemption_is_progress():
     """Review of issue 36: vllm-v1 with an 11-token budget recomputes a preempted 6,000-token
-    prompt alone for ~550 batches without a new token; that is progress (only batches that
-    preempt again count), so a limit of 50 does not stop it."""
+    prompt for ~550 batches; only batches that preempt count, so a limit of 50 does not stop it."""
     w = Workload.build([0.0] * 4 + [0.001], [64] * 4 + [6000], [3000] * 4 + [2])
     r = simulate(Scenario(w, kv_capacity=8000, block_size=16, cost="constant", cost_params={"b": 0.01},
                           stall_batches=50), "vllm-v1", {"max_num_batched_tokens": 11, "max_num_seqs": 11})
@@ -522,3 +553,55 @@ def test_the_heap_and_the_scan_choose_the_same_replicas(kw, monkeypatch):
         runs.append(({k: v for k, v in r.summary.items() if "wall" not in k}, rec.finished.tolist(),
                      rec.first_token.tolist(), list(r.timeline)))
     assert runs[0] == runs[1]
+
+
+def test_a_sweep_folder_keeps_temporaries_that_are_not_a_killed_writers(tmp_path):
+    """Second review of issue 36: opening a sweep folder deleted every `.*.tmp` in it. Only
+    killed writers' exact temporaries go now (files.stale_temporaries)."""
+    from kvsched.sweep import Store
+    store = Store(tmp_path / "sw")
+    store.points.mkdir(parents=True)
+    dead, live = _dead_pid(), os.getppid()
+    gone = store.points / f".seed=0.json.{dead}.abcdefgh.tmp"
+    kept = [tmp_path / "sw" / ".notes.tmp", store.points / f".seed=1.json.{live}.abcdefgh.tmp",
+            store.points / f".seed=2.json.{dead}.young123.tmp"]
+    for f in [gone, *kept]:
+        f.write_text("x")
+    _aged(gone, *kept[:2])
+    store.open({}, [])
+    assert not gone.exists() and all(f.exists() for f in kept)
+
+
+def test_moved_aside_leftovers_empty_removed_links_and_foreign_runs_kept(tmp_path):
+    from kvsched.run import MANIFEST, _clear_stale
+    dead = _dead_pid()
+    (tmp_path / "run").mkdir()                                   # the current run
+    empty = tmp_path / f".run.{dead}.old.emptyabc"               # killed before its move
+    empty.mkdir()
+    elsewhere = tmp_path / "elsewhere" / "run"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / MANIFEST).write_text("")
+    link = tmp_path / f".run.{dead}.old.symlinkx"
+    link.symlink_to(tmp_path / "elsewhere")
+    mixed = tmp_path / f".run.{dead}.old.mixedabc" / "run"
+    mixed.mkdir(parents=True)
+    (mixed / MANIFEST).write_text("summary.json\n")
+    (mixed / "summary.json").write_text("{}")
+    (mixed / "mynotes.txt").write_text("mine")
+    _aged(empty, mixed.parent)
+    os.utime(link, (time.time() - 3600, time.time() - 3600), follow_symlinks=False)
+    _clear_stale(tmp_path, tmp_path / "run")
+    assert not empty.exists()
+    assert link.is_symlink() and elsewhere.is_dir()
+    assert (mixed / "mynotes.txt").read_text() == "mine"
+
+
+def test_report_refuses_negative_times(tmp_path):
+    out = tmp_path / "run"
+    assert runner.invoke(app, ["simulate", "--num-requests", "20", "--out", str(out)]).exit_code == 0
+    lines = (out / "requests.csv").read_text().split("\n")
+    head = lines[0].split(",")
+    row = lines[1].split(",")
+    row[head.index("ttft")] = "-3"
+    (out / "requests.csv").write_text("\n".join([lines[0], ",".join(row), *lines[2:]]))
+    one_line_error(["report", str(out)], "requests.csv:2: a finished request needs ttft >= 0")

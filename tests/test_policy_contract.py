@@ -160,7 +160,7 @@ class Bad(Fcfs):
     ("assign-now", r"policy bad assigned view.now: the view is read-only"),
     ("assign-kv", r"policy bad assigned view.kv_used_blocks: the view is read-only"),
     ("kv-object", r"policy bad raised AttributeError in schedule .*'kv'"),
-    ("spin", r"policy bad made no progress: no new token in 50 batches"),
+    ("spin", r"policy bad made no progress: no output token in 50 batches that preempted"),
     ("preempt-waiting", r"policy bad preempted request \d, which is not running"),
     ("finish-raise", r"policy bad raised KeyError in on_finish \(request \d\)"),
 ])
@@ -185,7 +185,7 @@ def test_plan_subclass_is_a_plan():
 
 
 def test_stall_limit_is_configurable_and_checked():
-    with pytest.raises(PlanError, match="no new token in 7 batches"):
+    with pytest.raises(PlanError, match="no output token in 7 batches that preempted"):
         sim(Bad("bad", "spin"), stall_batches=7)
     with pytest.raises(KvschedError, match="stall.batches must be >= 1"):
         sim(Fcfs(), stall_batches=0)

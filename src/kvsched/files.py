@@ -64,14 +64,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def stale_temporaries(folder: Path, name: str, suffix: str = "") -> list[Path]:
-    """Temporary files and folders for target `name` in `folder` left by writers that are no
-    longer running (killed before they could clean up). Only exact kvsched temporary names
-    count (`.NAME.PID.` then `old.` for a moved-aside run, then tempfile's 8 random
-    characters and `suffix`), owned by this user, at least STALE_AFTER seconds old (a writer
-    in another PID namespace sharing the folder is not judged by a pid it does not have
-    here), whose pid runs no process."""
-    pattern = re.compile(rf"\.{re.escape(name)}\.(\d{{1,7}})\.(?:old\.)?[a-z0-9_]{{8}}{re.escape(suffix)}")
+def is_temporary(entry: str, name: str | None = None, suffix: str = "") -> re.Match | None:
+    """Whether file name `entry` is a kvsched temporary for target `name` (any target: None):
+    `.NAME.PID.`, then `old.` for a moved-aside run, tempfile's 8 random characters and
+    `suffix`. The match's group 1 is the writer's pid."""
+    target = ".+" if name is None else re.escape(name)
+    return re.fullmatch(rf"\.{target}\.(\d{{1,7}})\.(?:old\.)?[a-z0-9_]{{8}}{re.escape(suffix)}", entry)
+
+
+def stale_temporaries(folder: Path, name: str | None, suffix: str = "") -> list[Path]:
+    """Temporary files and folders for target `name` (any: None) in `folder` left by writers
+    that are no longer running (killed before they could clean up). Only exact kvsched
+    temporary names count (`is_temporary`), owned by this user, at least STALE_AFTER seconds
+    old (a writer in another PID namespace sharing the folder is not judged by a pid it does
+    not have here), whose pid runs no process."""
     found = []
     try:
         entries = list(os.scandir(folder))
@@ -79,7 +85,7 @@ def stale_temporaries(folder: Path, name: str, suffix: str = "") -> list[Path]:
         return []
     now = time.time()
     for e in entries:
-        m = pattern.fullmatch(e.name)
+        m = is_temporary(e.name, name, suffix)
         if m is None or int(m.group(1)) == os.getpid():
             continue
         try:

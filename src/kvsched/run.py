@@ -57,7 +57,7 @@ class Scenario:
     decode_replicas: int = 0
     kv_transfer_bandwidth: float = 25.0     # GB/s (1e9 bytes) per prefill replica's link
     kv_transfer_latency: float = 0.0        # seconds
-    stall_batches: int = DEFAULT_STALL_BATCHES   # preempting batches without a new token before a policy is stopped
+    stall_batches: int = DEFAULT_STALL_BATCHES   # preempting batches without an output token before a policy is stopped
     tbt_first_zero: bool = False            # also report p99 TBT with a 0 s gap per first token (SLAI's telemetry)
     prefix_caching: bool | None = None      # None: the policy's default (on for vllm-v1, as vLLM)
 
@@ -98,6 +98,18 @@ class Scenario:
         for name in ("model", "gpu", "cost") + (("router",) if not hasattr(self.router, "route") else ()):
             if not isinstance(getattr(self, name), str):
                 raise KvschedError(f"Scenario.{name} must be a name (text), got {getattr(self, name)!r}")
+        if not isinstance(self.router, str) and not all(hasattr(self.router, a) for a in ("name", "uses_state")):
+            raise KvschedError(f"Scenario.router {type(self.router).__name__} needs name, uses_state and route "
+                               "(sim/routers.py, Router)")
+        for flag, v in (("--kv-transfer-bandwidth", self.kv_transfer_bandwidth),
+                        ("--kv-transfer-latency", self.kv_transfer_latency)):
+            if isinstance(v, bool) or not isinstance(v, Real):
+                raise KvschedError(f"{flag} must be a number, got {v!r}")
+        checks = (("cost_params", dict, self.cost_params), ("goodput", (Goodput, type(None)), self.goodput))
+        for name, kind, v in checks:
+            if not isinstance(v, kind):
+                raise KvschedError(f"Scenario.{name} must be {getattr(kind, '__name__', 'a Goodput or None')}, "
+                                   f"got {type(v).__name__}")
         for name in ("strict", "tbt_first_zero") + (("prefix_caching",) if self.prefix_caching is not None else ()):
             if not isinstance(getattr(self, name), (bool, np.bool_)):   # "off" would be true
                 raise KvschedError(f"Scenario.{name} must be True or False, got {getattr(self, name)!r}")
@@ -281,26 +293,32 @@ def _restore(old: Path, out: Path) -> None:
 
 def _clear_stale(parent: Path, out: Path) -> None:
     """Remove the temporary folders of killed writers of `out` (files.stale_temporaries),
-    restoring a run one of them had moved aside; a moved-aside folder that does not hold a
-    kvsched run (its manifest, or nothing) is left alone."""
+    restoring a run one of them had moved aside. A moved-aside folder that is a link, or
+    holds anything but an empty folder or one kvsched run (every file in its manifest), is
+    left alone."""
     def moved(p: Path) -> bool:          # `.NAME.PID.old.*`
         return ".old." in p.name[len(out.name) + 1:]
     for path in sorted(stale_temporaries(parent, out.name), key=moved, reverse=True):   # moved-aside runs first
         if not moved(path):
             remove(path)
-        elif path.is_dir() and _moved_run(path):
+        elif not path.is_symlink() and path.is_dir() and _moved_run(path):
             with contextlib.suppress(OSError):
                 _restore(path, out)
 
 
 def _moved_run(old: Path) -> bool:
-    """Whether `old` is what write_atomically moves aside: one folder `run` holding a run
-    (its manifest) or nothing."""
+    """Whether `old` is what write_atomically moves aside: nothing yet (killed before the
+    move), or one folder `run` holding only files of its kvsched manifest."""
     try:
         names = [p.name for p in old.iterdir()]
+        if not names:
+            return True
         run = old / "run"
-        return names == ["run"] and run.is_dir() and ((run / MANIFEST).is_file() or not any(run.iterdir()))
-    except OSError:
+        if names != ["run"] or run.is_symlink() or not run.is_dir():
+            return False
+        _check_ours(run)
+        return True
+    except (OSError, KvschedError):
         return False
 
 
@@ -368,6 +386,8 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     replica gets its own copy (policies keep state). When prefill and decode are
     disaggregated, `decode_policy` (default: the same) runs on the decode replicas.
     """
+    if not isinstance(scenario.workload, Workload):
+        raise KvschedError(f"Scenario.workload must be a Workload, got {type(scenario.workload).__name__}")
     model, gpu, tokens, cost = scenario.resolve()
     replicas, prefill = scenario.pools()
     pols = [_policy(policy, policy_params, gpu, k) for k in range(prefill or replicas)]

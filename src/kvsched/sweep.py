@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from kvsched import limits, workers
 from kvsched.errors import KvschedError
-from kvsched.files import atomic_file, names_a_file
+from kvsched.files import atomic_file, is_temporary, names_a_file, remove, stale_temporaries
 from kvsched.point import Point, check_rate, figures
 from kvsched.run import Scenario, check_out, jsonable
 
@@ -568,8 +568,9 @@ def check_folder(out: Path) -> Path:
 
 def _ours(rel: Path) -> bool:
     if len(rel.parts) == 1:
-        return rel.name in OURS or rel.name.startswith(".") and rel.name.endswith(TEMP_SUFFIX)
-    return len(rel.parts) == 2 and rel.parts[0] == POINTS and rel.suffix in (".json", TEMP_SUFFIX)
+        return rel.name in OURS or is_temporary(rel.name, None, TEMP_SUFFIX) is not None
+    return len(rel.parts) == 2 and rel.parts[0] == POINTS and (
+        rel.suffix == ".json" or is_temporary(rel.name, None, TEMP_SUFFIX) is not None)
 
 
 class Store:
@@ -588,8 +589,8 @@ class Store:
         except OSError as exc:
             raise KvschedError(f"cannot write to {self.out}: {exc.strerror or exc}") from None
         for d in (self.out, self.points):
-            for stale in d.glob(f".*{TEMP_SUFFIX}"):
-                stale.unlink(missing_ok=True)
+            for stale in stale_temporaries(d, None, TEMP_SUFFIX):     # killed writers' only
+                remove(stale)
         self.write_json(self.out / "sweep.json", {"kind": "sweep", "version": VERSION, "axes": axes,
                                                   "points": len(keys), "keys": keys})
 

@@ -246,7 +246,7 @@ CLUSTER_FLAGS = {
     "kv_transfer_latency": (Optional[float], typer.Option(None, "--kv-transfer-latency", show_default="0", help="seconds added to every KV transfer (with pools)")),
     "decode_policy": (Optional[str], typer.Option(None, "--decode-policy", help="policy of the decode replicas (default: --policy)")),
     "decode_set": (list[str], typer.Option([], "--decode-set", help="decode policy parameter key=value (repeatable)")),
-    "stall_batches": (int, typer.Option(DEFAULT_STALL_BATCHES, "--stall-batches", help="stop a policy after this many batches that preempt with no new token between them (output, or prompt not computed before)")),
+    "stall_batches": (int, typer.Option(DEFAULT_STALL_BATCHES, "--stall-batches", help="stop a policy after this many batches that preempt with no output token between them")),
 }
 
 

@@ -21,6 +21,7 @@ CURVE_KEYS = ("request_throughput",) + LATENCY
 NUMBERS = CURVE_KEYS + ("p99_itl_ms", "mean_kv_usage", "peak_queue_length", "preemptions", "completed")
 TEXTS = ("policy", "model", "gpu", "cost_model")
 COUNTS = ("completed", "rejected", "preemptions", "peak_queue_length")    # whole numbers >= 0 (or null)
+SHARES = ("mean_kv_usage", "peak_kv_usage")          # figures that are shares of the KV capacity
 TIER_COUNTS = ("_requests", "_completed", "_rejected")                   # a tier's: tier_<name>_requests, ...
 STATUSES = ("finished", "unfinished", "rejected")      # requests.csv's status column
 RUN_FILES = ("summary.json", "requests.csv", "timeline.csv")   # what a simulate run's folder is read from
@@ -222,8 +223,9 @@ def _latencies(path: Path) -> tuple[list[float], list[float], Counter]:
         statuses[row[status]] += 1
         if row[status] != "finished":
             continue
-        if None in (values[t], values[n], values[s]) or values[n] < 0 or not values[n].is_integer():
-            raise KvschedError(f"{where}: a finished request needs ttft, itl_sum and a whole itl_count >= 0")
+        if (None in (values[t], values[n], values[s]) or values[n] < 0 or not values[n].is_integer()
+                or values[t] < 0 or values[s] < 0):
+            raise KvschedError(f"{where}: a finished request needs ttft >= 0, itl_sum >= 0 and a whole itl_count >= 0")
         ttft.append(values[t] * 1000)
         if values[n] > 0:
             tpot.append(values[s] / values[n] * 1000)
@@ -457,8 +459,8 @@ def check_lists(figures: Any, where: str) -> None:
         raise ValueError(f"{where} must be an object of figures, got {_brief(figures)}")
     for key in ("ttft_quantiles_ms", "tpot_quantiles_ms"):
         q = figures.get(key) or []
-        if not (isinstance(q, list) and len(q) in (0, 101) and all(finite(v) for v in q)):
-            raise ValueError(f"{where}: {key} must be 101 finite numbers (percentiles 0..100) or empty")
+        if not (isinstance(q, list) and len(q) in (0, 101) and all(finite(v) and v >= 0 for v in q)):
+            raise ValueError(f"{where}: {key} must be 101 finite numbers >= 0 (percentiles 0..100) or empty")
     rows = figures.get("timeline") or []
     if not (isinstance(rows, list) and all(isinstance(r, list) and len(r) == 4 and all(finite(v) for v in r)
                                            for r in rows)):
@@ -474,6 +476,9 @@ def check_figures(figures: Any, where: str, numbers: tuple[str, ...] = ()) -> No
     for key, v in figures.items():
         if (key in NUMBERS or key in numbers or key.startswith("tier_")) and not (v is None or finite(v)):
             raise ValueError(f"{at}{key} must be a finite number or null, got {_brief(v)}")
+        if v is not None and finite(v) and (key.endswith("_ms") and v < 0 or key in SHARES and not 0 <= v <= 1):
+            raise ValueError(f"{at}{key} must be {'a share in [0, 1]' if key in SHARES else 'a time >= 0'}, "
+                             f"got {_brief(v)}")
         if _count(key) and not (v is None or isinstance(v, int) and finite(v) and v >= 0):
             raise ValueError(f"{at}{key} must be a whole number >= 0 or null, got {_brief(v)}")
         if key in TEXTS and not (v is None or isinstance(v, str)):

@@ -734,13 +734,10 @@ cdef int _admit_step(object self, object policy, int kind, tuple roof, Tables tb
     cdef bint out = nd > 0
     if pt:
         self.prefill_backlog -= pt
-        reached = self.reqs.reached
         for i, ck in chunks:
             computed[i] += ck
             if computed[i] == target[i]:
                 _prefill_complete(self, i, end, tb)
-                out = True
-            elif computed[i] > reached[i]:      # Replica._execute: a prompt token never computed before
                 out = True
         if out and self._stall:                 # (its plans preempt nothing: never a stalled batch)
             self._stall = 0

@@ -605,18 +605,15 @@ class Replica:
             self.prefill_backlog -= pt
             out = nd
             computed, target = self._computed, self._target
-            reached = self.reqs.reached
             for i, c in chunks:
                 computed[i] += c if type(c) is int else int(c)    # as _prefill_shape took it
                 if computed[i] == target[i]:
                     self._prefill_complete(i, end)
                     out = True
-                elif computed[i] > reached[i]:  # a prompt token never computed before
-                    out = True
             if out:
                 if self._stall:
                     self._stall = 0
-            elif self.preemptions != preempted:  # recomputing what a preemption discarded, again
+            elif self.preemptions != preempted:  # preempted again, still no output token
                 self._stalled(end)
         if self._finishing:
             self._free_finished()
@@ -730,16 +727,16 @@ class Replica:
         done.clear()
 
     def _stalled(self, end: float) -> None:
-        """A batch that preempted and computed no new token (no output token, no prompt token
-        beyond what its request held before a preemption, `RequestTable.reached`): stop the
-        policy after `stall_batches` of them with no new token between. A long prompt
-        prefilled in small chunks is progress, and so is recomputing, in as many batches as it
-        takes, what one preemption discarded; preempting and recomputing the same tokens over
-        and over is not."""
+        """A batch that preempted and gave no output token: stop the policy after
+        `stall_batches` of them with no output token between. Batches that preempt nothing
+        neither count nor reset: without a preemption every request only moves forward, so
+        such batches end (a long prompt prefilled in small chunks, or the recomputation of
+        what a preemption discarded, in as many batches as it takes). A policy that preempts
+        and recomputes over and over, gaining a prompt token per round or none, is stopped."""
         self._stall += 1
         if self._stall >= self._stall_limit:
             raise PlanError(
-                f"policy {self.name} made no progress: no new token in {self._stall} batches that preempted, "
+                f"policy {self.name} made no progress: no output token in {self._stall} batches that preempted, "
                 f"with {len(self._queue)} waiting and {len(self._running)} running requests on replica {self.index} "
                 f"(t={end:.6g}s; the limit is stall_batches={self._stall_limit})")
 
@@ -971,14 +968,11 @@ class Replica:
             kv_tokens = self._leave_decode(i)
             r.target[i] = r.prompt[i] + r.gen[i]
             r.recomputed[i] += kv_tokens + 1
-            r.reached[i] = r.target[i]
             self.prefill_backlog += r.target[i]
         elif prefilling:
             kv_tokens = r.computed[i]
             del self._prefilling[i]
             r.recomputed[i] += kv_tokens
-            if kv_tokens > r.reached[i]:
-                r.reached[i] = kv_tokens
             self.prefill_backlog += kv_tokens
         else:
             self._check_id(i, "preempted")

@@ -37,7 +37,6 @@ class RequestTable:
         self.priority = [0 if t < 0 else w.tiers[t].priority for t in tiers]
         self.target = list(self.prompt)
         self.computed = [0] * n
-        self.reached = [0] * n          # prompt tokens held before its last preemption (progress guard)
         self.gen = [0] * n
         self.status = [ARRIVING] * n
         self.last_tok = [0.0] * n
