@@ -192,7 +192,7 @@ def test_what_a_killed_writer_left_is_removed_by_a_later_write(tmp_path):
     mine = tmp_path / f".run.{os.getpid()}.livewrit"     # a live writer's
     mine.mkdir()
     users = [tmp_path / f".w.csv.{dead}.backup", tmp_path / f".w.csv.{dead}.q1w2e3r4.tmp.keep",
-             tmp_path / f".run.{dead}.old.zz", tmp_path / f".w.csv.99999999999999999999.abcdefgh.tmp"]
+             tmp_path / f".run.{dead}.old.zz", tmp_path / ".w.csv.99999999999999999999.abcdefgh.tmp"]
     for u in users:
         u.write_text("the user's own")
     _aged(left, stale_file, mine, *users)
