@@ -605,3 +605,15 @@ def test_report_refuses_negative_times(tmp_path):
     row[head.index("ttft")] = "-3"
     (out / "requests.csv").write_text("\n".join([lines[0], ",".join(row), *lines[2:]]))
     one_line_error(["report", str(out)], "requests.csv:2: a finished request needs ttft >= 0")
+
+
+def test_a_long_sequence_is_iterated_lazily_and_still_hides_its_container():
+    from kvsched.sim.view import SNAPSHOT_UP_TO, ReadOnlySeq
+    q = collections.deque(range(SNAPSHOT_UP_TO + 10))
+    face = ReadOnlySeq(q)
+    it = iter(face)
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    fn, (rest,) = it.__reduce__()
+    assert isinstance(rest, tuple) and rest[0] == 3 and len(rest) == len(q) - 3
+    assert list(it) == list(rest) and list(face) == list(q)
+    assert not hasattr(it, "_it")

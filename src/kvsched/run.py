@@ -341,7 +341,7 @@ def _check_ours(out: Path) -> None:
     entries = {str(p.relative_to(out)) for p in out.rglob("*")}
     if not entries:
         return
-    listed = set(_manifest(out).split("\n")) - {""}
+    listed = set(manifest_names(out))
     folders = {str(parent) for name in listed for parent in Path(name).parents if str(parent) != "."}
     strangers = sorted(entries - listed - folders - {MANIFEST})
     if strangers:
@@ -350,13 +350,15 @@ def _check_ours(out: Path) -> None:
                            "choose a new or empty folder")
 
 
-def _manifest(out: Path) -> str:
-    """The manifest's text ('' if none), decoded as file names are (surrogateescape), so any
-    bytes compare with the folder's names instead of failing to decode."""
+def manifest_names(folder: Path) -> list[str]:
+    """The names in folder's manifest (none without one), decoded as file names are
+    (surrogateescape), so any bytes compare with the folder's names instead of failing."""
+    manifest = folder / MANIFEST
     try:
-        return (out / MANIFEST).read_bytes().decode("utf-8", "surrogateescape") if (out / MANIFEST).is_file() else ""
+        text = manifest.read_bytes().decode("utf-8", "surrogateescape") if manifest.is_file() else ""
     except OSError as exc:
-        raise KvschedError(f"--out {out}: cannot read {MANIFEST}: {exc.strerror or exc}") from None
+        raise KvschedError(f"cannot read {manifest}: {exc.strerror or exc}") from None
+    return [line for line in text.split("\n") if line]
 
 
 @contextlib.contextmanager

@@ -141,24 +141,13 @@ def own_files(path: Path) -> set[Path]:
     tables, and an --out folder's manifest with every file it lists but report pages (.html:
     kvsched writes no other HTML, and a report joins the manifest). A report must never
     replace one; report.html, or an earlier report anywhere, may be written again."""
-    from kvsched.run import MANIFEST
+    from kvsched.run import MANIFEST, manifest_names
     names = (MANIFEST, *RUN_FILES, "compare.json", "sweep.json", "sweep.csv", "sweep.parquet", "capacity.json")
     with about(path):
         folders = [path, *(sub for sub in path.iterdir() if sub.is_dir())]
         files = {d / name for d in folders for name in names} | set((path / "points").glob("*.json"))
         files |= {path / name for name in manifest_names(path) if not name.endswith(".html")}
         return {f.resolve() for f in files}
-
-
-def manifest_names(path: Path) -> list[str]:
-    """The names in folder `path`'s --out manifest (none without one), as run.py reads them:
-    any bytes (surrogateescape), so a name that is not UTF-8 is kept, not an error."""
-    from kvsched.run import MANIFEST
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        return []
-    with about(manifest):
-        return [line for line in manifest.read_bytes().decode("utf-8", "surrogateescape").split("\n") if line]
 
 
 # ---- simulate and compare folders: requests.csv, timeline.csv, summary.json ----

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 from kvsched.errors import KvschedError
 from kvsched.files import atomic_file
-from kvsched.report.folders import Folder, load, manifest_names, own_files
+from kvsched.report.folders import Folder, load, own_files
 
 CSS = """body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1160px;margin:24px auto;
 padding:0 16px;color:#222}h1{font-size:1.6em;margin-bottom:4px}h2{margin-top:36px;border-bottom:1px solid #ddd;
@@ -195,7 +195,7 @@ def _fmt(v: Any, form: str) -> str:
 def _list_in_manifest(folder: Path, target: Path) -> None:
     """A report written into a kvsched --out folder joins its manifest (else a later --out
     into that folder would refuse it as a stranger)."""
-    from kvsched.run import MANIFEST
+    from kvsched.run import MANIFEST, manifest_names
     manifest = folder / MANIFEST
     try:
         rel = str(target.resolve().relative_to(folder.resolve()))

@@ -279,7 +279,7 @@ class Cluster:
             r.runs_ahead = chain and r._steady
         nxt, steps = 0, 0
         ready, version = self._ready, self._version
-        scan = single is None and not self._heap
+        scan, heap = single is None and not self._heap, single is None and self._heap
         while reqs.done < reqs.remaining:
             t_arr = arrival[nxt] if closed is None and nxt < n else INF
             if single is not None:                  # next_event_time(), inline: this is the hot loop
@@ -340,7 +340,7 @@ class Cluster:
                 self._push(rep.now, SEAT, reqs.done - before)
             if rep.pulls:                           # a decode replica's KV may have room at the batch end
                 self._push(rep.now, PULL, rep.index - len(self.front))
-            if not scan:
+            if heap:
                 self._touch(rep)
         if turns is not None:
             self._drain_turns()

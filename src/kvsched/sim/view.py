@@ -47,10 +47,15 @@ def _sealed(cls, name: str):
     return slot.__get__, slot.__set__
 
 
+SNAPSHOT_UP_TO = 1024       # a longer sequence is iterated lazily (`_Lazy`), not copied first
+
+
 class ReadOnlySeq(Sequence):
-    """Read-only face of a deque, list or array (what it wraps is not reachable from it: an
-    iterator runs over a snapshot, since a deque's or list's iterator hands out its container
-    through `__reduce__`, and a slice of an array is a copy, not a view of it)."""
+    """Read-only face of a deque, list or array (what it wraps is not reachable from it: a
+    deque's or list's own iterator hands out its container through `__reduce__`, so an
+    iterator runs over a snapshot, or lazily through `_Lazy` when the sequence is long (a
+    policy that stops early in a long queue must not pay for copying it); a slice of an array
+    is a copy, not a view of it)."""
     __slots__ = ("_q",)
 
     def __init__(self, q) -> None:
@@ -64,7 +69,8 @@ class ReadOnlySeq(Sequence):
         return v.copy() if isinstance(v, np.ndarray) else v
 
     def __iter__(self):
-        return iter(tuple(_Q(self)))
+        q = _Q(self)
+        return iter(tuple(q)) if len(q) <= SNAPSHOT_UP_TO else _Lazy(iter(q))
 
     def __bool__(self) -> bool:
         return bool(_Q(self))
@@ -74,6 +80,29 @@ class ReadOnlySeq(Sequence):
 
 
 _Q, _SET_Q = _sealed(ReadOnlySeq, "_q")
+
+
+class _Lazy:
+    """An iterator that holds another one out of reach; pickled (`__reduce__`), it hands out a
+    tuple of what is left, never the container behind it."""
+    __slots__ = ("_it",)
+
+    def __init__(self, it) -> None:
+        _SET_IT(self, it)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(_IT(self))
+
+    def __reduce__(self):
+        rest = tuple(_IT(self))
+        _SET_IT(self, iter(rest))
+        return iter, (rest,)
+
+
+_IT, _SET_IT = _sealed(_Lazy, "_it")
 
 
 class ReadOnlyKeys(Set):
