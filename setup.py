@@ -60,9 +60,11 @@ def extensions() -> list:
     sources = ";".join(f"{rel}={hashlib.sha256((PACKAGE / rel).read_bytes()).hexdigest()}" for rel in mirrors())
     ext = Extension("kvsched.sim._fast", ["src/kvsched/sim/_fast.pyx"], extra_compile_args=FLAGS,
                     define_macros=[("KVSCHED_SOURCES", f'"{sources}"')])
+    # the CSV text leaf (kvsched/csvtext.py's compiled layout): no Python twin, so no hashes
+    csv = Extension("kvsched._csv", ["src/kvsched/_csv.pyx"], extra_compile_args=FLAGS)
     try:
         from Cython.Build import cythonize
-        return cythonize([ext], quiet=True)
+        return cythonize([ext, csv], quiet=True)
     except Exception as exc:            # no Cython, or the .pyx does not compile
         warn(f"{type(exc).__name__}: {exc}")
         return []

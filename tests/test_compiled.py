@@ -346,21 +346,30 @@ def run_copy(root, pure: bool) -> tuple[list, str]:
     return fast, figures, p.stderr
 
 
+EDITS = {   # a cost model's formula and a built-in policy's budget, changed in place after the build
+    "cost/roofline.py": ("return self.overhead + ", "return 2 * self.overhead + ", 2),
+    "policies/baselines.py": ("budget = self.max_num_batched_tokens - nd", "budget = self.max_num_batched_tokens // 16 - nd", 2),
+}
+
+
 @needs_fast
-def test_an_edited_mirrored_file_runs_as_edited_with_a_warning(tmp_path):
-    """As in an editable install: the roofline changed in place after the build. The copy's
-    compiled module must not run the old formula: the results are the edited pure-Python ones."""
+@pytest.mark.parametrize("rel", sorted(EDITS))
+def test_an_edited_mirrored_file_runs_as_edited_with_a_warning(tmp_path, rel):
+    """As in an editable install: a cost model or a policy changed in place after the build
+    takes effect at the next run. The copy's compiled module must not run the old code: the
+    results are the edited pure-Python ones."""
     import kvsched
     root = tmp_path / "site"
     shutil.copytree(Path(kvsched.__file__).parent, root / "kvsched", ignore=shutil.ignore_patterns("__pycache__"))
     fast, before, err = run_copy(root, pure=False)
     assert fast and "pure-Python" not in err and before == run_copy(root, pure=True)[1]
-    source = root / "kvsched/cost/roofline.py"
+    source = root / "kvsched" / rel
+    old, new, count = EDITS[rel]
     text = source.read_text()
-    assert text.count("return self.overhead + ") == 2
-    source.write_text(text.replace("return self.overhead + ", "return 2 * self.overhead + "))   # the formula changed
+    assert text.count(old) == count
+    source.write_text(text.replace(old, new))
     fast, after, err = run_copy(root, pure=False)
-    assert not fast and "kvsched/cost/roofline.py: running the pure-Python code" in err and "pip install" in err
+    assert not fast and f"kvsched/{rel}: running the pure-Python code" in err and "pip install" in err
     assert after != before and after == run_copy(root, pure=True)[1]
 
 

@@ -14,13 +14,14 @@ from kvsched import csvtext
 from kvsched.csvtext import csv_lines as csv_blocks
 
 
-@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+@pytest.fixture(autouse=True, params=["compiled", "python"])
 def layout(request, monkeypatch):
-    """Every test twice: the lines laid out by the compiled module (`_fast.csv_block`) and by numpy."""
-    if request.param == "numpy":
+    """Every test twice: the lines laid out by the compiled leaf (`kvsched._csv.csv_block`) and
+    by the pure-Python fallback (each value's repr or str)."""
+    if request.param == "python":
         monkeypatch.setattr(csvtext, "_compiled", lambda: None)
     elif csvtext._compiled() is None:
-        pytest.skip("kvsched.sim._fast is not built here")
+        pytest.skip("kvsched._csv is not built here")
     return request.param
 
 
@@ -135,39 +136,36 @@ def test_one_column_is_refused():          # csv.writer writes a lone empty cell
         csv_lines([(np.arange(3), None)])
 
 
-def test_the_fast_path_takes_nearly_every_float_of_a_run():
-    """Times and durations go through the vectorized path, not Python's repr, one in a
-    hundred or so excepted (they would still be right, but slow)."""
-    if not csvtext._extended_works():
-        pytest.skip("no 80-bit long doubles here: every float is Python's repr")
-    rng = np.random.default_rng(3)
-    t = np.cumsum(rng.exponential(0.02, 50_000))
-    for x in (t, np.diff(t), t * 7.3):
-        cells, done = csvtext._float_cells(x)
-        assert done.mean() > 0.97
-
-
-def test_the_compiled_digits_are_the_vectorized_ones():
-    """Where both are certain of a float's digits, they agree (each is checked against repr
-    above); the compiled one is certain about as often."""
+def _fast_leaf():
     fast = csvtext._compiled()
     if fast is None or not csvtext._extended_works():
-        pytest.skip("no compiled module or no 80-bit long doubles here")
-    rng = np.random.default_rng(11)
-    x = np.concatenate([np.cumsum(rng.exponential(0.02, 20_000)), rng.exponential(0.03, 20_000)])
-    digits, ndigits, exp10, sure = csvtext._shortest(x)
-    mine = [fast.shortest_digits(v) for v in x.tolist()]
-    assert sum(m is not None for m in mine) >= 0.99 * sure.sum()
-    for m, d, nd, e, ok in zip(mine, digits.tolist(), ndigits.tolist(), exp10.tolist(), sure.tolist()):
-        if m is not None and ok:
-            assert m == (d, nd, e)
+        pytest.skip("no compiled leaf or no 80-bit long doubles here: every float is Python's repr")
+    return fast
 
 
-def test_without_extended_precision_every_float_is_repr(monkeypatch):
+def test_the_compiled_digits_are_repr_s_for_nearly_every_float_of_a_run(layout):
+    """Times and durations get their digits in C, not from Python's repr, one in a hundred or
+    so excepted (they would still be right, but slow), and those digits are repr's."""
+    if layout != "compiled":
+        pytest.skip("the compiled leaf's own digits")
+    fast = _fast_leaf()
+    rng = np.random.default_rng(3)
+    t = np.cumsum(rng.exponential(0.02, 20_000))
+    for x in (t, np.diff(t), t * 7.3, rng.exponential(0.03, 20_000)):
+        mine = [fast.shortest_digits(v) for v in x.tolist()]
+        assert sum(m is not None for m in mine) > 0.97 * len(x)
+        for m, v in zip(mine, x.tolist()):
+            if m is not None:
+                digits, nd, e10 = m
+                mantissa, _, exp = f"{v:.{nd - 1}e}".partition("e")
+                assert (int(mantissa.replace(".", "")), int(exp)) == (digits, e10) and float(repr(v)) == v
+                assert len(repr(v).replace(".", "").lstrip("0").rstrip("0") or "0") <= nd
+
+
+def test_without_extended_precision_every_float_is_repr(monkeypatch, layout):
     monkeypatch.setattr(csvtext, "_EXTENDED", False)
+    assert not csvtext._extended_works()
     x = np.cumsum(np.random.default_rng(4).exponential(0.02, 3000))
-    cells, done = csvtext._float_cells(x)
-    assert not done.any()
     assert csv_lines([(x, None), (x, None)]) == _reference([(x, None), (x, None)])
 
 

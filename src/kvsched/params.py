@@ -26,7 +26,7 @@ def parse_assignments(items: Iterable[str], flag: str) -> dict[str, str]:
     return out
 
 
-def _convert(owner: str, key: str, value: Any, kind: str) -> Any:
+def convert(owner: str, key: str, value: Any, kind: str) -> Any:
     if not isinstance(value, str):
         return value
     try:
@@ -94,7 +94,7 @@ def build(cls: type, owner: str, overrides: dict[str, Any], defaults: dict[str, 
         raise KvschedError(f"{owner} has no parameter {unknown[0]!r} (parameters: {known})")
     values = dict(defaults or {})
     for key, value in overrides.items():
-        values[key] = _convert(owner, key, value, _kind(fields[key]))
+        values[key] = convert(owner, key, value, _kind(fields[key]))
     for key, f in fields.items():
         text = f.metadata.get("range", "true/false" if _kind(f).startswith("bool") else None)
         value = values.get(key, f.default)
@@ -113,7 +113,9 @@ def _kind(f: dataclasses.Field) -> str:
 
 
 def describe(cls: type) -> list[tuple[str, str, str, str]]:
-    """(name, default, range, help) for each parameter of a dataclass."""
+    """(name, default, range, help) for each parameter of a dataclass (none for another class)."""
+    if not dataclasses.is_dataclass(cls):
+        return []
     rows = []
     for f in dataclasses.fields(cls):
         if not f.init:

@@ -51,8 +51,9 @@ class Scenario:
     trim: int = 0
     strict: bool = False
     replicas: int = 1                       # replicas behind `router` (ignored when disaggregated)
-    router: str = "round-robin"
+    router: str = "round-robin"             # a name (sim/routers.py, kvsched/plugins.py) or a Router
     router_seed: int = 0
+    router_params: dict[str, Any] = field(default_factory=dict)   # --router-set key=value
     prefill_replicas: int = 0               # > 0 with decode_replicas > 0: disaggregated pools
     decode_replicas: int = 0
     kv_transfer_bandwidth: float = 25.0     # GB/s (1e9 bytes) per prefill replica's link
@@ -105,7 +106,8 @@ class Scenario:
                         ("--kv-transfer-latency", self.kv_transfer_latency)):
             if isinstance(v, bool) or not isinstance(v, Real):
                 raise KvschedError(f"{flag} must be a number, got {v!r}")
-        checks = (("cost_params", dict, self.cost_params), ("goodput", (Goodput, type(None)), self.goodput))
+        checks = (("cost_params", dict, self.cost_params), ("router_params", dict, self.router_params),
+                  ("goodput", (Goodput, type(None)), self.goodput))
         for name, kind, v in checks:
             if not isinstance(v, kind):
                 raise KvschedError(f"Scenario.{name} must be {getattr(kind, '__name__', 'a Goodput or None')}, "
@@ -403,6 +405,7 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     kv = PagedKV(tokens, scenario.block_size)
     max_len = scenario.max_model_len if scenario.max_model_len is not None else model.max_len
     cluster = Cluster(scenario.workload, pols, cost, kv, router=scenario.router, router_seed=scenario.router_seed,
+                      router_params=scenario.router_params,
                       prefill_replicas=prefill, kv_bytes_per_token=model.kv_bytes_per_token,
                       bandwidth_gbps=scenario.kv_transfer_bandwidth, latency_s=scenario.kv_transfer_latency,
                       max_model_len=max_len, record_timeline=record_timeline, record_batches=record_batches,
@@ -414,6 +417,8 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
                      "gpu": gpu.name, "block_size": kv.block_size}
     if replicas > 1:
         records.extra.update({"replicas": replicas, "router": cluster.router.name})
+        if scenario.router_params:
+            records.extra["router_params"] = dict(scenario.router_params)
     if prefill:
         records.extra.update({"prefill_replicas": prefill, "decode_replicas": replicas - prefill,
                               "decode_policy": pols[-1].name})

@@ -287,16 +287,18 @@ def resolve(raw: RawAxes, scope: Callable[[dict[str, str], list[str]], dict[str,
 
 def check_policy(name: str, flag: str = "") -> None:
     """A known policy name, else the error `simulate` gives (after `flag`)."""
-    from kvsched.policies import POLICIES
-    if name not in POLICIES:
-        raise KvschedError(f"{flag}unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    from kvsched.policies import policy_class
+    try:
+        policy_class(name)
+    except KvschedError as exc:
+        raise KvschedError(f"{flag}{exc}") from None
 
 
 def check_params(policy: str, keys: Iterable[str], flag: str) -> None:
     """Parameter names the policy has; `flag` + the first unknown one names it in the error."""
     from kvsched.params import describe
-    from kvsched.policies import POLICIES
-    names = [row[0] for row in describe(POLICIES[policy])]
+    from kvsched.policies import policy_class
+    names = [row[0] for row in describe(policy_class(policy))]
     bad = [k for k in keys if k not in names]
     if bad:
         raise KvschedError(f"{flag}{bad[0]}: {policy} has no parameter {bad[0]!r} "

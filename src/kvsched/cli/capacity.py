@@ -74,14 +74,15 @@ def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], 
     from kvsched.metrics import Goodput
     from kvsched.params import parse_assignments
     from kvsched.point import Point, check_rate
-    from kvsched.policies import POLICIES
+    from kvsched.policies import POLICIES, policy_class
     from kvsched.theory.plan import PlanInputs, service_rate
     from kvsched.workload.arrivals import Closed
     from kvsched.workload.source import load, resolve
     names = [p.strip() for p in policies.split(",") if p.strip()]
-    unknown = [p for p in names if p not in POLICIES]
-    if unknown or not names:
-        raise KvschedError(f"unknown policy {unknown[0] if unknown else policies!r}; known: {', '.join(POLICIES)}")
+    if not names:
+        raise KvschedError(f"unknown policy {policies!r}; known: {', '.join(POLICIES)}")
+    for p in names:
+        policy_class(p)
     twice = [p for p in dict.fromkeys(names) if names.count(p) > 1]
     if twice:
         raise KvschedError(f"--policies: {twice[0]} given twice")

@@ -239,7 +239,8 @@ output_flags = _flags(OUTPUT_FLAGS, OutputOptions, "outs")
 # Replicas, routing, disaggregation and engine safety of simulate and compare (names are a contract).
 CLUSTER_FLAGS = {
     "replicas": (int, typer.Option(1, "--replicas", help="replicas behind the router")),
-    "router": (str, typer.Option("round-robin", "--router", help=f"routing: {', '.join(ROUTERS)}")),
+    "router": (str, typer.Option("round-robin", "--router", help=f"routing: {', '.join(ROUTERS)}, or MODULE:CLASS")),
+    "router_set": (list[str], typer.Option([], "--router-set", help="router parameter key=value (repeatable)")),
     "prefill_replicas": (int, typer.Option(0, "--prefill-replicas", help="disaggregate: replicas that only prefill")),
     "decode_replicas": (int, typer.Option(0, "--decode-replicas", help="disaggregate: replicas that decode")),
     "kv_transfer_bandwidth": (Optional[float], typer.Option(None, "--kv-transfer-bandwidth", show_default="25", help="GB/s (1e9 bytes) of each prefill replica's KV link (with pools)")),
@@ -254,6 +255,7 @@ CLUSTER_FLAGS = {
 class ClusterOptions:
     replicas: int
     router: str
+    router_set: list[str]
     prefill_replicas: int
     decode_replicas: int
     kv_transfer_bandwidth: Optional[float]       # None: not given (Scenario's default)
@@ -264,10 +266,11 @@ class ClusterOptions:
 
     def apply(self, sc: Scenario, seed: int) -> Scenario:
         """The scenario with these replicas, router (seeded by the workload --seed) and link."""
-        from kvsched.sim.routers import ROUTERS
+        from kvsched.params import parse_assignments
+        from kvsched.sim.routers import make_router
         from kvsched.sim.transfer import KVLink
-        if self.router not in ROUTERS:
-            raise KvschedError(f"--router: unknown router {self.router!r}; known: {', '.join(ROUTERS)}")
+        router_params = parse_assignments(self.router_set, "--router-set")
+        make_router(self.router, seed, router_params)       # checks the name and the parameters
         if self.stall_batches < 1:
             raise KvschedError(f"--stall-batches must be >= 1, got {self.stall_batches}")
         pools = self.prefill_replicas or self.decode_replicas
@@ -279,7 +282,7 @@ class ClusterOptions:
             raise KvschedError(f"--{next(iter(link)).replace('_', '-')} sets the KV link between prefill and "
                                "decode pools: it needs --prefill-replicas and --decode-replicas")
         sc = dataclasses.replace(
-            sc, replicas=self.replicas, router=self.router, router_seed=seed,
+            sc, replicas=self.replicas, router=self.router, router_seed=seed, router_params=router_params,
             prefill_replicas=self.prefill_replicas, decode_replicas=self.decode_replicas,
             stall_batches=self.stall_batches, **link)
         sc.pools()

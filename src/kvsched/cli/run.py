@@ -49,12 +49,13 @@ def compare_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOptio
     """Run several policies on one workload and show them side by side."""
     def body() -> None:
         from kvsched.params import parse_assignments
-        from kvsched.policies import POLICIES
+        from kvsched.policies import POLICIES, policy_class
         from kvsched.workload.source import load
         names = [p.strip() for p in policies.split(",") if p.strip()]
-        unknown = [p for p in names if p not in POLICIES]
-        if unknown or not names:
-            raise KvschedError(f"unknown policy {unknown[0] if unknown else policies!r}; known: {', '.join(POLICIES)}")
+        if not names:
+            raise KvschedError(f"unknown policy {policies!r}; known: {', '.join(POLICIES)}")
+        for p in names:
+            policy_class(p)
         sc = copts.apply(hw.scenario(load(wopts), outs.goodput, outs.trim, outs.strict, outs.tbt_first_zero), wopts.seed)
         _run_policies(sc, _scoped_params(parse_assignments(set_, "--set"), names), outs, keyed=True,
                       decode=copts.decode_args())
@@ -100,7 +101,7 @@ def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], outs: OutputOpt
 def _scoped_params(params: dict[str, str], names: list[str]) -> dict[str, dict[str, str]]:
     """'sarathi.chunk_size=256' goes to sarathi; 'max_num_seqs=64' to every policy having it."""
     from kvsched.params import describe
-    from kvsched.policies import POLICIES
+    from kvsched.policies import policy_class
     out: dict[str, dict[str, str]] = {n: {} for n in names}
     for key, value in params.items():
         scope, dot, field = key.rpartition(".")
@@ -109,7 +110,7 @@ def _scoped_params(params: dict[str, str], names: list[str]) -> dict[str, dict[s
                 raise KvschedError(f"--set {key}: {scope!r} is not among the compared policies")
             out[scope][field] = value
             continue
-        takers = [n for n in names if key in {row[0] for row in describe(POLICIES[n])}]
+        takers = [n for n in names if key in {row[0] for row in describe(policy_class(n))}]
         if not takers:
             raise KvschedError(f"--set {key}: no compared policy has parameter {key!r}")
         for n in takers:

@@ -19,6 +19,7 @@ from kvsched.errors import KvschedError
 from kvsched.files import names_a_file
 from kvsched.hardware import GPU, Model
 from kvsched.params import build
+from kvsched.plugins import plain_instance, resolve
 
 
 class CostModel(Protocol):
@@ -54,16 +55,31 @@ def make_cost_model(name: str, overrides: dict[str, Any], model: Model, gpu: GPU
     return _build(name, overrides, model, gpu, {}, f"cost model {name}")
 
 
-def _build(name: str, overrides: dict[str, Any], model: Model, gpu: GPU, params: dict[str, Any], owner: str):
+def cost_class(name: str) -> type:
+    """The class `--cost NAME` names: a built-in, an installed plugin (entry point group
+    `kvsched.cost_models`), or MODULE:CLASS / FILE.py:CLASS (kvsched/plugins.py)."""
+    if name in COST_MODELS:
+        return COST_MODELS[name]
     try:
-        cls = COST_MODELS[name]
-    except KeyError:
-        raise KvschedError(f"unknown cost model {name!r}; known: {', '.join(COST_MODELS)}, "
-                           "or a cost file (.json) from kvsched calibrate") from None
-    if cls in CATALOGUE_MODELS and (model is None or gpu is None):
+        return resolve(name, "cost", COST_MODELS, "time")
+    except KvschedError as exc:
+        if str(exc).startswith("unknown cost "):
+            text = str(exc).replace("unknown cost ", "unknown cost model ", 1)
+            raise KvschedError(f"{text}; or a cost file (.json) from kvsched calibrate") from None
+        raise
+
+
+def _build(name: str, overrides: dict[str, Any], model: Model, gpu: GPU, params: dict[str, Any], owner: str):
+    cls = cost_class(name)
+    if not dataclasses.is_dataclass(cls):
+        return plain_instance(cls, owner, overrides, "--cost-set")
+    # a user's dataclass with `model` and `gpu` fields takes the catalogue's, as the roofline does
+    catalogue = cls in CATALOGUE_MODELS or (cls not in COST_MODELS.values()
+                                            and {"model", "gpu"} <= {f.name for f in dataclasses.fields(cls)})
+    if catalogue and (model is None or gpu is None):
         raise KvschedError(f"{owner} needs a catalogue model and GPU, and none was given here "
                            "(inside vLLM: use a phase or linear cost file from kvsched calibrate)")
-    context = {"model": model, "gpu": gpu} if cls in CATALOGUE_MODELS else {}
+    context = {"model": model, "gpu": gpu} if catalogue else {}
     bad = {"model", "gpu"} & set(overrides)
     if bad:
         raise KvschedError(f"cost model {name}: set {sorted(bad)[0]} with --{sorted(bad)[0]}")

@@ -224,9 +224,9 @@ def engine_policy(name: str, params: dict[str, Any], max_num_batched_tokens: int
     import dataclasses
 
     from kvsched.hardware import get_gpu
-    from kvsched.policies import POLICIES, make_policy
-    cls = POLICIES.get(name)
-    has = {f.name for f in dataclasses.fields(cls)} if cls is not None and dataclasses.is_dataclass(cls) else set()
+    from kvsched.policies import make_policy, policy_class
+    cls = policy_class(name)
+    has = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     limits = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
               "long_prefill_token_threshold": long_prefill_token_threshold}
     return make_policy(name, {**{k: v for k, v in limits.items() if k in has}, **params}, get_gpu("a100-80gb"))

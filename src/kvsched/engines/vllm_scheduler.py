@@ -46,7 +46,6 @@ import time
 import warnings
 from collections import deque
 
-import numpy as np
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -56,7 +55,7 @@ from kvsched.cost.calibrate import STEP_LOG_HEADER
 from kvsched.errors import KvschedError, PlanError
 from kvsched.engines.vllm_replay import engine_policy
 from kvsched.policies.base import Plan
-from kvsched.sim.replica import _short      # the simulator's rendering, for the same messages
+from kvsched.sim.plan_check import check as check_plan, kv_error, short as _short
 
 class VllmView:
     """vLLM's scheduler state as kvsched's ServerView (policies/base.py). Request ids are the
@@ -446,85 +445,45 @@ def _check_class(s: Scheduler) -> None:
                            f"--scheduler-cls kvsched.engines.vllm_scheduler.{want}")
 
 
+class _EngineState:
+    """What the plan check (sim/plan_check.py, its `PlanState`) reads of this engine's state."""
+
+    def __init__(self, view: VllmView) -> None:
+        self.count, self.index, self._v = view._s._count, 0, view
+        self.running, self.prefilling, self.decoders = set(view.running), set(view.prefilling), view._decoding_set
+        self._waiting = set(view.waiting)
+
+    def waiting_here(self, i: int) -> bool:
+        return i in self._waiting
+
+    is_waiting = waiting_here
+
+    def prefill_left(self, i: int) -> int:
+        return self._v.prefill_target(i) - self._v.prefill_done(i)
+
+    def restart_target(self, i: int) -> int:
+        return self._v.prompt_len(i) + self._v.generated(i)
+
+
 def _check_plan(plan, view: VllmView, name: str) -> Plan:
-    """The checks the simulator makes (sim/replica.py), with its messages: a bad plan fails the
-    same way inside vLLM as in simulation. Returns the plan with its fields read once into
-    lists (a generator is read here, not consumed by the check and then seen empty)."""
-    if not isinstance(plan, Plan):
-        raise PlanError(f"policy {name} returned {_short(plan)} ({type(plan).__name__}), not a Plan")
-    for field_name in ("preempt", "admit", "chunks"):
-        x = getattr(plan, field_name)
-        if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
-            raise PlanError(f"policy {name} gave Plan.{field_name}={_short(x)}; it must be a list")
-    decode = plan.decode
-    if isinstance(decode, (bool, np.bool_)):
-        decode = bool(decode)
-    elif isinstance(decode, (str, bytes, int, float)) or decode is None or not hasattr(decode, "__iter__"):
-        raise PlanError(f"policy {name} gave decode={_short(decode)}; it must be True, False "
-                        "or a collection of request ids in their decode phase")
-    try:
-        plan = Plan(list(plan.admit), list(plan.chunks), decode if isinstance(decode, bool) else list(decode),
-                    list(plan.preempt))
-    except Exception as exc:                                # e.g. a generator that raises
-        raise PlanError(f"policy {name} gave a plan that cannot be read: {type(exc).__name__}: "
-                        f"{_short(exc, 120)}") from exc
-    count = view._s._count
-    running, waiting = set(view.running), set(view.waiting)
-
-    def exists(i, what: str) -> None:
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < count:
-            raise PlanError(f"policy {name} {what} request {_short(i)}, which does not exist "
-                            f"(requests are 0..{count - 1})")
-
-    freed = 0
-    for i in plan.preempt:
-        exists(i, "preempted")
-        if i not in running:
-            raise PlanError(f"policy {name} preempted request {i}, which is not running")
-        running.discard(i)
-        waiting.add(i)                                      # back to the queue: it may be admitted again
-        freed += view.kv_blocks(i)
-    prefilling = {i for i in view.prefilling if i in running}
-    for i in plan.admit:
-        exists(i, "admitted")
-        if i not in waiting:
-            raise PlanError(f"policy {name} admitted request {i}, which is not waiting")
-        waiting.discard(i)
-        prefilling.add(i)
-    new_blocks, seen = 0, set()
-    for item in plan.chunks:
-        try:
-            i, c = item
-        except (TypeError, ValueError):
-            raise PlanError(f"policy {name} gave a chunk {_short(item)}; chunks are (request, tokens) pairs") from None
-        exists(i, "gave a chunk to")
-        if isinstance(c, bool) or not isinstance(c, (int, float, np.integer, np.floating)):
-            raise PlanError(f"policy {name} gave request {i} a chunk of {_short(c)} tokens; tokens must be an integer")
-        if i not in prefilling:
-            raise PlanError(f"policy {name} gave request {i} a chunk of {c} tokens; it is not in its prefill "
-                            "phase on replica 0")
-        p = 0 if i in plan.preempt else view.prefill_done(i)
-        left = (view.prompt_len(i) + view.generated(i) if i in plan.preempt else view.prefill_target(i)) - p
-        if not 0 < c <= left or c != int(c):
-            raise PlanError(f"policy {name} gave request {i} a chunk of {c} tokens; it is {left} prefill tokens left")
-        if i in seen:
-            raise PlanError(f"policy {name} gave one request two chunks in a batch")
-        seen.add(i)
-        new_blocks += view.blocks_for(p + int(c)) - view.blocks_for(p)
-    idle = [i for i in plan.admit if i not in seen]
+    """The simulator's plan check (sim/plan_check.py, the same messages: a bad plan fails the
+    same way inside vLLM as in simulation), then what only this engine needs: every admitted
+    request computes tokens, and the plan's KV fits the engine's free blocks (counted as the
+    simulator's pool counts them, without prefix caching, which the adapter refuses)."""
+    plan = check_plan(plan, _EngineState(view), name)
+    chunked = {i for i, _ in plan.chunks}
+    idle = [i for i in plan.admit if i not in chunked]
     if idle:                                                # vLLM admits a request only with tokens
         raise PlanError(f"policy {name} admitted request {idle[0]} without a chunk: inside vLLM a request is "
                         "admitted only when it computes tokens (the adapter cannot hold it admitted and idle)")
-    selected = [i for i in view.decoding if i in running] if plan.decode is True else plan.decode or []
-    for i in selected:
-        exists(i, "selected for decoding")
-        if i not in view._decoding_set or i not in running:
-            raise PlanError(f"policy {name} selected request {i} for decoding; it is not in its "
-                            "decode phase on replica 0")
-        new_blocks += view.needs_block(i)
-    held = view.kv_used_blocks - freed + new_blocks
+    gone = set(plan.preempt)
+    new_blocks = 0
+    for i, c in plan.chunks:
+        p = 0 if i in gone else view.prefill_done(i)
+        new_blocks += view.blocks_for(p + c) - view.blocks_for(p)
+    selected = [i for i in view.decoding if i not in gone] if plan.decode is True else plan.decode or ()
+    new_blocks += sum(view.needs_block(i) for i in selected)
+    held = view.kv_used_blocks - sum(view.kv_blocks(i) for i in plan.preempt) + new_blocks
     if held > view.kv_capacity_blocks:
-        raise PlanError(f"policy {name} planned a batch needing {held} KV blocks; only "
-                        f"{view.kv_capacity_blocks} exist ({view.kv_capacity_blocks * view.block_size} tokens)")
-    return Plan(plan.admit, [(int(i), int(c)) for i, c in plan.chunks], plan.decode if isinstance(plan.decode, bool)
-                else [int(i) for i in plan.decode], [int(i) for i in plan.preempt])
+        raise kv_error(name, held, view.kv_capacity_blocks, view.block_size)
+    return plan

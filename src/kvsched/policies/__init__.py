@@ -1,11 +1,12 @@
 """Scheduling policies behind one interface (see `base.Plan` and `base.ServerView`)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from kvsched.errors import KvschedError
 from kvsched.hardware import GPU
 from kvsched.params import build
+from kvsched.plugins import plain_instance, resolve
 from kvsched.policies.base import Plan, Policy, ServerView
 from kvsched.policies.baselines import Orca, RequestLevel, Sarathi, VllmV0, VllmV1
 from kvsched.policies.distserve import DistServe
@@ -45,11 +46,16 @@ def engine_defaults(gpu: GPU) -> dict[str, int]:
     return {"max_num_batched_tokens": 8192 if big else 2048, "max_num_seqs": 1024 if big else 256}
 
 
+def policy_class(name: str) -> type:
+    """The class `--policy NAME` names: a built-in, an installed plugin, or MODULE:CLASS /
+    FILE.py:CLASS (kvsched/plugins.py)."""
+    return resolve(name, "policy", POLICIES, "schedule")
+
+
 def make_policy(name: str, overrides: dict[str, Any], gpu: GPU) -> Policy:
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise KvschedError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}") from None
+    cls = policy_class(name)
+    if not dataclasses.is_dataclass(cls):
+        return plain_instance(cls, f"policy {name}", overrides, "--set")
     defaults = {}
     if issubclass(cls, ENGINE_LIMITS):
         defaults = engine_defaults(gpu)
@@ -58,4 +64,4 @@ def make_policy(name: str, overrides: dict[str, Any], gpu: GPU) -> Policy:
     return build(cls, f"policy {name}", overrides, defaults)
 
 
-__all__ = ["BASELINES", "POLICIES", "SOURCES", "Plan", "Policy", "ServerView", "make_policy", "engine_defaults"]
+__all__ = ["BASELINES", "POLICIES", "SOURCES", "Plan", "Policy", "ServerView", "make_policy", "engine_defaults", "policy_class"]

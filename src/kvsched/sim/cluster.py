@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import time as _time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from kvsched.errors import KvschedError, PlanError
 from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram, RunRecords
 from kvsched.sim.prefix_cache import fewer_collections
+from kvsched.sim import invariants
 from kvsched.sim.replica import DEFAULT_STALL_BATCHES, PASS_THROUGH, Arrivals, Replica, merged_tiers
 from kvsched.sim.requests import INF, RequestTable
 from kvsched.sim.routers import ReplicaSummary, Router, make_router
@@ -72,7 +73,8 @@ class Cluster:
     decode pool; `kv_bytes_per_token`, `bandwidth_gbps` and `latency_s` set the link."""
 
     def __init__(self, workload: Workload, policies: Sequence, cost, kv: PagedKV, *,
-                 router: str | Router = "round-robin", router_seed: int = 0, prefill_replicas: int = 0,
+                 router: str | Router = "round-robin", router_seed: int = 0,
+                 router_params: dict[str, Any] | None = None, prefill_replicas: int = 0,
                  kv_bytes_per_token: float = 0.0, bandwidth_gbps: float = 25.0, latency_s: float = 0.0,
                  max_model_len: int | None = None, record_timeline: bool = False,
                  record_batches: bool = False, strict: bool = False,
@@ -105,8 +107,11 @@ class Cluster:
                 itl_bins=itl_bins, tier_bins=tier_bins))
         self.front = self.replicas[:prefill_replicas] if self.disaggregated else self.replicas
         self.back = self.replicas[prefill_replicas:]
-        self.router = make_router(router, router_seed) if isinstance(router, str) else router
-        self.decode_router = make_router(self.router.name, router_seed + 1) if self.disaggregated else None
+        if router_params and not isinstance(router, str):
+            raise KvschedError("router parameters go with a router name; a router object is used as given")
+        self.router = make_router(router, router_seed, router_params) if isinstance(router, str) else router
+        spec = router if isinstance(router, str) else self.router.name
+        self.decode_router = make_router(spec, router_seed + 1, router_params) if self.disaggregated else None
         pools = [(self.front, self.router)] + ([(self.back, self.decode_router)] if self.disaggregated else [])
         for pool, rt in pools:
             for rep in pool:
@@ -275,9 +280,10 @@ class Cluster:
         # a replica may run several decode-only batches in one step() until the next thing that
         # happens elsewhere; a closed loop and sessions react to each batch's finishes
         chain = closed is None and turns is None
+        check = invariants.enabled()            # KVSCHED_CHECK=1: the invariants after every step
         for r in reps:                          # replicas whose steady batches may run ahead
             r.runs_ahead = chain and r._steady
-        nxt, steps = 0, 0
+        nxt, steps, checked = 0, 0, 0
         ready, version = self._ready, self._version
         scan, heap = single is None and not self._heap, single is None and self._heap
         while reqs.done < reqs.remaining:
@@ -342,8 +348,13 @@ class Cluster:
                 self._push(rep.now, PULL, rep.index - len(self.front))
             if heap:
                 self._touch(rep)
+            if check:
+                checked += 1
+                invariants.after_step(self, rep, checked)
         if turns is not None:
             self._drain_turns()
+        if check:
+            invariants.at_end(reqs)
         return self._records(_time.perf_counter() - wall0)
 
     def _set_next(self, nxt: int, t: float) -> None:

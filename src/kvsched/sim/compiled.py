@@ -20,10 +20,10 @@ PACKAGE = Path(__file__).resolve().parent.parent       # the kvsched package fol
 # Paths relative to PACKAGE of what _fast.pyx compiles or copies (setup.py reads this tuple as
 # a literal, without importing kvsched): the .pyx itself, the replica and the engine state it
 # reads and writes, the view the built-in plans read (VllmV1, Sarathi), the roofline, the gap
-# histogram, the row logs and the CSV float text. tests/test_compiled.py checks that every
+# histogram and the row logs. tests/test_compiled.py checks that every
 # kvsched module the .pyx, the replica or the baselines import is here or in NOT_MIRRORED.
-MIRRORS = ("sim/_fast.pyx", "sim/replica.py", "sim/decode_set.py", "sim/prefix_cache.py", "sim/requests.py",
-           "sim/rowlog.py", "sim/view.py", "kvcache.py", "metrics.py", "csvtext.py", "cost/roofline.py",
+MIRRORS = ("sim/_fast.pyx", "sim/replica.py", "sim/plan_check.py", "sim/decode_set.py", "sim/prefix_cache.py",
+           "sim/requests.py", "sim/rowlog.py", "sim/view.py", "kvcache.py", "metrics.py", "cost/roofline.py",
            "cost/shape.py", "policies/base.py", "policies/baselines.py")
 NOT_MIRRORED = {"errors.py": "exception classes only", "sim/compiled.py": "this loader"}
 REBUILD = "`pip install .` rebuilds the module; `pip install -e .` in an editable install"

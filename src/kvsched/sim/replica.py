@@ -32,6 +32,7 @@ from kvsched.metrics import GapHistogram
 from kvsched.policies.base import NOOP_HOOKS, Plan, decodes_when_idle, defined_in
 from kvsched.sim import compiled
 from kvsched.sim.decode_set import Cohort, DecodeSet
+from kvsched.sim.plan_check import check as check_plan, kv_error, short as _short
 from kvsched.sim.prefix_cache import HitPlanner, LazyPlanner, PrefixCache
 from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING, RequestTable
 from kvsched.sim.rowlog import CHUNK, RowLog
@@ -47,12 +48,6 @@ PASS_THROUGH = (KeyboardInterrupt, MemoryError)
 IDLE_PLAN = Plan([], [], True, [])      # what a `decodes_when_idle` policy plans when idle (read only)
 
 
-def _short(x, limit: int = 60) -> str:
-    """repr (str for exceptions) on one line, at most `limit` characters."""
-    text = " ".join((str(x) if isinstance(x, BaseException) else repr(x)).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
 def _compiled_plan(policy, schedule) -> int:
     """Which baseline `_fast.admit_step` plans for this policy (0: none): one of exactly a class
     in `COMPILED_PLANS` whose bound `schedule` is still that class's own, the module's helpers
@@ -64,6 +59,33 @@ def _compiled_plan(policy, schedule) -> int:
             or any(getattr(baselines, name) is not f for name, f in baselines.COMPILED_HELPERS.items()):
         return 0
     return _fast.SARATHI if type(policy) is baselines.Sarathi else _fast.VLLM_V1
+
+
+class PlanFace:
+    """What the plan check (sim/plan_check.py, its `PlanState`) reads of a replica: live
+    references to its containers and the request table's lists."""
+    __slots__ = ("count", "index", "running", "prefilling", "decoders", "_queue", "_status", "_target",
+                 "_computed", "_prompt", "_gen")
+
+    def __init__(self, rep: "Replica") -> None:
+        r = rep.reqs
+        self.count, self.index = r.n, rep.index
+        self.running, self.prefilling, self.decoders = rep._running, rep._prefilling, rep._decoders.where
+        self._queue, self._status, self._target, self._computed = rep._queue, r.status, r.target, r.computed
+        self._prompt, self._gen = r.prompt, r.gen
+
+    def waiting_here(self, i: int) -> bool:
+        q = self._queue                         # the front at once; elsewhere a scan, as the admission's
+        return self._status[i] == WAITING and bool(q) and (q[0] == i or i in q)
+
+    def is_waiting(self, i: int) -> bool:
+        return self._status[i] == WAITING
+
+    def prefill_left(self, i: int) -> int:
+        return self._target[i] - self._computed[i]
+
+    def restart_target(self, i: int) -> int:
+        return self._prompt[i] + self._gen[i]
 
 
 class Arrivals:
@@ -168,6 +190,7 @@ class Replica:
         # a baseline's batch planned and run compiled (`admit_step`), where its plan preempts nothing
         self._plan_kind = (_compiled_plan(policy, self._schedule) if self._roof is not None and handoff is None
                            and self._on_batch_end is None and self.tier_itl is None else 0)
+        self._face = PlanFace(self)
         self.view = ReplicaView(self, {
             "index": index, "role": role, "block_size": bs, "kv_capacity_blocks": kv.capacity_blocks,
             "waiting": ReadOnlySeq(self._queue), "running": self._running.keys(),
@@ -516,29 +539,16 @@ class Replica:
         except BaseException as exc:
             raise self._policy_failed(where, exc, i) from exc
 
-    def _unknown(self, i, what: str) -> PlanError:
-        return PlanError(f"policy {self.name} {what} request {_short(i)}, which does not exist "
-                         f"(requests are 0..{self.reqs.n - 1})")
-
-    def _check_id(self, i, what: str) -> None:
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.reqs.n:
-            raise self._unknown(i, what)
-
     # ----- one batch ---------------------------------------------------------------------
     def _execute(self, plan: Plan) -> bool:
         """Check and run one plan; False if it is empty."""
-        if type(plan) is not Plan and not isinstance(plan, Plan):
-            raise PlanError(f"policy {self.name} returned {_short(plan)} ({type(plan).__name__}), not a Plan")
+        plan = check_plan(plan, self._face, self.name)
         preempted = self.preemptions
-        try:
-            for i in plan.preempt:
-                self._preempt(i)
-            for i in plan.admit:
-                self._admit(i)
-            chunks = plan.chunks
-        except TypeError:
-            self._check_fields(plan)
-            raise
+        for i in plan.preempt:
+            self._preempt(i)
+        for i in plan.admit:
+            self._admit(i)
+        chunks = plan.chunks
         bs = self.block_size
         ds = self._decoders
         d = plan.decode
@@ -561,11 +571,9 @@ class Replica:
                     dnew += c.new_blocks
                     dctx += c.ctx
         if chunks:
-            new_blocks, pt, pattn, pctx, shape_chunks = self._prefill_shape(plan, chunks, dnew)
+            new_blocks, pt, pattn, pctx, shape_chunks = self._prefill_shape(chunks, dnew)
             if self.cache is not None:          # allocated there, the decode step included
                 dnew = 0
-        elif chunks is None:
-            self._check_fields(plan)
         else:
             new_blocks = pt = pattn = pctx = 0
             shape_chunks = ()
@@ -577,9 +585,7 @@ class Replica:
         kv = self.kv
         held = kv.used + new_blocks + dnew
         if held > kv.capacity_blocks:
-            raise PlanError(
-                f"policy {self.name} planned a batch needing {held} KV blocks; only "
-                f"{kv.capacity_blocks} exist ({kv.capacity_blocks * bs} tokens)")
+            raise kv_error(self.name, held, kv.capacity_blocks, bs)
         kind = (pt > 0) + 2 * (nd > 0)          # 1 prefill-only, 2 decode-only, 3 mixed
         switch = kind != self._last_kind and self._last_kind != 0
         self._last_kind = kind
@@ -606,7 +612,7 @@ class Replica:
             out = nd
             computed, target = self._computed, self._target
             for i, c in chunks:
-                computed[i] += c if type(c) is int else int(c)    # as _prefill_shape took it
+                computed[i] += c
                 if computed[i] == target[i]:
                     self._prefill_complete(i, end)
                     out = True
@@ -631,62 +637,50 @@ class Replica:
             self._spill_logs()
         return True
 
-    def _prefill_shape(self, plan: Plan, chunks, decode_blocks: int = 0) -> tuple[int, int, float, int, list[tuple[int, int]]]:
-        """Check the chunks; (new KV blocks, tokens, query-key pairs, KV touched, per chunk).
+    def _prefill_shape(self, chunks, decode_blocks: int = 0) -> tuple[int, int, float, int, list[tuple[int, int]]]:
+        """The checked plan's chunks (sim/plan_check.py): (new KV blocks, tokens, query-key
+        pairs, KV touched, per chunk).
 
         With prefix caching the blocks are allocated here, as vLLM's scheduler does (new KV
         blocks returned: 0): the running requests' chunks and the decode step
         (`decode_blocks`) first, then each admitted request's first chunk takes its cache hit
-        (as far as the chunk leaves room) and its new blocks, in plan order; every chunk's
-        full blocks are cached as it is scheduled, so later chunks of the batch hit them."""
-        computed, target, prefilling, bs = self._computed, self._target, self._prefilling, self.block_size
+        (as far as the chunk leaves room: `PrefixCache.hit`) and its new blocks, in plan order;
+        every chunk's full blocks are cached as it is scheduled, so later chunks of the batch
+        hit them."""
+        computed, bs = self._computed, self.block_size
         cache, fresh = self.cache, self._fresh
         # an inert cache (nothing keyed, nothing to key) misses every lookup: one allocation
         inert = cache is not None and cache.inert
         new_blocks = pt = pattn = pctx = 0
         in_turn = False                         # cached: chunks allocate one by one (an admission came)
         shape_chunks = []
-        try:
-            for i, c in chunks:
-                if i not in prefilling:         # this replica's prefilling requests only
-                    self._bad_chunk(i, c)
-                if inert and i in fresh:
-                    fresh.discard(i)
-                    cache.miss(i)
-                elif cache is not None and i in fresh:
-                    if not 0 < c <= target[i] or c != int(c):
-                        self._bad_chunk(i, c)
-                    if not in_turn:
-                        self._allocate(new_blocks + decode_blocks)
-                        new_blocks = decode_blocks = 0
-                        in_turn = True
-                    fresh.discard(i)
-                    h = cache.hit(i, c)
-                    computed[i] = h
-                    self.prefill_backlog -= h
-                    if h and self.reqs.preempts[i]:
-                        self.reqs.recomputed[i] -= min(h, self.reqs.recomputed[i])
-                p = computed[i]
-                if not 0 < c <= target[i] - p or type(c) is not int and c != int(c):
-                    self._bad_chunk(i, c)
-                if type(c) is not int:          # numpy's ints too: the state holds Python ints
-                    c = int(c)
-                n = -(-(p + c) // bs) - -(-p // bs)
-                if cache is not None and not inert:
-                    cache.register(i, p, c)
-                if in_turn:
-                    self._allocate(n)
-                else:
-                    new_blocks += n
-                pt += c
-                pattn += c * (p + (c + 1) / 2)
-                pctx += p + c
-                shape_chunks.append((p, c))
-        except (TypeError, ValueError, IndexError):
-            self._check_fields(plan)
-            raise self._malformed_chunks(chunks) from None
-        if len(chunks) > 1 and len({i for i, _ in chunks}) != len(chunks):
-            raise PlanError(f"policy {self.name} gave one request two chunks in a batch")
+        for i, c in chunks:
+            if inert and i in fresh:
+                fresh.discard(i)
+                cache.miss(i)
+            elif cache is not None and i in fresh:
+                if not in_turn:
+                    self._allocate(new_blocks + decode_blocks)
+                    new_blocks = decode_blocks = 0
+                    in_turn = True
+                fresh.discard(i)
+                h = cache.hit(i, c)
+                computed[i] = h
+                self.prefill_backlog -= h
+                if h and self.reqs.preempts[i]:
+                    self.reqs.recomputed[i] -= min(h, self.reqs.recomputed[i])
+            p = computed[i]
+            n = -(-(p + c) // bs) - -(-p // bs)
+            if cache is not None and not inert:
+                cache.register(i, p, c)
+            if in_turn:
+                self._allocate(n)
+            else:
+                new_blocks += n
+            pt += c
+            pattn += c * (p + (c + 1) / 2)
+            pctx += p + c
+            shape_chunks.append((p, c))
         if cache is not None:
             self._allocate(new_blocks + decode_blocks)
             new_blocks = 0
@@ -698,9 +692,7 @@ class Replica:
             return
         kv = self.kv
         if kv.used + n > kv.capacity_blocks:
-            raise PlanError(
-                f"policy {self.name} planned a batch needing {kv.used + n} KV blocks; only "
-                f"{kv.capacity_blocks} exist ({kv.capacity_blocks * self.block_size} tokens)")
+            raise kv_error(self.name, kv.used + n, kv.capacity_blocks, self.block_size)
         self.cache.allocate(n)
 
     def _free(self, i: int, kv_tokens: int, done: bool) -> None:
@@ -740,71 +732,20 @@ class Replica:
                 f"with {len(self._queue)} waiting and {len(self._running)} running requests on replica {self.index} "
                 f"(t={end:.6g}s; the limit is stall_batches={self._stall_limit})")
 
-    def _check_fields(self, plan: Plan) -> None:
-        for name in ("preempt", "admit", "chunks"):
-            x = getattr(plan, name)
-            if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
-                raise PlanError(f"policy {self.name} gave Plan.{name}={_short(x)}; it must be a list")
-
-    def _malformed_chunks(self, chunks) -> PlanError:
-        for item in chunks:
-            try:
-                i, c = item
-            except (TypeError, ValueError):
-                return PlanError(f"policy {self.name} gave a chunk {_short(item)}; chunks are (request, tokens) pairs")
-            try:
-                self._check_id(i, "gave a chunk to")
-            except PlanError as exc:
-                return exc
-            if not isinstance(c, (int, np.integer)) or isinstance(c, bool):
-                return PlanError(f"policy {self.name} gave request {i} a chunk of {_short(c)} tokens; "
-                                 "tokens must be an integer")
-        return PlanError(f"policy {self.name} gave malformed chunks {_short(chunks)}")
-
-    def _selected(self, d) -> list[Cohort]:
-        """The cohorts that decode when the plan names a set of decoders."""
-        if isinstance(d, (bool, np.bool_)):
-            return self._decoders.everyone() if d else []
-        if not isinstance(d, (set, frozenset)):
-            if isinstance(d, (str, bytes, int, float)) or d is None or not hasattr(d, "__iter__"):
-                raise PlanError(f"policy {self.name} gave decode={_short(d)}; it must be True, False "
-                                "or a collection of request ids in their decode phase")
-            try:
-                d = set(d)
-            except TypeError:
-                raise PlanError(f"policy {self.name} gave decode with an unhashable id") from None
+    def _selected(self, d: frozenset) -> list[Cohort]:
+        """The cohorts that decode when the checked plan names a set of decoders."""
+        ds = self._decoders
         if not d:
             return []
-        ds = self._decoders
-        bad = d.difference(ds.where)
-        if bad:
-            i = min(bad, key=repr)
-            self._check_id(i, "selected for decoding")
-            raise PlanError(f"policy {self.name} selected request {i} for decoding; it is not in its "
-                            f"decode phase on replica {self.index}")
-        if len(d) == ds.n:
-            return ds.everyone()
-        return ds.select(d)
-
-    def _bad_chunk(self, i: int, c) -> None:
-        self._check_id(i, "gave a chunk to")
-        r = self.reqs
-        state = (f"not in its prefill phase on replica {self.index}" if i not in self._prefilling
-                 else f"{r.target[i] - r.computed[i]} prefill tokens left")
-        raise PlanError(f"policy {self.name} gave request {i} a chunk of {c} tokens; it is {state}")
+        return ds.everyone() if len(d) == ds.n else ds.select(d)
 
     def _admit(self, i: int) -> None:
         r = self.reqs
         q = self._queue
-        try:
-            if q[0] == i and i >= 0:        # the common case: the queue front
-                q.popleft()
-            else:
-                q.remove(i)
-        except (IndexError, ValueError, TypeError):
-            self._check_id(i, "admitted")
-            raise PlanError(f"policy {self.name} admitted request {i}, which is not waiting"
-                            + (f" on replica {self.index}" if r.status[i] == WAITING else "")) from None
+        if q[0] == i:                           # the common case: the queue front
+            q.popleft()
+        else:
+            q.remove(i)
         r.status[i] = PREFILL
         self._running[i] = None
         self._prefilling[i] = None
@@ -960,23 +901,16 @@ class Replica:
 
     def _preempt(self, i: int) -> None:
         r = self.reqs
-        try:
-            decoding, prefilling = i in self._where, i in self._prefilling
-        except TypeError:                       # unhashable: named by _check_id below
-            decoding = prefilling = False
-        if decoding:
+        if i in self._where:                    # decoding
             kv_tokens = self._leave_decode(i)
             r.target[i] = r.prompt[i] + r.gen[i]
             r.recomputed[i] += kv_tokens + 1
             self.prefill_backlog += r.target[i]
-        elif prefilling:
+        else:                                   # prefilling (the check made sure it runs here)
             kv_tokens = r.computed[i]
             del self._prefilling[i]
             r.recomputed[i] += kv_tokens
             self.prefill_backlog += kv_tokens
-        else:
-            self._check_id(i, "preempted")
-            raise PlanError(f"policy {self.name} preempted request {i}, which is not running")
         self._fresh.discard(i)
         self._free(i, kv_tokens, False)
         r.computed[i] = 0

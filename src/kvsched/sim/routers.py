@@ -7,10 +7,13 @@ spreads requests instead of piling them on replica 0.
 """
 from __future__ import annotations
 
+import inspect
 import random
-from typing import NamedTuple, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 from kvsched.errors import KvschedError
+from kvsched.params import convert
+from kvsched.plugins import resolve
 
 
 class ReplicaSummary(NamedTuple):
@@ -102,8 +105,8 @@ class PrefixAffinity:
 
     def __init__(self, seed: int = 0, w_affinity: float = 3.0, w_queue: float = 2.0, w_kv: float = 2.0) -> None:
         for label, w in (("w_affinity", w_affinity), ("w_queue", w_queue), ("w_kv", w_kv)):
-            if not w >= 0:
-                raise KvschedError(f"prefix-affinity router: {label} must be >= 0, got {w}")
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
+                raise KvschedError(f"router prefix-affinity: {label} must be a finite number >= 0, got {w!r}")
         self.weights = (w_affinity, w_queue, w_kv)
         self._next = 0
 
@@ -138,8 +141,40 @@ ROUTER_HELP = {
 }
 
 
-def make_router(name: str, seed: int = 0) -> Router:
+def router_class(name: str) -> type:
+    """The class `--router NAME` names: a built-in, an installed plugin, or MODULE:CLASS /
+    FILE.py:CLASS (kvsched/plugins.py)."""
+    return resolve(name, "router", ROUTERS, "route")
+
+
+def router_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    """A router's parameters (`--router-set`): its constructor's keywords after `seed`."""
+    sig = inspect.signature(cls.__init__)
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name: p for p in list(sig.parameters.values())[1:] if p.kind in kinds and p.name != "seed"}
+
+
+def make_router(name: str, seed: int = 0, params: dict[str, Any] | None = None) -> Router:
+    """Router `name` seeded with `seed`, its parameters set from `params` (strings are converted
+    to the type its constructor's annotation or default names; nothing is clamped)."""
+    cls = router_class(name)
+    known = router_parameters(cls)
+    values = {}
+    for key, value in (params or {}).items():
+        if key not in known:
+            raise KvschedError(f"router {name} has no parameter {key!r} (parameters: {', '.join(known) or 'none'})")
+        p = known[key]
+        kind = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
+        if kind in ("", "_empty") and p.default is not inspect.Parameter.empty:
+            kind = type(p.default).__name__
+        values[key] = convert(f"router {name}", key, value, kind)
     try:
-        return ROUTERS[name](seed)
-    except KeyError:
-        raise KvschedError(f"unknown router {name!r}; known: {', '.join(ROUTERS)}") from None
+        router = cls(seed, **values)
+    except KvschedError:
+        raise
+    except Exception as exc:
+        raise KvschedError(f"router {name}: {type(exc).__name__}: {exc}") from None
+    for attr in ("name", "uses_state"):
+        if not hasattr(router, attr):
+            raise KvschedError(f"router {name}: {cls.__name__} needs a {attr!r} attribute (sim/routers.py, Router)")
+    return router

@@ -1,0 +1,176 @@
+"""The one check of a policy's plan (policies/base.py, `Plan`), used by the simulator
+(sim/replica.py) and by the vLLM adapter (engines/vllm_scheduler.py) alike: a bad plan fails
+the same way, with the same one-line message naming the policy, in simulation and inside vLLM.
+
+`check(plan, state, name)` reads the plan once (a generator is not consumed twice), checks it
+against the replica's state as the plan's own steps change it (preemptions first, then
+admissions, then chunks, then the decode selection) and returns it normalized: lists of
+Python ints, `decode` True, False or a frozenset. What it does not check is KV room: the
+replica's KV owner allocates check-then-act (with prefix caching a hit or an eviction decides
+what fits), and `kv_error` words the refusal for both.
+"""
+from __future__ import annotations
+
+from typing import Collection, Container, Protocol
+
+import numpy as np
+
+from kvsched.errors import PlanError
+from kvsched.policies.base import Plan
+
+
+class PlanState(Protocol):
+    """What the check reads of a replica (each engine answers for its own)."""
+    count: int                               # requests are 0..count-1
+    index: int                               # the replica's number, for messages
+    running: Container[int]                  # running here (admitted, not finished or preempted)
+    prefilling: Container[int]               # running here, in the prefill phase
+    decoders: Collection[int]                # running here, in the decode phase (paused ones too)
+
+    def waiting_here(self, i: int) -> bool: ...
+    def prefill_left(self, i: int) -> int: ...       # prefill target - tokens computed
+    def restart_target(self, i: int) -> int: ...     # prompt + generated: its target once preempted
+    def is_waiting(self, i: int) -> bool: ...        # waiting on any replica (for the message)
+
+
+def short(x, limit: int = 60) -> str:
+    """repr (str for exceptions) on one line, at most `limit` characters."""
+    text = " ".join((str(x) if isinstance(x, BaseException) else repr(x)).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def kv_error(name: str, held: int, capacity_blocks: int, block_size: int) -> PlanError:
+    return PlanError(f"policy {name} planned a batch needing {held} KV blocks; only {capacity_blocks} exist "
+                     f"({capacity_blocks * block_size} tokens)")
+
+
+def _listed(plan, name: str) -> tuple[list, list, list, object]:
+    if type(plan) is not Plan and not isinstance(plan, Plan):
+        raise PlanError(f"policy {name} returned {short(plan)} ({type(plan).__name__}), not a Plan")
+    preempt, admit, chunks, d = plan.preempt, plan.admit, plan.chunks, plan.decode
+    if type(preempt) is list and type(admit) is list and type(chunks) is list and (d is True or d is False):
+        return preempt, admit, chunks, d        # the common case: nothing to convert
+    for field in ("preempt", "admit", "chunks"):
+        x = getattr(plan, field)
+        if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
+            raise PlanError(f"policy {name} gave Plan.{field}={short(x)}; it must be a list")
+    if isinstance(d, (bool, np.bool_)):
+        d = bool(d)
+    elif isinstance(d, (str, bytes, int, float)) or d is None or not hasattr(d, "__iter__"):
+        raise PlanError(f"policy {name} gave decode={short(d)}; it must be True, False "
+                        "or a collection of request ids in their decode phase")
+    try:
+        preempt, admit, chunks = (x if type(x) is list else list(x) for x in (preempt, admit, chunks))
+        if not isinstance(d, (bool, set, frozenset)):
+            d = list(d)
+    except Exception as exc:                 # e.g. a generator that raises
+        raise PlanError(f"policy {name} gave a plan that cannot be read: {type(exc).__name__}: "
+                        f"{short(exc, 120)}") from exc
+    return preempt, admit, chunks, d
+
+
+def _exists(i, state: PlanState, name: str, what: str) -> int:
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < state.count:
+        raise PlanError(f"policy {name} {what} request {short(i)}, which does not exist "
+                        f"(requests are 0..{state.count - 1})")
+    return int(i)
+
+
+def _ids(ids: list, state: PlanState, name: str, what: str) -> list[int]:
+    """`ids` as Python ints that name requests (a copy where one had to be converted: the
+    policy's own list stays as it was)."""
+    n, out = state.count, ids
+    for k, i in enumerate(ids):
+        if type(i) is not int or not 0 <= i < n:
+            if out is ids:
+                out = list(ids)
+            out[k] = _exists(i, state, name, what)
+    return out
+
+
+def _chunk(item, state: PlanState, name: str) -> tuple[int, object]:
+    try:
+        i, c = item
+    except (TypeError, ValueError):
+        raise PlanError(f"policy {name} gave a chunk {short(item)}; chunks are (request, tokens) pairs") from None
+    i = _exists(i, state, name, "gave a chunk to")
+    if isinstance(c, bool) or not isinstance(c, (int, np.integer, float, np.floating)):
+        raise PlanError(f"policy {name} gave request {i} a chunk of {short(c)} tokens; tokens must be an integer")
+    return i, c
+
+
+def check(plan, state: PlanState, name: str) -> Plan:
+    """The plan, checked against `state` and normalized (see the module docstring)."""
+    if type(plan) is Plan and not plan.preempt and not plan.admit and not plan.chunks \
+            and (plan.decode is True or plan.decode is False) and type(plan.preempt) is list \
+            and type(plan.admit) is list and type(plan.chunks) is list:
+        return plan                             # no request named: nothing to check (most batches)
+    return _checked(plan, state, name)
+
+
+def _checked(plan, state: PlanState, name: str) -> Plan:
+    preempt, admit, chunks, decode = _listed(plan, name)
+    gone: set[int] = set()                   # preempted by this plan: waiting again
+    if preempt:
+        preempt = _ids(preempt, state, name, "preempted")
+        running = state.running
+        for i in preempt:
+            if i in gone or i not in running:
+                raise PlanError(f"policy {name} preempted request {i}, which is not running")
+            gone.add(i)
+    started: set[int] = set()                # admitted by this plan: prefilling from 0
+    if admit:
+        admit = _ids(admit, state, name, "admitted")
+        for i in admit:
+            if i in started or not (i in gone or state.waiting_here(i)):
+                raise PlanError(f"policy {name} admitted request {i}, which is not waiting"
+                                + (f" on replica {state.index}" if state.is_waiting(i) else ""))
+            started.add(i)
+    if chunks:
+        chunks = _chunks(chunks, state, name, gone, started)
+    if not (decode is True or decode is False):
+        decode = _decoders(decode, state, gone, name)
+    if preempt is plan.preempt and admit is plan.admit and chunks is plan.chunks and decode is plan.decode:
+        return plan                             # nothing converted: the policy's plan as it is
+    return Plan(admit, chunks, decode, preempt)
+
+
+def _chunks(chunks: list, state: PlanState, name: str, gone: set[int], started: set[int]) -> list[tuple[int, int]]:
+    """The chunks, checked in order, as (int, int) pairs (a copy where one had to be converted)."""
+    n, prefilling, seen, out = state.count, state.prefilling, set(), chunks
+    for k, item in enumerate(chunks):
+        plain = (type(item) is tuple and len(item) == 2 and type(item[0]) is int and type(item[1]) is int
+                 and 0 <= item[0] < n)
+        i, c = item if plain else _chunk(item, state, name)
+        if i in started:
+            left = state.restart_target(i) if i in gone else state.prefill_left(i)
+        elif i in prefilling and i not in gone:
+            left = state.prefill_left(i)
+        else:
+            raise PlanError(f"policy {name} gave request {i} a chunk of {c} tokens; it is not in its prefill "
+                            f"phase on replica {state.index}")
+        if not 0 < c <= left or not plain and c != int(c):
+            raise PlanError(f"policy {name} gave request {i} a chunk of {c} tokens; it is {left} prefill tokens left")
+        if i in seen:
+            raise PlanError(f"policy {name} gave one request two chunks in a batch")
+        seen.add(i)
+        if not plain:
+            if out is chunks:
+                out = list(chunks)
+            out[k] = (i, int(c))
+    return out
+
+
+def _decoders(d, state: PlanState, gone: set[int], name: str) -> frozenset | set:
+    try:
+        chosen = d if type(d) is frozenset or type(d) is set else frozenset(d)
+    except TypeError:
+        raise PlanError(f"policy {name} gave decode with an unhashable id") from None
+    bad = chosen.difference(state.decoders)
+    if gone:
+        bad |= gone & chosen
+    if bad:
+        i = _exists(min(bad, key=repr), state, name, "selected for decoding")
+        raise PlanError(f"policy {name} selected request {i} for decoding; it is not in its "
+                        f"decode phase on replica {state.index}")
+    return chosen
