@@ -20,7 +20,7 @@ FLAGS = ["-O1", "-g0", "-ffp-contract=off", "-fno-fast-math"]
 
 
 def warn(why: str) -> None:
-    print(f"kvsched: the compiled fast path is not built ({why}); the pure-Python code runs", file=sys.stderr)
+    print(f"kvsched: a compiled module is not built ({why}); its pure-Python code runs", file=sys.stderr)
 
 
 class OptionalBuildExt(build_ext):
@@ -64,10 +64,16 @@ def extensions() -> list:
     csv = Extension("kvsched._csv", ["src/kvsched/_csv.pyx"], extra_compile_args=FLAGS)
     try:
         from Cython.Build import cythonize
-        return cythonize([ext, csv], quiet=True)
-    except Exception as exc:            # no Cython, or the .pyx does not compile
+    except Exception as exc:            # no Cython
         warn(f"{type(exc).__name__}: {exc}")
         return []
+    built = []
+    for one in (ext, csv):              # each on its own: a failure of one keeps the other
+        try:
+            built += cythonize([one], quiet=True)
+        except Exception as exc:        # the .pyx does not compile
+            warn(f"{one.name}: {type(exc).__name__}: {exc}")
+    return built
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -130,3 +130,24 @@ def test_records_that_differ_are_named(name):
 def test_the_error_is_a_kvsched_error():
     assert issubclass(InvariantError, KvschedError)
     assert InvariantError("time-order", "x").invariant == "time-order"
+
+
+def test_long_queues_on_every_replica_of_a_cluster_get_their_whole_check(monkeypatch):
+    """Each replica counts its own steps for the amortised checks: with two replicas taking
+    turns, a corruption of replica 0's backlog is found (a shared count skipped it)."""
+    monkeypatch.setenv("KVSCHED_CHECK", "1")
+    monkeypatch.setattr(invariants, "EVERY_STEP", 1)
+    w = synthetic(Uniform(200, 400), Uniform(50, 100), rate=400.0, n=200, seed=5)
+    pols = [make_policy("vllm-v1", {"max_num_seqs": 2}, get_gpu("a100-80gb")) for _ in range(2)]
+    cost = make_cost_model("constant", {}, get_model("llama-3-8b"), get_gpu("a100-80gb"))
+    from kvsched.sim.cluster import Cluster
+    cluster = Cluster(w, pols, cost, PagedKV(40_000, 16), router="round-robin")
+    real = invariants.after_step
+
+    def corrupting(c, rep, step):
+        if rep.index == 0 and step == 3:
+            rep.prefill_backlog += 1                # from here on replica 0 is wrong
+        real(c, rep, step)
+    monkeypatch.setattr(invariants, "after_step", corrupting)
+    with pytest.raises(InvariantError, match="^invariant tokens-conserved broken: replica 0's prefill backlog"):
+        cluster.run()

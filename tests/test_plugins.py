@@ -145,3 +145,109 @@ def test_router_set_reaches_the_built_in_router():
     one_line_error([*RUN, "--replicas", "2", "--router", "least-kv", "--router-set", "w=1"],
                    "router least-kv has no parameter 'w' (parameters: none)")
     one_line_error([*RUN, "--replicas", "2", "--router-set", "w"], "--router-set expects key=value")
+
+
+EXITS = textwrap.dedent('''
+    import sys
+    from dataclasses import dataclass, field
+    from kvsched.policies import Plan
+
+    class ExitCtor:
+        name = "exit-ctor"
+
+        def __init__(self):
+            sys.exit(3)
+
+        def schedule(self, v):
+            return Plan()
+
+    @dataclass
+    class Union:
+        name = "union"
+        k: int | None = field(default=None, metadata={"range": "[1, 10]"})
+
+        def schedule(self, v):
+            chunks = [(i, v.prefill_target(i) - v.prefill_done(i)) for i in v.prefilling]
+            return Plan(list(v.waiting), chunks + [(i, v.prefill_target(i)) for i in v.waiting], True, [])
+
+    @dataclass
+    class RaisesInPost:
+        name = "raises"
+        k: int = 1
+
+        def __post_init__(self):
+            raise RuntimeError("bad k")
+
+        def schedule(self, v):
+            return Plan()
+''')
+
+
+def test_user_code_that_exits_or_raises_anything_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
+    (tmp_path / "users.py").write_text(EXITS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "exits_on_import", raising=False)
+    one_line_error([*RUN, "--policy", "exits_on_import:X"], "importing module 'exits_on_import' raised SystemExit")
+    one_line_error([*RUN, "--policy", "users.py:ExitCtor"], "policy users.py:ExitCtor: SystemExit: 3")
+    one_line_error([*RUN, "--policy", "users.py:RaisesInPost", "--set", "k=2"], "RuntimeError: bad k")
+    s = _summary([*RUN, "--policy", "users.py:Union", "--set", "k=3"])       # `int | None` as a type, not a string
+    assert s["policy"] == "union"
+    one_line_error([*RUN, "--policy", "users.py:Union", "--set", "k=11"], "k=11 is outside its range [1, 10]")
+
+
+DC_ROUTER = textwrap.dedent('''
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Share:
+        seed: int = 0
+        share: float = field(default=0.5, metadata={"range": "[0, 1]"})
+        name = "share"
+        uses_state = False
+
+        def route(self, i, t, replicas):
+            return 0 if (i * self.share) % 1 < 0.5 else replicas - 1
+''')
+
+
+def test_router_set_ranges_finiteness_and_replicas(tmp_path):
+    (tmp_path / "r.py").write_text(DC_ROUTER)
+    (tmp_path / "plain.py").write_text(ROUTER)
+    spec = f"{tmp_path}/r.py:Share"
+    assert _summary([*RUN, "--replicas", "2", "--router", spec, "--router-set", "share=0.25"])["completed"] == 60
+    one_line_error([*RUN, "--replicas", "2", "--router", spec, "--router-set", "share=5"],
+                   "share=5.0 is outside its range [0, 1]")
+    one_line_error([*RUN, "--replicas", "2", "--router", f"{tmp_path}/plain.py:Second", "--router-set", "to=inf"],
+                   "to='inf' is not a valid int")
+    one_line_error([*RUN, "--replicas", "2", "--router", "prefix-affinity", "--router-set", "w_kv=inf"],
+                   "w_kv=inf must be a finite number")
+    one_line_error([*RUN, "--router", "prefix-affinity", "--router-set", "w_kv=1"],
+                   "--router-set sets the router's parameters: it needs --replicas 2 or more")
+
+
+def test_compare_refuses_names_that_cannot_key_it(tmp_path):
+    (tmp_path / "p.py").write_text(POLICY)
+    (tmp_path / "q.py").write_text(POLICY.replace('name = "shortest-first"', 'name = "../escaped"'))
+    args = ["compare", "--num-requests", "30", "--json", "--policies"]
+    one_line_error([*args, f"{tmp_path}/p.py:ShortestFirst,{tmp_path}/q.py:ShortestFirst,vllm-v1"],
+                   "a policy named '../escaped' cannot key the comparison")
+    (tmp_path / "q2.py").write_text(POLICY)              # (a file is loaded once per process)
+    one_line_error([*args, f"{tmp_path}/p.py:ShortestFirst,{tmp_path}/q2.py:ShortestFirst"],
+                   "two policies are named 'shortest-first'")
+    one_line_error([*args, "vllm-v1,nope"], "--policies: unknown policy 'nope'")
+
+
+def test_a_resumed_sweep_runs_again_a_point_whose_policy_file_was_edited(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.py").write_text(POLICY)
+    args = ["sweep", "--policies", "p.py:ShortestFirst", "--rates", "5", "--num-requests", "20", "--out", "s",
+            "--json"]
+
+    def ran():                                       # points found done already
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["skipped"]
+    assert ran() == 0 and ran() == 1                 # the second run finds the point done
+    (tmp_path / "p.py").write_text(POLICY.replace("[:4]", "[:3]"))
+    assert ran() == 0                                # edited: a new point

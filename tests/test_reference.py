@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kvsched.cost import make_cost_model
+from kvsched.errors import PlanError
 from kvsched.hardware import get_gpu, get_model
 from kvsched.kvcache import PagedKV
 from kvsched.policies import Plan, make_policy
@@ -18,7 +19,11 @@ from kvsched.sim.server import Server
 from kvsched.workload import Tier, Workload
 
 GPU, MODEL = get_gpu("a100-80gb"), get_model("llama-3-8b")
-POLICIES = ["vllm-v1", "sarathi", "orca", "vllm-v0", "request-level", "eb"]
+POLICIES = ["vllm-v1", "sarathi", "orca", "vllm-v0", "request-level", "eb", "eb-adaptive", "eb-plus", "rad", "slai",
+            "wait", "nested-wait"]
+PARAMS = {"vllm-v1": {"max_num_seqs": 8, "max_num_batched_tokens": 512},
+          "vllm-v0": {"max_num_seqs": 8, "max_num_batched_tokens": 512},
+          "nested-wait": {"segments": "60,240,1000"}}
 COSTS = [("constant", {}), ("roofline", {}), ("phase", {"switch_s": 0.003})]
 
 
@@ -29,6 +34,9 @@ class Perturbed:
 
     def __init__(self, base, seed: int) -> None:
         self.base, self.rng = base, random.Random(seed)
+        for hook in ("on_finish", "on_preempt", "on_batch_end"):     # the base learns what happened
+            if hasattr(base, hook):
+                setattr(self, hook, getattr(base, hook))
 
     def schedule(self, v):
         plan, rng = self.base.schedule(v), self.rng
@@ -41,18 +49,21 @@ class Perturbed:
             if not [i for i in dec if i not in extra] and not [i for i, _ in plan.chunks if i not in extra]:
                 extra = []                      # a plan must still compute something
         dec = [i for i in dec if i not in extra]
+        admit, chunks = list(plan.admit), [(i, c) for i, c in plan.chunks if i not in extra]
+        if extra and v.kv_blocks(extra[0]) and rng.random() < 0.5:   # preempted and admitted again
+            admit.append(extra[0])                                  # in one plan: a restart (its 1-token
+            chunks.append((extra[0], 1))                            # chunk fits in the blocks it freed)
         if len(dec) > 1 and rng.random() < 0.3:
             dec = [i for i in dec if rng.random() < 0.6] or dec[:1]
-        chunks = [(i, c) for i, c in plan.chunks if i not in extra]
-        return Plan(list(plan.admit), chunks, set(dec) if dec else False, [*plan.preempt, *extra])
+        return Plan(admit, chunks, set(dec) if dec else False, [*plan.preempt, *extra])
 
 
-def _workload(seed: int, n: int, max_prompt: int, max_output: int, rate: float) -> Workload:
+def _workload(seed: int, n: int, max_prompt: int, max_output: int, rate: float, known: bool = False) -> Workload:
     rng = np.random.default_rng(seed)
     t = np.cumsum(rng.exponential(1 / rate, n))
     tiers = (Tier("paying", tbt_slo=0.03, priority=0), Tier("free", tbt_slo=0.08, priority=1))
     return Workload.build(t, rng.integers(1, max_prompt + 1, n), rng.integers(1, max_output + 1, n),
-                          tier_index=rng.integers(-1, 2, n), tiers=tiers)
+                          tier_index=rng.integers(-1, 2, n), tiers=tiers, output_known=known)
 
 
 def _same(engine, ref, what):
@@ -69,10 +80,19 @@ def _same(engine, ref, what):
 
 
 def _both(w, make, cost, cap_tokens, bs):
+    """Both runs; (None, None) where both stopped the policy (a perturbed plan a base policy
+    cannot continue from), which must happen in both or neither."""
+    errors = []
     engine = Server(w, make(), cost, PagedKV(cap_tokens, bs))
-    engine.run()
-    ref = ReferenceReplica(w, make(), cost, cap_tokens // bs, bs).run()
-    return engine, ref
+    ref = ReferenceReplica(w, make(), cost, cap_tokens // bs, bs)
+    for run in (engine.run, ref.run):
+        try:
+            run()
+            errors.append(None)
+        except PlanError as exc:
+            errors.append(exc)
+    assert (errors[0] is None) == (errors[1] is None), errors
+    return (engine, ref) if errors[0] is None else (None, None)
 
 
 @pytest.mark.filterwarnings("ignore:.*can never be served")
@@ -80,23 +100,23 @@ def _both(w, make, cost, cap_tokens, bs):
        cost=st.sampled_from(COSTS), bs=st.sampled_from([1, 4, 16]), cap=st.integers(600, 6000),
        perturb=st.booleans(), rate=st.sampled_from([2.0, 20.0, 200.0]))
 def test_the_engine_is_the_reference(seed, n, policy, cost, bs, cap, perturb, rate):
-    w = _workload(seed, n, 500, 120, rate)
+    w = _workload(seed, n, 500, 120, rate, known=policy == "wait")
     cm = make_cost_model(cost[0], cost[1], MODEL, GPU)
-    params = {"max_num_seqs": 8, "max_num_batched_tokens": 512} if policy in ("vllm-v1", "vllm-v0") else {}
 
     def make():
-        base = make_policy(policy, params, GPU)
+        base = make_policy(policy, PARAMS.get(policy, {}), GPU)
         return Perturbed(base, seed) if perturb else base
     engine, ref = _both(w, make, cm, cap, bs)
-    _same(engine, ref, (policy, cost, perturb))
+    if engine is not None:
+        _same(engine, ref, (policy, cost, perturb))
 
 
 def test_the_interpreted_engine_is_the_reference(monkeypatch):
     monkeypatch.setattr(replica, "_fast", None)
     for seed, policy in enumerate(POLICIES):
-        w = _workload(seed, 60, 800, 200, 20.0)
+        w = _workload(seed, 60, 800, 200, 20.0, known=policy == "wait")
         cm = make_cost_model("roofline", {}, MODEL, GPU)
-        engine, ref = _both(w, lambda: make_policy(policy, {}, GPU), cm, 5000, 16)
+        engine, ref = _both(w, lambda: make_policy(policy, PARAMS.get(policy, {}), GPU), cm, 5000, 16)
         _same(engine, ref, policy)
 
 

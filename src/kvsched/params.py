@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from kvsched.errors import KvschedError
+from kvsched.errors import PASS_THROUGH, KvschedError
 
 
 def parse_assignments(items: Iterable[str], flag: str) -> dict[str, str]:
@@ -104,12 +104,19 @@ def build(cls: type, owner: str, overrides: dict[str, Any], defaults: dict[str, 
                 values[key] = _plain(value, _kind(f))
     try:
         return cls(**values)
+    except KvschedError:
+        raise
+    except PASS_THROUGH:
+        raise
     except (TypeError, ValueError) as exc:
         raise KvschedError(f"{owner}: {exc}") from None
+    except BaseException as exc:                # a user's class raising anything: named, one line
+        raise KvschedError(f"{owner}: {type(exc).__name__}: {exc}") from None
 
 
 def _kind(f: dataclasses.Field) -> str:
-    return f.type if isinstance(f.type, str) else f.type.__name__
+    """The field's type as text ("int", "float | None", ...): annotations may be strings or types."""
+    return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
 
 
 def describe(cls: type) -> list[tuple[str, str, str, str]]:

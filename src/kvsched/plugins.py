@@ -1,6 +1,6 @@
-"""User code by name, for `--policy`, `--router` and `--cost` (docs/extending.md): a built-in name, an
-installed plugin's entry point, or `MODULE:CLASS` / `FILE.py:CLASS` for code outside the
-package, run without editing kvsched.
+"""User code by name, for `--policy`, `--router` and `--cost` (docs/extending.md): a built-in
+name, an installed plugin's entry point, or `MODULE:CLASS` / `FILE.py:CLASS` for code outside
+the package, run without editing kvsched.
 
 - `pkg.module:Class`: imported as Python imports it, with the working folder searched last
   (a console script's sys.path lacks it, `python -m` has it first: the same module either way
@@ -8,7 +8,8 @@ package, run without editing kvsched.
 - `path/to/file.py:Class`: that file, loaded once per process under a name made from its
   absolute path (`kvsched_user_<stem>_<hash>`), so worker processes and copies find it.
 - a plain name not built in: the entry point of that name in the group (`kvsched.policies`,
-  `kvsched.routers`) of an installed distribution, as pytest and flake8 find their plugins:
+  `kvsched.routers`, `kvsched.cost_models`) of an installed distribution, as pytest and flake8
+  find their plugins:
   `[project.entry-points."kvsched.policies"] my-policy = "my_pkg.policy:MyPolicy"`.
 """
 from __future__ import annotations
@@ -20,30 +21,32 @@ import os
 import sys
 from pathlib import Path
 
-from kvsched.errors import KvschedError
+from kvsched.errors import PASS_THROUGH, KvschedError
 
 GROUPS = {"policy": "kvsched.policies", "router": "kvsched.routers", "cost": "kvsched.cost_models"}
 
 
-def resolve(spec: str, kind: str, registry: dict[str, type], needs: str) -> type:
+def resolve(spec: str, kind: str, registry: dict[str, type], needs: str, flag: str | None = None) -> type:
     """The class `spec` names (see the module docstring); `needs` is the method an object of
-    it must have ("schedule" for a policy, "route" for a router)."""
+    it must have ("schedule" for a policy, "route" for a router); `flag` names the option in
+    errors (default --KIND)."""
+    flag = flag or f"--{kind}"
     if not isinstance(spec, str) or not spec.strip():
-        raise KvschedError(f"--{kind}: expected a name or MODULE:CLASS, got {spec!r}")
+        raise KvschedError(f"{flag}: expected a name or MODULE:CLASS, got {spec!r}")
     if spec in registry:
         return registry[spec]
     if ":" in spec:
-        cls = _from_spec(spec, kind)
+        cls = _from_spec(spec, flag)
     else:
-        cls = _entry_point(spec, kind)
+        cls = _entry_point(spec, kind, flag)
         if cls is None:
             plugins = sorted(plugin_names(kind))
             known = ", ".join([*registry, *plugins])
-            raise KvschedError(f"unknown {kind} {spec!r}; known: {known}; or MODULE:CLASS or FILE.py:CLASS "
+            raise KvschedError(f"{flag}: unknown {kind} {spec!r}; known: {known}; or MODULE:CLASS or FILE.py:CLASS "
                                "for your own (docs/extending.md)")
     if not isinstance(cls, type) or not callable(getattr(cls, needs, None)):
         what = cls.__name__ if isinstance(cls, type) else type(cls).__name__
-        raise KvschedError(f"--{kind} {spec}: {what} is not a {kind} class: it needs a {needs}() method")
+        raise KvschedError(f"{flag} {spec}: {what} is not a {kind} class: it needs a {needs}() method")
     return cls
 
 
@@ -54,26 +57,30 @@ def plain_instance(cls: type, owner: str, overrides: dict, flag: str):
         raise KvschedError(f"{owner} takes no {flag} parameters (only a dataclass has them)")
     try:
         return cls()
-    except Exception as exc:
+    except KvschedError:
+        raise
+    except PASS_THROUGH:
+        raise
+    except BaseException as exc:                # SystemExit included: named, not an exit
         raise KvschedError(f"{owner}: {type(exc).__name__}: {exc}") from None
 
 
-def _from_spec(spec: str, kind: str):
+def _from_spec(spec: str, flag: str):
     where, _, attr = spec.rpartition(":")
     if not where or not attr:
-        raise KvschedError(f"--{kind} {spec!r}: expected MODULE:CLASS or FILE.py:CLASS")
-    module = _load_file(where, kind) if where.endswith(".py") or os.sep in where or "/" in where \
-        else _import(where, kind)
+        raise KvschedError(f"{flag} {spec!r}: expected MODULE:CLASS or FILE.py:CLASS")
+    module = _load_file(where, flag) if where.endswith(".py") or os.sep in where or "/" in where \
+        else _import(where, flag)
     obj = module
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise KvschedError(f"--{kind} {spec}: {where} has no {attr!r}") from None
+            raise KvschedError(f"{flag} {spec}: {where} has no {attr!r}") from None
     return obj
 
 
-def _import(name: str, kind: str):
+def _import(name: str, flag: str):
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:                                   # searched last: an installed module wins
@@ -81,34 +88,36 @@ def _import(name: str, kind: str):
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
-        raise KvschedError(f"--{kind}: cannot import module {name!r}: {exc}") from None
+        raise KvschedError(f"{flag}: cannot import module {name!r}: {exc}") from None
     except KvschedError:
         raise
-    except Exception as exc:
-        raise KvschedError(f"--{kind}: importing module {name!r} raised {type(exc).__name__}: {exc}") from None
+    except PASS_THROUGH:
+        raise
+    except BaseException as exc:
+        raise KvschedError(f"{flag}: importing module {name!r} raised {type(exc).__name__}: {exc}") from None
     finally:
         if added and cwd in sys.path:
             sys.path.remove(cwd)
 
 
-def _load_file(path: str, kind: str):
+def _load_file(path: str, flag: str):
     p = Path(path).expanduser().resolve()
     if not p.is_file():
-        raise KvschedError(f"--{kind}: {path} is not a file")
+        raise KvschedError(f"{flag}: {path} is not a file")
     stem = "".join(ch if ch.isalnum() else "_" for ch in p.stem)
     name = f"kvsched_user_{stem}_{hashlib.sha256(str(p).encode()).hexdigest()[:12]}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, p)
     if spec is None or spec.loader is None:
-        raise KvschedError(f"--{kind}: {path} cannot be loaded as a Python module")
+        raise KvschedError(f"{flag}: {path} cannot be loaded as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module                  # before running it: its classes name this module
     try:
         spec.loader.exec_module(module)
     except BaseException as exc:
         del sys.modules[name]
-        if isinstance(exc, (KeyboardInterrupt, MemoryError)):
+        if isinstance(exc, PASS_THROUGH):
             raise
         where = ""
         tb = exc.__traceback__
@@ -118,8 +127,33 @@ def _load_file(path: str, kind: str):
             tb = tb.tb_next
         if isinstance(exc, SyntaxError) and exc.lineno:
             where = f":{exc.lineno}"
-        raise KvschedError(f"--{kind}: loading {path}{where} raised {type(exc).__name__}: {exc}") from None
+        raise KvschedError(f"{flag}: loading {path}{where} raised {type(exc).__name__}: {exc}") from None
     return module
+
+
+def source_file(spec) -> Path | None:
+    """The file of a user's code that `spec` names (FILE.py:CLASS, or MODULE:CLASS's module
+    file), for keys that must change when that code does (a sweep's points); None for a
+    built-in or a plugin name, or where it cannot be found without running it."""
+    if not isinstance(spec, str) or ":" not in spec:
+        return None
+    where = spec.rpartition(":")[0]
+    if where.endswith(".py") or os.sep in where or "/" in where:
+        p = Path(where).expanduser().resolve()
+        return p if p.is_file() else None
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        found = importlib.util.find_spec(where)
+    except (ImportError, ValueError):
+        return None
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+    origin = getattr(found, "origin", None)
+    return Path(origin) if origin and Path(origin).is_file() else None
 
 
 def _entry_points(kind: str):
@@ -132,12 +166,14 @@ def plugin_names(kind: str) -> list[str]:
     return [ep.name for ep in _entry_points(kind)]
 
 
-def _entry_point(name: str, kind: str):
+def _entry_point(name: str, kind: str, flag: str):
     for ep in _entry_points(kind):
         if ep.name == name:
             try:
                 return ep.load()
-            except Exception as exc:
-                raise KvschedError(f"--{kind} {name}: the plugin's entry point {ep.value!r} failed to load: "
+            except PASS_THROUGH:
+                raise
+            except BaseException as exc:
+                raise KvschedError(f"{flag} {name}: the plugin's entry point {ep.value!r} failed to load: "
                                    f"{type(exc).__name__}: {exc}") from None
     return None

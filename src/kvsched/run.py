@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from kvsched.cost import make_cost_model
-from kvsched.errors import KvschedError
+from kvsched.errors import PASS_THROUGH, KvschedError
 from kvsched.files import remove, stale_temporaries, temp_prefix
 from kvsched.hardware import get_gpu, get_model, usable_kv_tokens
 from kvsched.kvcache import PagedKV
@@ -28,7 +28,7 @@ from kvsched.limits import MAX_REPLICAS, check_count
 from kvsched.metrics import Goodput, RunRecords, summarize
 from kvsched.policies import Policy, make_policy
 from kvsched.sim.cluster import Cluster
-from kvsched.sim.replica import DEFAULT_STALL_BATCHES, PASS_THROUGH
+from kvsched.sim.replica import DEFAULT_STALL_BATCHES
 from kvsched.workload.request import Workload
 
 if TYPE_CHECKING:

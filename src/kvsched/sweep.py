@@ -285,13 +285,11 @@ def resolve(raw: RawAxes, scope: Callable[[dict[str, str], list[str]], dict[str,
     return grid
 
 
-def check_policy(name: str, flag: str = "") -> None:
-    """A known policy name, else the error `simulate` gives (after `flag`)."""
+def check_policy(name: str, flag: str = "--policies") -> None:
+    """A policy `flag` may name (a built-in, a plugin, MODULE:CLASS or FILE.py:CLASS), else the
+    error `simulate` gives, naming `flag`."""
     from kvsched.policies import policy_class
-    try:
-        policy_class(name)
-    except KvschedError as exc:
-        raise KvschedError(f"{flag}{exc}") from None
+    policy_class(name, flag)
 
 
 def check_params(policy: str, keys: Iterable[str], flag: str) -> None:
@@ -407,7 +405,7 @@ def _check_decode(decode: dict[str, Any], policies: list[str]) -> None:
     policy of the grid when it has none: each then decodes its own points)."""
     name = decode.get("decode_policy")
     if name is not None:
-        check_policy(name, "--decode-policy: ")
+        check_policy(name, "--decode-policy")
     for policy in [name] if name is not None else policies:
         check_params(policy, decode.get("decode_params", {}), "--decode-set ")
 
@@ -420,7 +418,8 @@ def point_key(point: Point, hashes: dict[str, str] | None = None, common: dict[s
     point's setting, when computed already (it is the same for every point of a setting)."""
     if common is None:
         common = key_common(point.workload, point.template, point.decode, hashes if hashes is not None else {})
-    definition = {**common, "policy": point.policy, "params": point.params, "rate": point.rate, "seed": point.seed}
+    definition = {**common, "policy": point.policy, "params": point.params, "rate": point.rate, "seed": point.seed,
+                  **_code(point.policy, hashes if hashes is not None else {})}
     text = json.dumps(definition, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:KEY_LENGTH]
 
@@ -431,11 +430,20 @@ def key_common(workload: Any, template: Scenario, decode: dict[str, Any], hashes
     fields = {f.name: getattr(template, f.name) for f in dataclasses.fields(template)
               if f.name not in ("workload", "router_seed")}       # the point's seed sets both
     named = {"workload": _spelling(workload.workload), "trace": _spelling(workload.trace)}
-    return {"version": VERSION, "decode": decode,
+    specs = (decode.get("decode_policy"), template.router, template.cost)
+    return {"version": VERSION, "decode": decode, **_code(specs, hashes),
             "workload": dataclasses.asdict(dataclasses.replace(workload, rate=None, seed=0, **named)),
             "scenario": jsonable(_plain(fields)),
             "files": {_spelling(p): _file_hash(Path(p), hashes) for p in (workload.workload, workload.trace, template.cost)
                       if p is not None and names_a_file(p)}, **_traces(workload, hashes)}
+
+
+def _code(specs: Any, hashes: dict[str, str]) -> dict[str, Any]:
+    """The contents' hashes of the users' code files that policy, router or cost specs name
+    (kvsched/plugins.py, FILE.py:CLASS or MODULE:CLASS): an edit makes a new key."""
+    from kvsched.plugins import source_file
+    files = [source_file(s) for s in (specs if isinstance(specs, tuple) else (specs,))]
+    return {"code": [_file_hash(f, hashes) for f in files if f is not None]} if any(files) else {}
 
 
 def _spelling(given: Any) -> str | None:

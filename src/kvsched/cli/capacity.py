@@ -82,7 +82,7 @@ def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], 
     if not names:
         raise KvschedError(f"unknown policy {policies!r}; known: {', '.join(POLICIES)}")
     for p in names:
-        policy_class(p)
+        policy_class(p, "--policies")
     twice = [p for p in dict.fromkeys(names) if names.count(p) > 1]
     if twice:
         raise KvschedError(f"--policies: {twice[0]} given twice")

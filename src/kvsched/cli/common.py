@@ -271,9 +271,12 @@ class ClusterOptions:
         from kvsched.sim.transfer import KVLink
         router_params = parse_assignments(self.router_set, "--router-set")
         make_router(self.router, seed, router_params)       # checks the name and the parameters
+        pools = self.prefill_replicas or self.decode_replicas
+        if router_params and self.replicas == 1 and not pools:
+            raise KvschedError("--router-set sets the router's parameters: it needs --replicas 2 or more, or "
+                               "--prefill-replicas and --decode-replicas")
         if self.stall_batches < 1:
             raise KvschedError(f"--stall-batches must be >= 1, got {self.stall_batches}")
-        pools = self.prefill_replicas or self.decode_replicas
         if (self.decode_policy or self.decode_set) and not pools:
             raise KvschedError("--decode-policy and --decode-set need --prefill-replicas and --decode-replicas")
         link = {k: v for k, v in (("kv_transfer_bandwidth", self.kv_transfer_bandwidth),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -55,7 +56,7 @@ def compare_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOptio
         if not names:
             raise KvschedError(f"unknown policy {policies!r}; known: {', '.join(POLICIES)}")
         for p in names:
-            policy_class(p)
+            policy_class(p, "--policies")
         sc = copts.apply(hw.scenario(load(wopts), outs.goodput, outs.trim, outs.strict, outs.tbt_first_zero), wopts.seed)
         _run_policies(sc, _scoped_params(parse_assignments(set_, "--set"), names), outs, keyed=True,
                       decode=copts.decode_args())
@@ -81,6 +82,8 @@ def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], outs: OutputOpt
                                     **(decode or {})))
         finally:
             bar.close()
+    if keyed:
+        _check_keys([r.policy for r in results])
     if out is not None:
         def fill(d: Path) -> None:
             for r in results:
@@ -96,6 +99,17 @@ def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], outs: OutputOpt
                 write_report(d)
         write_atomically(out, fill)
     _emit(results, json_, keyed)
+
+
+def _check_keys(names: list[str]) -> None:
+    """The compared policies' names key the JSON and name the --out folders: each once, each a
+    plain folder name (a user's policy may call itself anything)."""
+    for k, name in enumerate(names):
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", name):
+            raise KvschedError(f"--policies: a policy named {name!r} cannot key the comparison: names are letters, "
+                               "digits and . _ + - (set the class's `name`)")
+        if name in names[:k]:
+            raise KvschedError(f"--policies: two policies are named {name!r}: give each its own `name`")
 
 
 def _scoped_params(params: dict[str, str], names: list[str]) -> dict[str, dict[str, str]]:
@@ -146,6 +160,10 @@ def policies_cmd() -> None:
         console.print(table)
         console.print((cls.__doc__ or "").strip().split("\n\n")[0].replace("\n    ", " ") + "\n",
                       markup=False, highlight=False)
+    from kvsched.plugins import plugin_names
+    plugins = plugin_names("policy")
+    console.print(f"Installed plugins: {', '.join(plugins) if plugins else 'none'}. Your own: --policy "
+                  "FILE.py:CLASS or MODULE:CLASS (docs/extending.md).", markup=False, highlight=False)
 
 
 @app.command("info")

@@ -63,7 +63,7 @@ def cost_class(name: str) -> type:
     try:
         return resolve(name, "cost", COST_MODELS, "time")
     except KvschedError as exc:
-        if str(exc).startswith("unknown cost "):
+        if str(exc).startswith("--cost: unknown cost "):
             text = str(exc).replace("unknown cost ", "unknown cost model ", 1)
             raise KvschedError(f"{text}; or a cost file (.json) from kvsched calibrate") from None
         raise

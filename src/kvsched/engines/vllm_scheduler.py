@@ -46,7 +46,6 @@ import time
 import warnings
 from collections import deque
 
-
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 

@@ -46,10 +46,10 @@ def engine_defaults(gpu: GPU) -> dict[str, int]:
     return {"max_num_batched_tokens": 8192 if big else 2048, "max_num_seqs": 1024 if big else 256}
 
 
-def policy_class(name: str) -> type:
+def policy_class(name: str, flag: str = "--policy") -> type:
     """The class `--policy NAME` names: a built-in, an installed plugin, or MODULE:CLASS /
-    FILE.py:CLASS (kvsched/plugins.py)."""
-    return resolve(name, "policy", POLICIES, "schedule")
+    FILE.py:CLASS (kvsched/plugins.py); `flag` names the option in errors."""
+    return resolve(name, "policy", POLICIES, "schedule", flag)
 
 
 def make_policy(name: str, overrides: dict[str, Any], gpu: GPU) -> Policy:

@@ -33,12 +33,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvsched.errors import KvschedError, PlanError
+from kvsched.errors import PASS_THROUGH, KvschedError, PlanError
 from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram, RunRecords
 from kvsched.sim.prefix_cache import fewer_collections
 from kvsched.sim import invariants
-from kvsched.sim.replica import DEFAULT_STALL_BATCHES, PASS_THROUGH, Arrivals, Replica, merged_tiers
+from kvsched.sim.replica import DEFAULT_STALL_BATCHES, Arrivals, Replica, merged_tiers
 from kvsched.sim.requests import INF, RequestTable
 from kvsched.sim.routers import ReplicaSummary, Router, make_router
 from kvsched.sim.rowlog import MergedRows
@@ -283,7 +283,7 @@ class Cluster:
         check = invariants.enabled()            # KVSCHED_CHECK=1: the invariants after every step
         for r in reps:                          # replicas whose steady batches may run ahead
             r.runs_ahead = chain and r._steady
-        nxt, steps, checked = 0, 0, 0
+        nxt, steps, checked = 0, 0, [0] * len(reps)
         ready, version = self._ready, self._version
         scan, heap = single is None and not self._heap, single is None and self._heap
         while reqs.done < reqs.remaining:
@@ -348,9 +348,9 @@ class Cluster:
                 self._push(rep.now, PULL, rep.index - len(self.front))
             if heap:
                 self._touch(rep)
-            if check:
-                checked += 1
-                invariants.after_step(self, rep, checked)
+            if check:                               # the replica's own step count: its checks' turns
+                checked[rep.index] += 1
+                invariants.after_step(self, rep, checked[rep.index])
         if turns is not None:
             self._drain_turns()
         if check:

@@ -59,7 +59,7 @@ def _blocks(tokens: int, bs: int) -> int:
 
 def after_step(cluster, rep, step: int) -> None:
     """Every per-replica invariant of `rep` (a sim.replica.Replica of `cluster`, a
-    sim.cluster.Cluster) after the run's `step`-th step."""
+    sim.cluster.Cluster) after its own `step`-th step."""
     _kv_within_capacity(rep)
     _tokens_conserved(rep, in_transfer(cluster, rep), step)
     _time_order_here(rep)
@@ -148,7 +148,7 @@ def _tokens_conserved(rep, transfers: dict[int, int], step: int) -> None:
 
 
 def _due(step: int, work: int) -> bool:
-    """Whether a check over `work` items runs whole at the run's `step`-th step (EVERY_STEP)."""
+    """Whether a check over `work` items runs whole at a replica's `step`-th step (EVERY_STEP)."""
     return work <= EVERY_STEP or not step % -(-work // EVERY_STEP)
 
 

@@ -33,6 +33,9 @@ class PlanState(Protocol):
     def is_waiting(self, i: int) -> bool: ...        # waiting on any replica (for the message)
 
 
+_INT = {int}
+
+
 def short(x, limit: int = 60) -> str:
     """repr (str for exceptions) on one line, at most `limit` characters."""
     text = " ".join((str(x) if isinstance(x, BaseException) else repr(x)).split())
@@ -48,8 +51,6 @@ def _listed(plan, name: str) -> tuple[list, list, list, object]:
     if type(plan) is not Plan and not isinstance(plan, Plan):
         raise PlanError(f"policy {name} returned {short(plan)} ({type(plan).__name__}), not a Plan")
     preempt, admit, chunks, d = plan.preempt, plan.admit, plan.chunks, plan.decode
-    if type(preempt) is list and type(admit) is list and type(chunks) is list and (d is True or d is False):
-        return preempt, admit, chunks, d        # the common case: nothing to convert
     for field in ("preempt", "admit", "chunks"):
         x = getattr(plan, field)
         if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
@@ -59,9 +60,9 @@ def _listed(plan, name: str) -> tuple[list, list, list, object]:
     elif isinstance(d, (str, bytes, int, float)) or d is None or not hasattr(d, "__iter__"):
         raise PlanError(f"policy {name} gave decode={short(d)}; it must be True, False "
                         "or a collection of request ids in their decode phase")
-    try:
-        preempt, admit, chunks = (x if type(x) is list else list(x) for x in (preempt, admit, chunks))
-        if not isinstance(d, (bool, set, frozenset)):
+    try:                                        # copies: hooks the plan calls may edit the policy's lists
+        preempt, admit, chunks = list(preempt), list(admit), list(chunks)
+        if not isinstance(d, bool):
             d = list(d)
     except Exception as exc:                 # e.g. a generator that raises
         raise PlanError(f"policy {name} gave a plan that cannot be read: {type(exc).__name__}: "
@@ -77,15 +78,12 @@ def _exists(i, state: PlanState, name: str, what: str) -> int:
 
 
 def _ids(ids: list, state: PlanState, name: str, what: str) -> list[int]:
-    """`ids` as Python ints that name requests (a copy where one had to be converted: the
-    policy's own list stays as it was)."""
-    n, out = state.count, ids
+    """`ids` (the check's own copy) as Python ints that name requests."""
+    n = state.count
     for k, i in enumerate(ids):
         if type(i) is not int or not 0 <= i < n:
-            if out is ids:
-                out = list(ids)
-            out[k] = _exists(i, state, name, what)
-    return out
+            ids[k] = _exists(i, state, name, what)
+    return ids
 
 
 def _chunk(item, state: PlanState, name: str) -> tuple[int, object]:
@@ -101,9 +99,9 @@ def _chunk(item, state: PlanState, name: str) -> tuple[int, object]:
 
 def check(plan, state: PlanState, name: str) -> Plan:
     """The plan, checked against `state` and normalized (see the module docstring)."""
-    if type(plan) is Plan and not plan.preempt and not plan.admit and not plan.chunks \
-            and (plan.decode is True or plan.decode is False) and type(plan.preempt) is list \
-            and type(plan.admit) is list and type(plan.chunks) is list:
+    if type(plan) is Plan and type(plan.preempt) is list and type(plan.admit) is list \
+            and type(plan.chunks) is list and not plan.preempt and not plan.admit and not plan.chunks \
+            and (plan.decode is True or plan.decode is False):
         return plan                             # no request named: nothing to check (most batches)
     return _checked(plan, state, name)
 
@@ -123,21 +121,20 @@ def _checked(plan, state: PlanState, name: str) -> Plan:
         admit = _ids(admit, state, name, "admitted")
         for i in admit:
             if i in started or not (i in gone or state.waiting_here(i)):
+                here = i not in started and state.is_waiting(i)    # waiting, on another replica
                 raise PlanError(f"policy {name} admitted request {i}, which is not waiting"
-                                + (f" on replica {state.index}" if state.is_waiting(i) else ""))
+                                + (f" on replica {state.index}" if here else ""))
             started.add(i)
     if chunks:
         chunks = _chunks(chunks, state, name, gone, started)
     if not (decode is True or decode is False):
         decode = _decoders(decode, state, gone, name)
-    if preempt is plan.preempt and admit is plan.admit and chunks is plan.chunks and decode is plan.decode:
-        return plan                             # nothing converted: the policy's plan as it is
     return Plan(admit, chunks, decode, preempt)
 
 
 def _chunks(chunks: list, state: PlanState, name: str, gone: set[int], started: set[int]) -> list[tuple[int, int]]:
-    """The chunks, checked in order, as (int, int) pairs (a copy where one had to be converted)."""
-    n, prefilling, seen, out = state.count, state.prefilling, set(), chunks
+    """The chunks (the check's own copy), checked in order, as (int, int) pairs."""
+    n, prefilling, seen = state.count, state.prefilling, set()
     for k, item in enumerate(chunks):
         plain = (type(item) is tuple and len(item) == 2 and type(item[0]) is int and type(item[1]) is int
                  and 0 <= item[0] < n)
@@ -155,22 +152,23 @@ def _chunks(chunks: list, state: PlanState, name: str, gone: set[int], started: 
             raise PlanError(f"policy {name} gave one request two chunks in a batch")
         seen.add(i)
         if not plain:
-            if out is chunks:
-                out = list(chunks)
-            out[k] = (i, int(c))
-    return out
+            chunks[k] = (i, int(c))
+    return chunks
 
 
-def _decoders(d, state: PlanState, gone: set[int], name: str) -> frozenset | set:
+def _decoders(d: list, state: PlanState, gone: set[int], name: str) -> frozenset:
+    """The decode selection as a frozenset of Python ints, each decoding here."""
     try:
-        chosen = d if type(d) is frozenset or type(d) is set else frozenset(d)
-    except TypeError:
-        raise PlanError(f"policy {name} gave decode with an unhashable id") from None
+        chosen = frozenset(d)
+    except TypeError:                           # an unhashable id: named below
+        chosen = None
+    if chosen is None or not set(map(type, chosen)) <= _INT:     # (in C: the common case is quick)
+        chosen = frozenset(_exists(i, state, name, "selected for decoding") for i in d)
     bad = chosen.difference(state.decoders)
     if gone:
         bad |= gone & chosen
     if bad:
-        i = _exists(min(bad, key=repr), state, name, "selected for decoding")
+        i = _exists(min(bad), state, name, "selected for decoding")    # one that does not exist, or
         raise PlanError(f"policy {name} selected request {i} for decoding; it is not in its "
                         f"decode phase on replica {state.index}")
     return chosen

@@ -177,7 +177,8 @@ class ReferenceReplica:
         new = sum(self.kv_tokens(i) % self.bs == 0 for i in self.decoding)
         return SimpleNamespace(
             index=0, role="mixed", now=self.now, waiting=tuple(self.waiting), running=tuple(self.running),
-            prefilling=tuple(self.prefilling), decoding=frozenset(self.decoding), num_decoding=len(self.decoding),
+            prefilling=tuple(self.prefilling), decoding=dict.fromkeys(self.decoding).keys(),
+            num_decoding=len(self.decoding),
             num_waiting=len(self.waiting), block_size=self.bs, kv_capacity_blocks=self.cap, kv_used_blocks=self.used,
             kv_free_blocks=self.cap - self.used, decode_new_blocks=new, recent_batch_times=tuple(self.recent_times),
             recent_finished=tuple(self.recent_finished), iterations=self.iterations,

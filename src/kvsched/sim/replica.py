@@ -26,7 +26,7 @@ from math import log as _log
 from numbers import Real
 
 from kvsched.cost.shape import BatchShape
-from kvsched.errors import KvschedError, PlanError
+from kvsched.errors import PASS_THROUGH, KvschedError, PlanError
 from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram
 from kvsched.policies.base import NOOP_HOOKS, Plan, decodes_when_idle, defined_in
@@ -41,10 +41,6 @@ from kvsched.sim.view import ReadOnlyKeys, ReadOnlySeq, ReplicaView
 
 _fast = compiled.load()      # the compiled twins (sim/_fast.pyx), or None: pure Python
 DEFAULT_STALL_BATCHES = 100_000
-# what a policy's code raises stops the run with one error naming the policy, whatever it is
-# (SystemExit included: a policy calling sys.exit must not end kvsched silently), except these:
-# Ctrl-C still interrupts, and running out of memory is the machine's, not the policy's
-PASS_THROUGH = (KeyboardInterrupt, MemoryError)
 IDLE_PLAN = Plan([], [], True, [])      # what a `decodes_when_idle` policy plans when idle (read only)
 
 
@@ -85,6 +81,10 @@ class PlanFace:
         return self._target[i] - self._computed[i]
 
     def restart_target(self, i: int) -> int:
+        c = self.decoders.get(i)                # a decoder's tokens are its cohort's (the table's lag)
+        if c is not None:
+            c0, _, g0, _ = c.members[i]
+            return self._prompt[i] + g0 + c.clock - c0
         return self._prompt[i] + self._gen[i]
 
 
@@ -732,7 +732,7 @@ class Replica:
                 f"with {len(self._queue)} waiting and {len(self._running)} running requests on replica {self.index} "
                 f"(t={end:.6g}s; the limit is stall_batches={self._stall_limit})")
 
-    def _selected(self, d: frozenset) -> list[Cohort]:
+    def _selected(self, d: frozenset | set) -> list[Cohort]:
         """The cohorts that decode when the checked plan names a set of decoders."""
         ds = self._decoders
         if not d:

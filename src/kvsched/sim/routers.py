@@ -7,12 +7,14 @@ spreads requests instead of piling them on replica 0.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import math
 import random
 from typing import Any, NamedTuple, Protocol, Sequence
 
-from kvsched.errors import KvschedError
-from kvsched.params import convert
+from kvsched.errors import PASS_THROUGH, KvschedError
+from kvsched.params import check_range, convert
 from kvsched.plugins import resolve
 
 
@@ -155,24 +157,33 @@ def router_parameters(cls: type) -> dict[str, inspect.Parameter]:
 
 
 def make_router(name: str, seed: int = 0, params: dict[str, Any] | None = None) -> Router:
-    """Router `name` seeded with `seed`, its parameters set from `params` (strings are converted
-    to the type its constructor's annotation or default names; nothing is clamped)."""
+    """Router `name` seeded with `seed`, its parameters set from `params`: strings converted to
+    the type its constructor's annotation or default names, numbers finite, and within the
+    `range` of a dataclass field's metadata where it has one; nothing is clamped."""
     cls = router_class(name)
     known = router_parameters(cls)
-    values = {}
+    ranges = {f.name: f.metadata["range"] for f in dataclasses.fields(cls)
+              if "range" in f.metadata} if dataclasses.is_dataclass(cls) else {}
+    owner, values = f"router {name}", {}
     for key, value in (params or {}).items():
         if key not in known:
-            raise KvschedError(f"router {name} has no parameter {key!r} (parameters: {', '.join(known) or 'none'})")
+            raise KvschedError(f"{owner} has no parameter {key!r} (parameters: {', '.join(known) or 'none'})")
         p = known[key]
-        kind = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
+        kind = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", str(p.annotation))
         if kind in ("", "_empty") and p.default is not inspect.Parameter.empty:
             kind = type(p.default).__name__
-        values[key] = convert(f"router {name}", key, value, kind)
+        v = values[key] = convert(owner, key, value, kind)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise KvschedError(f"{owner}: {key}={v!r} must be a finite number")
+        if key in ranges:
+            check_range(owner, key, v, kind, ranges[key])
     try:
         router = cls(seed, **values)
     except KvschedError:
         raise
-    except Exception as exc:
+    except PASS_THROUGH:
+        raise
+    except BaseException as exc:
         raise KvschedError(f"router {name}: {type(exc).__name__}: {exc}") from None
     for attr in ("name", "uses_state"):
         if not hasattr(router, attr):
