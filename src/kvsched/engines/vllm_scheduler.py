@@ -469,7 +469,8 @@ def _check_plan(plan, view: VllmView, name: str) -> Plan:
     same way inside vLLM as in simulation), then what only this engine needs: every admitted
     request computes tokens, and the plan's KV fits the engine's free blocks (counted as the
     simulator's pool counts them, without prefix caching, which the adapter refuses)."""
-    plan = check_plan(plan, _EngineState(view), name)
+    preempt, admit, chunks, decode = check_plan(plan, _EngineState(view), name)
+    plan = Plan(admit, chunks, decode, preempt)
     chunked = {i for i, _ in plan.chunks}
     idle = [i for i in plan.admit if i not in chunked]
     if idle:                                                # vLLM admits a request only with tokens

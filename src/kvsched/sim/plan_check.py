@@ -4,8 +4,9 @@ the same way, with the same one-line message naming the policy, in simulation an
 
 `check(plan, state, name)` reads the plan once (a generator is not consumed twice), checks it
 against the replica's state as the plan's own steps change it (preemptions first, then
-admissions, then chunks, then the decode selection) and returns it normalized: lists of
-Python ints, `decode` True, False or a frozenset. What it does not check is KV room: the
+admissions, then chunks, then the decode selection) and returns it normalized, as the tuple
+(preempt, admit, chunks, decode): lists of Python ints (copies), `decode` True, False or a set
+of ints. What it does not check is KV room: the
 replica's KV owner allocates check-then-act (with prefix caching a hit or an eviction decides
 what fits), and `kv_error` words the refusal for both.
 """
@@ -62,7 +63,7 @@ def _listed(plan, name: str) -> tuple[list, list, list, object]:
                         "or a collection of request ids in their decode phase")
     try:                                        # copies: hooks the plan calls may edit the policy's lists
         preempt, admit, chunks = list(preempt), list(admit), list(chunks)
-        if not isinstance(d, bool):
+        if not isinstance(d, (bool, set, frozenset)):
             d = list(d)
     except Exception as exc:                 # e.g. a generator that raises
         raise PlanError(f"policy {name} gave a plan that cannot be read: {type(exc).__name__}: "
@@ -77,15 +78,6 @@ def _exists(i, state: PlanState, name: str, what: str) -> int:
     return int(i)
 
 
-def _ids(ids: list, state: PlanState, name: str, what: str) -> list[int]:
-    """`ids` (the check's own copy) as Python ints that name requests."""
-    n = state.count
-    for k, i in enumerate(ids):
-        if type(i) is not int or not 0 <= i < n:
-            ids[k] = _exists(i, state, name, what)
-    return ids
-
-
 def _chunk(item, state: PlanState, name: str) -> tuple[int, object]:
     try:
         i, c = item
@@ -97,78 +89,99 @@ def _chunk(item, state: PlanState, name: str) -> tuple[int, object]:
     return i, c
 
 
-def check(plan, state: PlanState, name: str) -> Plan:
-    """The plan, checked against `state` and normalized (see the module docstring)."""
-    if type(plan) is Plan and type(plan.preempt) is list and type(plan.admit) is list \
-            and type(plan.chunks) is list and not plan.preempt and not plan.admit and not plan.chunks \
-            and (plan.decode is True or plan.decode is False):
-        return plan                             # no request named: nothing to check (most batches)
-    return _checked(plan, state, name)
+# a checked plan: (preempt, admit, chunks, decode), in the order the replica applies them
+Checked = tuple[list[int], list[int], list[tuple[int, int]], "bool | set[int] | frozenset[int]"]
+_NONE: frozenset = frozenset()
 
 
-def _checked(plan, state: PlanState, name: str) -> Plan:
-    preempt, admit, chunks, decode = _listed(plan, name)
-    gone: set[int] = set()                   # preempted by this plan: waiting again
+def check(plan, state: PlanState, name: str, hooks: bool = True) -> Checked:
+    """The plan, checked against `state` and normalized (see the module docstring). Written for
+    speed: every batch of a Python policy passes here (plain loops, no per-id calls). The lists
+    returned are copies where the policy's hooks, which run while the plan is applied, could
+    edit the policy's own (`hooks`), or where an entry had to be converted."""
+    if type(plan) is Plan:
+        preempt, admit, chunks, decode = plan.preempt, plan.admit, plan.chunks, plan.decode
+        if type(preempt) is list and type(admit) is list and type(chunks) is list \
+                and (decode is True or decode is False):
+            if not preempt and not admit and not chunks:
+                return preempt, admit, chunks, decode       # no request named: nothing to check
+            if hooks:
+                preempt, admit, chunks = preempt[:], admit[:], chunks[:]
+        else:
+            preempt, admit, chunks, decode = _listed(plan, name)
+    else:
+        preempt, admit, chunks, decode = _listed(plan, name)
+    original = (plan.preempt, plan.admit, plan.chunks) if type(plan) is Plan else ()
+    n = state.count
+    gone = _NONE                                # preempted by this plan: waiting again
     if preempt:
-        preempt = _ids(preempt, state, name, "preempted")
-        running = state.running
-        for i in preempt:
+        gone, running = set(), state.running
+        for k, i in enumerate(preempt):
+            if type(i) is not int or not 0 <= i < n:
+                if original and preempt is original[0]:
+                    preempt = preempt[:]                # the policy's own list stays as it was
+                i = preempt[k] = _exists(i, state, name, "preempted")
             if i in gone or i not in running:
                 raise PlanError(f"policy {name} preempted request {i}, which is not running")
             gone.add(i)
-    started: set[int] = set()                # admitted by this plan: prefilling from 0
+    started = _NONE                             # admitted by this plan: prefilling from 0
     if admit:
-        admit = _ids(admit, state, name, "admitted")
-        for i in admit:
-            if i in started or not (i in gone or state.waiting_here(i)):
+        started, waiting_here = set(), state.waiting_here
+        for k, i in enumerate(admit):
+            if type(i) is not int or not 0 <= i < n:
+                if original and admit is original[1]:
+                    admit = admit[:]
+                i = admit[k] = _exists(i, state, name, "admitted")
+            if i in started or not (i in gone or waiting_here(i)):
                 here = i not in started and state.is_waiting(i)    # waiting, on another replica
                 raise PlanError(f"policy {name} admitted request {i}, which is not waiting"
                                 + (f" on replica {state.index}" if here else ""))
             started.add(i)
     if chunks:
-        chunks = _chunks(chunks, state, name, gone, started)
+        prefilling, prefill_left, seen = state.prefilling, state.prefill_left, set()
+        for k, item in enumerate(chunks):
+            plain = (type(item) is tuple and len(item) == 2 and type(item[0]) is int and type(item[1]) is int
+                     and 0 <= item[0] < n)
+            i, c = item if plain else _chunk(item, state, name)
+            if i in started:
+                left = state.restart_target(i) if i in gone else prefill_left(i)
+            elif i in prefilling and i not in gone:
+                left = prefill_left(i)
+            else:
+                raise PlanError(f"policy {name} gave request {i} a chunk of {c} tokens; it is not in its prefill "
+                                f"phase on replica {state.index}")
+            if not 0 < c <= left or not plain and c != int(c):
+                raise PlanError(f"policy {name} gave request {i} a chunk of {c} tokens; it is {left} prefill "
+                                "tokens left")
+            if i in seen:
+                raise PlanError(f"policy {name} gave one request two chunks in a batch")
+            seen.add(i)
+            if not plain:
+                if original and chunks is original[2]:
+                    chunks = chunks[:]
+                chunks[k] = (i, int(c))
     if not (decode is True or decode is False):
         decode = _decoders(decode, state, gone, name)
-    return Plan(admit, chunks, decode, preempt)
+    return preempt, admit, chunks, decode
 
 
-def _chunks(chunks: list, state: PlanState, name: str, gone: set[int], started: set[int]) -> list[tuple[int, int]]:
-    """The chunks (the check's own copy), checked in order, as (int, int) pairs."""
-    n, prefilling, seen = state.count, state.prefilling, set()
-    for k, item in enumerate(chunks):
-        plain = (type(item) is tuple and len(item) == 2 and type(item[0]) is int and type(item[1]) is int
-                 and 0 <= item[0] < n)
-        i, c = item if plain else _chunk(item, state, name)
-        if i in started:
-            left = state.restart_target(i) if i in gone else state.prefill_left(i)
-        elif i in prefilling and i not in gone:
-            left = state.prefill_left(i)
-        else:
-            raise PlanError(f"policy {name} gave request {i} a chunk of {c} tokens; it is not in its prefill "
-                            f"phase on replica {state.index}")
-        if not 0 < c <= left or not plain and c != int(c):
-            raise PlanError(f"policy {name} gave request {i} a chunk of {c} tokens; it is {left} prefill tokens left")
-        if i in seen:
-            raise PlanError(f"policy {name} gave one request two chunks in a batch")
-        seen.add(i)
-        if not plain:
-            chunks[k] = (i, int(c))
-    return chunks
-
-
-def _decoders(d: list, state: PlanState, gone: set[int], name: str) -> frozenset:
-    """The decode selection as a frozenset of Python ints, each decoding here."""
-    try:
-        chosen = frozenset(d)
-    except TypeError:                           # an unhashable id: named below
-        chosen = None
-    if chosen is None or not set(map(type, chosen)) <= _INT:     # (in C: the common case is quick)
+def _decoders(d, state: PlanState, gone: "set[int] | frozenset[int]", name: str) -> "frozenset | set":
+    """The decode selection as a set of Python ints, each decoding here. A set is taken as it
+    is, not copied (the cost of a large selection every batch): the replica selects only the
+    decoders it holds (`DecodeSet.select`), so a hook editing it mid-plan cannot corrupt state."""
+    chosen = d
+    if type(d) is not set and type(d) is not frozenset:
+        try:
+            chosen = frozenset(d)
+        except TypeError:                       # an unhashable id: named below
+            chosen = None
+    if chosen is None or chosen and set(map(type, chosen)) != _INT:    # (in C: the common case is quick)
         chosen = frozenset(_exists(i, state, name, "selected for decoding") for i in d)
     bad = chosen.difference(state.decoders)
     if gone:
         bad |= gone & chosen
     if bad:
-        i = _exists(min(bad), state, name, "selected for decoding")    # one that does not exist, or
+        i = _exists(min(bad, key=repr), state, name, "selected for decoding")  # one that does not exist, or
         raise PlanError(f"policy {name} selected request {i} for decoding; it is not in its "
                         f"decode phase on replica {state.index}")
     return chosen

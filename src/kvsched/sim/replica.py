@@ -172,6 +172,8 @@ class Replica:
         self._on_finish = self._hook("on_finish")
         self._on_preempt = self._hook("on_preempt")
         self._on_batch_end = self._hook("on_batch_end")
+        # hooks that run while a plan is applied, and could edit its lists: the check copies them
+        self._plan_hooks = self._on_finish is not None or self._on_preempt is not None
         # the compiled twins (sim/_fast.pyx), where every count fits their 64-bit integers; a batch's
         # finishes compiled where no hook or tier histogram takes part
         fast = _fast if _fast is not None and kv.capacity_blocks * bs < _fast.TOKEN_LIMIT else None
@@ -542,16 +544,14 @@ class Replica:
     # ----- one batch ---------------------------------------------------------------------
     def _execute(self, plan: Plan) -> bool:
         """Check and run one plan; False if it is empty."""
-        plan = check_plan(plan, self._face, self.name)
+        preempt, admit, chunks, d = check_plan(plan, self._face, self.name, self._plan_hooks)
         preempted = self.preemptions
-        for i in plan.preempt:
+        for i in preempt:
             self._preempt(i)
-        for i in plan.admit:
+        for i in admit:
             self._admit(i)
-        chunks = plan.chunks
         bs = self.block_size
         ds = self._decoders
-        d = plan.decode
         if d is True:
             cohorts = ds.cohorts if len(ds.cohorts) == 1 else ds.everyone()
             nd = ds.n
