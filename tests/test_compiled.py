@@ -186,7 +186,7 @@ def test_a_rowlog_keeps_its_rows_in_order_through_compiled_writes(ops, piece, ch
     old = rowlog.CHUNK, rowlog.PIECE
     rowlog.CHUNK, rowlog.PIECE = chunk, piece
     try:
-        log, plain = rowlog.RowLog("fiii"), rowlog.RowLog("fiii")
+        log, plain = rowlog.RowLog(rowlog.TIMELINE.kinds), rowlog.RowLog(rowlog.TIMELINE.kinds)
         big = False
         for k, op in enumerate(ops):
             if op in ("append", "odd", "big"):
@@ -196,7 +196,7 @@ def test_a_rowlog_keeps_its_rows_in_order_through_compiled_writes(ops, piece, ch
                 plain.append(row)
             elif op == "write":
                 rows = [(k + j / 4, -k, j, 2 ** 40) for j in range(k % 3 + 1)]
-                _fast.sink_rows(log, "fiii", rows)
+                _fast.sink_rows(log, rowlog.TIMELINE.kinds, rows)
                 for row in rows:
                     plain.append(row)
             elif op == "check" and not big:         # an int past int64 cannot spill (either way)

@@ -118,7 +118,7 @@ def test_trace_from_a_pipe_with_rate(traces_dir):
 def test_rowlog_spills_to_disk_and_reads_back_exactly(monkeypatch):
     from kvsched.sim import rowlog
     monkeypatch.setattr(rowlog, "CHUNK", 100)
-    log = rowlog.RowLog("fiii")
+    log = rowlog.RowLog(rowlog.TIMELINE.kinds)
     rows = [(k * 0.1 + 1e-9, k, -k, 2 ** 40 + k) for k in range(1050)]
     for k, row in enumerate(rows):
         log.append(row)

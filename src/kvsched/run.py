@@ -29,6 +29,7 @@ from kvsched.metrics import Goodput, RunRecords, summarize
 from kvsched.policies import Policy, make_policy
 from kvsched.sim.cluster import Cluster
 from kvsched.sim.replica import DEFAULT_STALL_BATCHES
+from kvsched.sim.rowlog import BATCHES, TIMELINE
 from kvsched.workload.request import Workload
 
 if TYPE_CHECKING:
@@ -153,11 +154,9 @@ class Result:
             requests = pool.submit(self._write_requests, d / "requests.csv")
             per_replica = ["replica"] if self.records.replica_stats is not None else []
             if self.timeline is not None:
-                _write_rows(d / "timeline.csv", ["time", "queue_length", "running", "kv_used_tokens"] + per_replica,
-                            self.timeline)
+                _write_rows(d / "timeline.csv", TIMELINE.names + per_replica, self.timeline)
             if self.batches is not None:
-                _write_rows(d / "batches.csv", ["start", "duration", "prefill_tokens", "prefill_requests",
-                                                "decode_requests", "kv_used_tokens"] + per_replica, self.batches)
+                _write_rows(d / "batches.csv", BATCHES.names + per_replica, self.batches)
             requests.result()
 
     def _write_requests(self, path: Path) -> None:

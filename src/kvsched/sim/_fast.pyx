@@ -16,7 +16,7 @@ from heapq import heappop, heappush
 from kvsched.errors import KvschedError
 from kvsched.sim.prefix_cache import Run
 from kvsched.sim.requests import DECODE, DONE, PREFILL
-from kvsched.sim.rowlog import CHUNK, layout
+from kvsched.sim.rowlog import BATCHES, CHUNK, TIMELINE, layout
 
 cdef double INF = float("inf")
 cdef long long NEVER = 1 << 62          # Replica._plain_decodes' "no finish ahead"
@@ -163,7 +163,7 @@ cdef bint _sinkable(object log, str kinds):
     return log is not None and log.dtype == _LAYOUTS[kinds]
 
 
-_LAYOUTS = {k: layout(k) for k in ("fiii", "ffiiii")}      # the replica's timeline and batches
+_LAYOUTS = {k: layout(k) for k in (TIMELINE.kinds, BATCHES.kinds)}      # the replica's row logs
 
 
 def window_max(object window) -> float:
@@ -333,8 +333,8 @@ cdef class Tables:
         self.counts, self.log_low, self.scale, self.low, self.top = itl.counts, itl._log_low, itl._scale, itl.low, itl._top
         self.times = replica.recent_batch_times.append
         self.timeline, self.batches = replica.timeline, replica.batches
-        self.sink_timeline = _sinkable(self.timeline, "fiii")
-        self.sink_batches = _sinkable(self.batches, "ffiiii")
+        self.sink_timeline = _sinkable(self.timeline, TIMELINE.kinds)
+        self.sink_batches = _sinkable(self.batches, BATCHES.kinds)
         if self.cache is not None:              # PrefixCache.inert's terms: its map, and whether
             self.keyed, self.shared = self.cache.map, self.cache._shared    # requests share (both fixed)
 
@@ -504,9 +504,9 @@ def plain_decodes(object self, object c, double until, tuple roof, Tables tables
     _cells(gaps, &gb, b'd', True)
     try:
         if tables.sink_timeline:
-            tsink = _Sink(tables.timeline, b"fiii")
+            tsink = _Sink(tables.timeline, TIMELINE.kinds.encode())
         if tables.sink_batches:
-            bsink = _Sink(tables.batches, b"ffiiii")
+            bsink = _Sink(tables.batches, BATCHES.kinds.encode())
         while True:
             held = used + dnew
             nb = n

@@ -35,7 +35,7 @@ from kvsched.sim.decode_set import Cohort, DecodeSet
 from kvsched.sim.plan_check import check as check_plan, kv_error, short as _short
 from kvsched.sim.prefix_cache import HitPlanner, LazyPlanner, PrefixCache
 from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING, RequestTable
-from kvsched.sim.rowlog import CHUNK, RowLog
+from kvsched.sim.rowlog import BATCHES, CHUNK, TIMELINE, RowLog
 from kvsched.sim.view import ReadOnlyKeys, ReadOnlySeq, ReplicaView
 
 
@@ -166,8 +166,8 @@ class Replica:
         self.recent_finished: deque[tuple[int, int]] = deque(maxlen=1024)
         # (end, queue, running, KV tokens) and (start, duration, prefill tokens, prefill requests,
         # decode requests, KV tokens) per batch, spilled to disk in chunks (memory stays flat)
-        self.timeline: RowLog | None = RowLog("fiii") if record_timeline else None
-        self.batches: RowLog | None = RowLog("ffiiii") if record_batches else None
+        self.timeline: RowLog | None = RowLog(TIMELINE.kinds) if record_timeline else None
+        self.batches: RowLog | None = RowLog(BATCHES.kinds) if record_batches else None
         self._schedule = policy.schedule
         self._on_finish = self._hook("on_finish")
         self._on_preempt = self._hook("on_preempt")

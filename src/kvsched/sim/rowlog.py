@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import tempfile
 import weakref
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -15,6 +15,28 @@ if TYPE_CHECKING:
 
 CHUNK = 1 << 16             # rows held in memory before they go to disk
 PIECE = 1 << 13             # rows converted, merged or written by the compiled run at once
+
+
+class RowSchema(NamedTuple):
+    """A per-batch row log's named columns: (name, kind) pairs, kind 'f' float64 or 'i' int64.
+    The one place a column of timeline.csv or batches.csv is named: the replica's logs, the
+    compiled decode run's row sinks and the --out writer all take it from here."""
+    columns: tuple[tuple[str, str], ...]
+
+    @property
+    def kinds(self) -> str:
+        return "".join(kind for _, kind in self.columns)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.columns]
+
+
+# a row per batch: its end, then the waiting and running requests and the KV tokens held
+TIMELINE = RowSchema((("time", "f"), ("queue_length", "i"), ("running", "i"), ("kv_used_tokens", "i")))
+# a row per batch: its start and duration, its shape, the KV tokens it held
+BATCHES = RowSchema((("start", "f"), ("duration", "f"), ("prefill_tokens", "i"), ("prefill_requests", "i"),
+                     ("decode_requests", "i"), ("kv_used_tokens", "i")))
 
 
 def layout(kinds: str) -> np.dtype:
