@@ -168,3 +168,40 @@ def test_the_vllm_adapter_checks_plans_with_the_same_function():
         "err policy p planned a batch needing 21 KV blocks; only 20 exist (320 tokens)",
         "err policy p admitted request 4 without a chunk: inside vLLM a request is admitted only when it computes "
         "tokens (the adapter cannot hold it admitted and idle)"]
+
+
+def test_a_hook_editing_the_plan_s_decode_set_mid_plan_changes_nothing():
+    """The check copies the selection where hooks run mid-plan: a request added to the set by
+    `on_preempt` does not decode."""
+    class EditsItsSet:
+        name = "edits"
+
+        def __init__(self) -> None:
+            self.k, self.sel, self.log = 0, None, []
+
+        def on_preempt(self, i, v):
+            if self.sel is not None:
+                self.sel.add(i)
+
+        def schedule(self, v):
+            self.k += 1
+            if self.k == 1:
+                return Plan([0, 1], [(0, 10), (1, 10)], False, [])
+            if self.k == 2:
+                return Plan([2], [(2, 5)], True, [])
+            if self.k == 3:
+                self.log.append((v.generated(0), v.generated(1)))
+                self.sel = {0}
+                return Plan([], [], self.sel, [2])      # preempt 2, decode only 0
+            if self.k == 4:
+                self.log.append((v.generated(0), v.generated(1)))
+                self.sel = None
+            if v.waiting:
+                i = v.waiting[0]
+                return Plan([i], [(i, v.prefill_target(i))], True, [])
+            return Plan([], [], True, [])
+
+    p = EditsItsSet()
+    _run(p, prompts=(10, 10, 100), outputs=(20, 20, 5))
+    (g0, g1), (h0, h1) = p.log
+    assert (h0, h1) == (g0 + 1, g1)             # request 1 was not selected: it did not decode

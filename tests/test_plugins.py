@@ -251,3 +251,36 @@ def test_a_resumed_sweep_runs_again_a_point_whose_policy_file_was_edited(tmp_pat
     assert ran() == 0 and ran() == 1                 # the second run finds the point done
     (tmp_path / "p.py").write_text(POLICY.replace("[:4]", "[:3]"))
     assert ran() == 0                                # edited: a new point
+
+
+COSTS = textwrap.dedent('''
+    import sys
+
+    class Raises:
+        def time(self, shape):
+            if shape.decode_seqs and not shape.prefill_tokens:
+                raise ZeroDivisionError("my cost model divided by zero")
+            return 0.05
+
+    class Exits:
+        def time(self, shape):
+            if shape.decode_seqs and not shape.prefill_tokens:
+                sys.exit(0)
+            return 0.05
+''')
+
+
+def test_a_user_cost_model_that_raises_or_exits_is_named_in_one_line(tmp_path):
+    (tmp_path / "c.py").write_text(COSTS)
+    one_line_error([*RUN, "--cost", f"{tmp_path}/c.py:Raises"],
+                   "cost model Raises raised ZeroDivisionError at t=")
+    one_line_error([*RUN, "--cost", f"{tmp_path}/c.py:Exits"], "cost model Exits raised SystemExit")
+
+
+def test_router_set_with_pools_of_one_is_refused_and_optional_annotations_convert(tmp_path):
+    one_line_error([*RUN, "--prefill-replicas", "1", "--decode-replicas", "1", "--router", "prefix-affinity",
+                    "--router-set", "w_kv=5"], "needs --replicas 2 or more, or a prefill or decode pool of 2")
+    (tmp_path / "o.py").write_text(ROUTER.replace("to: int = 1", "to: Optional[int] = 1")
+                                   .replace("class Second:", "from typing import Optional\n\n\nclass Second:"))
+    s = _summary([*RUN, "--replicas", "3", "--router", f"{tmp_path}/o.py:Second", "--router-set", "to=1"])
+    assert {row["replica"]: row["completed"] for row in s["replica_breakdown"]} == {0: 0, 1: 60, 2: 0}

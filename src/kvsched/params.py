@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from typing import Any, Iterable
 
 import numpy as np
@@ -115,8 +117,20 @@ def build(cls: type, owner: str, overrides: dict[str, Any], defaults: dict[str, 
 
 
 def _kind(f: dataclasses.Field) -> str:
-    """The field's type as text ("int", "float | None", ...): annotations may be strings or types."""
-    return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return type_name(f.type)
+
+
+def type_name(annotation) -> str:
+    """An annotation as the text conversions read ("int", "float | None"...): a string as it is
+    (`from __future__ import annotations`), a type's name, and for a union (`float | None`,
+    `Optional[float]`) its first member that is not None first."""
+    if isinstance(annotation, str):
+        return annotation
+    args = typing.get_args(annotation)
+    if args and typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [type_name(a) for a in args if a is not type(None)]
+        return " | ".join(members + (["None"] if type(None) in args else []))
+    return getattr(annotation, "__name__", str(annotation))
 
 
 def describe(cls: type) -> list[tuple[str, str, str, str]]:

@@ -146,14 +146,17 @@ def source_file(spec) -> Path | None:
     if added:
         sys.path.append(cwd)
     try:
-        found = importlib.util.find_spec(where)
-    except (ImportError, ValueError):
+        found = importlib.util.find_spec(where)     # (may import the module's parent packages)
+    except PASS_THROUGH:
+        raise
+    except BaseException:                           # what resolving it reports, as one line
         return None
     finally:
         if added and cwd in sys.path:
             sys.path.remove(cwd)
-    origin = getattr(found, "origin", None)
-    return Path(origin) if origin and Path(origin).is_file() else None
+    if found is None or not found.has_location or not found.origin:     # built-in, frozen, namespace
+        return None
+    return Path(found.origin) if Path(found.origin).is_file() else None
 
 
 def _entry_points(kind: str):

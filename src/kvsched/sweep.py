@@ -358,7 +358,7 @@ def plan(grid: Grid, base: Base) -> list[Task]:
             setups[tag] = _setup(base, grid, options, built, hashes)
         workload, template, decode, common = setups[tag]
         point = Point(workload, template, axes["policy"], params, axes["rate"], axes["seed"], decode)
-        tasks.append(Task(point_key(point, common=common), axes, point))
+        tasks.append(Task(point_key(point, hashes, common=common), axes, point))
     return tasks
 
 
@@ -388,7 +388,7 @@ def _setup(base: Base, grid: Grid, options: dict[str, Any], built: set[str],
                 warnings.simplefilter("ignore")
                 load(dataclasses.replace(workload, rate=grid.rates[0], seed=grid.seeds[0]))
             built.add(tag)
-        template = cluster.apply(hardware.scenario(None, base.goodput, base.trim), 0)
+        template = cluster.apply(hardware.scenario(None, base.goodput, base.trim), 0, grid=True)
         template.check()
         if template.kv_capacity is not None:
             PagedKV(template.kv_capacity, template.block_size)

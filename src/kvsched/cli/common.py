@@ -264,17 +264,19 @@ class ClusterOptions:
     decode_set: list[str]
     stall_batches: int
 
-    def apply(self, sc: Scenario, seed: int) -> Scenario:
-        """The scenario with these replicas, router (seeded by the workload --seed) and link."""
+    def apply(self, sc: Scenario, seed: int, grid: bool = False) -> Scenario:
+        """The scenario with these replicas, router (seeded by the workload --seed) and link;
+        `grid`: one setting of a sweep's grid (router parameters may go unused in some)."""
         from kvsched.params import parse_assignments
         from kvsched.sim.routers import make_router
         from kvsched.sim.transfer import KVLink
         router_params = parse_assignments(self.router_set, "--router-set")
         make_router(self.router, seed, router_params)       # checks the name and the parameters
         pools = self.prefill_replicas or self.decode_replicas
-        if router_params and self.replicas == 1 and not pools:
-            raise KvschedError("--router-set sets the router's parameters: it needs --replicas 2 or more, or "
-                               "--prefill-replicas and --decode-replicas")
+        routed = self.replicas > 1 or max(self.prefill_replicas, self.decode_replicas) > 1
+        if router_params and not routed and not grid:   # (a sweep's grid may vary the replicas)
+            raise KvschedError("--router-set sets the router's parameters: it needs --replicas 2 or more, or a "
+                               "prefill or decode pool of 2 or more")
         if self.stall_batches < 1:
             raise KvschedError(f"--stall-batches must be >= 1, got {self.stall_batches}")
         if (self.decode_policy or self.decode_set) and not pools:

@@ -73,6 +73,10 @@ def _run_policies(sc: Scenario, runs: dict[str, dict[str, str]], outs: OutputOpt
         raise KvschedError("--plot needs --out (report.html goes into that folder)")
     if out is not None:
         check_out(out)                  # before the runs, not after them
+    if keyed:                           # the names classes declare, before the runs (instances may
+        from kvsched.policies import policy_class                  # set theirs: checked after too)
+        declared = [getattr(policy_class(n), "name", None) for n in runs]
+        _check_keys([d for d in declared if isinstance(d, str)])
     results = []
     for name, params in runs.items():
         bar = Progress(not json_, name)

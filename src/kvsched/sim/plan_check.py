@@ -97,8 +97,9 @@ _NONE: frozenset = frozenset()
 def check(plan, state: PlanState, name: str, hooks: bool = True) -> Checked:
     """The plan, checked against `state` and normalized (see the module docstring). Written for
     speed: every batch of a Python policy passes here (plain loops, no per-id calls). The lists
-    returned are copies where the policy's hooks, which run while the plan is applied, could
-    edit the policy's own (`hooks`), or where an entry had to be converted."""
+    and set returned are copies where user code that runs while the plan is applied (the
+    policy's hooks, a user's cost model) could edit the policy's own (`hooks`), or where an
+    entry had to be converted; otherwise the caller reads them before any user code runs."""
     if type(plan) is Plan:
         preempt, admit, chunks, decode = plan.preempt, plan.admit, plan.chunks, plan.decode
         if type(preempt) is list and type(admit) is list and type(chunks) is list \
@@ -162,13 +163,15 @@ def check(plan, state: PlanState, name: str, hooks: bool = True) -> Checked:
                 chunks[k] = (i, int(c))
     if not (decode is True or decode is False):
         decode = _decoders(decode, state, gone, name)
+        if hooks and type(decode) is set:
+            decode = frozenset(decode)          # a hook could edit the policy's own set mid-plan
     return preempt, admit, chunks, decode
 
 
 def _decoders(d, state: PlanState, gone: "set[int] | frozenset[int]", name: str) -> "frozenset | set":
     """The decode selection as a set of Python ints, each decoding here. A set is taken as it
-    is, not copied (the cost of a large selection every batch): the replica selects only the
-    decoders it holds (`DecodeSet.select`), so a hook editing it mid-plan cannot corrupt state."""
+    is, not copied (the cost of a large selection every batch); `check` copies it where user
+    code runs mid-plan (`hooks`)."""
     chosen = d
     if type(d) is not set and type(d) is not frozenset:
         try:

@@ -172,8 +172,10 @@ class Replica:
         self._on_finish = self._hook("on_finish")
         self._on_preempt = self._hook("on_preempt")
         self._on_batch_end = self._hook("on_batch_end")
-        # hooks that run while a plan is applied, and could edit its lists: the check copies them
-        self._plan_hooks = self._on_finish is not None or self._on_preempt is not None
+        # user code that runs while a plan is applied (hooks, a cost model not kvsched's), and could
+        # edit the policy's lists: the check copies them then
+        self._plan_hooks = (self._on_finish is not None or self._on_preempt is not None
+                            or not type(cost).__module__.startswith("kvsched."))
         # the compiled twins (sim/_fast.pyx), where every count fits their 64-bit integers; a batch's
         # finishes compiled where no hook or tier histogram takes part
         fast = _fast if _fast is not None and kv.capacity_blocks * bs < _fast.TOKEN_LIMIT else None
@@ -315,7 +317,14 @@ class Replica:
         if self._landing:
             self._land_ready()
         if self._steady and not self._queue and self._idle_fits():
-            self._decode_run(until)
+            try:
+                self._decode_run(until)
+            except KvschedError:
+                raise
+            except PASS_THROUGH:
+                raise
+            except BaseException as exc:        # the only user code here that is not wrapped: the cost model
+                raise self._cost_failed(exc) from exc
             return True
         q = len(self._queue)
         if q > self.peak_queue:
@@ -528,6 +537,10 @@ class Replica:
         return PlanError(f"policy {self.name} raised {type(exc).__name__} in {where}{req} at "
                          f"t={self.now:.6g}s: {msg}")
 
+    def _cost_failed(self, exc: BaseException) -> KvschedError:
+        return KvschedError(f"cost model {type(self.cost).__name__} raised {type(exc).__name__} at t={self.now:.6g}s "
+                            f"on replica {self.index}: {_short(exc, 300) or 'no message'}")
+
     def _call(self, fn, where: str, i: int | None) -> None:
         try:
             if i is None:
@@ -592,7 +605,14 @@ class Replica:
         # a dense roofline's time compiled (sim/_fast.pyx), else (or where it declines) the cost model's
         dt = None if self._roof is None else self._fast.batch_time(self._roof, pt, pattn, pctx, nd, dctx + nd)
         if dt is None:
-            dt = self.cost.time(BatchShape(pt, len(chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
+            try:
+                dt = self.cost.time(BatchShape(pt, len(shape_chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
+            except KvschedError:
+                raise
+            except PASS_THROUGH:
+                raise
+            except BaseException as exc:
+                raise self._cost_failed(exc) from exc
         if type(dt) is not float:               # an int or numpy scalar: the clock holds Python floats
             dt = _seconds(dt)
         start = self.now
@@ -627,7 +647,7 @@ class Replica:
         if self.timeline is not None:
             self.timeline.append((end, len(self._queue), len(self._running), kv.used * bs))
         if self.batches is not None:
-            self.batches.append((start, dt, pt, len(chunks), nd, held * bs))
+            self.batches.append((start, dt, pt, len(shape_chunks), nd, held * bs))
         self.kv_integral += held * dt
         self.busy += dt
         if held > self.peak_kv:

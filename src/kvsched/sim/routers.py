@@ -14,7 +14,7 @@ import random
 from typing import Any, NamedTuple, Protocol, Sequence
 
 from kvsched.errors import PASS_THROUGH, KvschedError
-from kvsched.params import check_range, convert
+from kvsched.params import check_range, convert, type_name
 from kvsched.plugins import resolve
 
 
@@ -169,8 +169,8 @@ def make_router(name: str, seed: int = 0, params: dict[str, Any] | None = None) 
         if key not in known:
             raise KvschedError(f"{owner} has no parameter {key!r} (parameters: {', '.join(known) or 'none'})")
         p = known[key]
-        kind = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", str(p.annotation))
-        if kind in ("", "_empty") and p.default is not inspect.Parameter.empty:
+        kind = type_name(p.annotation)
+        if p.annotation is inspect.Parameter.empty and p.default is not inspect.Parameter.empty:
             kind = type(p.default).__name__
         v = values[key] = convert(owner, key, value, kind)
         if isinstance(v, float) and not math.isfinite(v):
