@@ -163,8 +163,8 @@ def check(plan, state: PlanState, name: str, hooks: bool = True) -> Checked:
                 chunks[k] = (i, int(c))
     if not (decode is True or decode is False):
         decode = _decoders(decode, state, gone, name)
-        if hooks and type(decode) is set:
-            decode = frozenset(decode)          # a hook could edit the policy's own set mid-plan
+        if hooks and preempt and type(decode) is set:   # on_preempt runs before the selection is
+            decode = frozenset(decode)                  # made: it could edit the policy's own set
     return preempt, admit, chunks, decode
 
 
