@@ -2,13 +2,13 @@
 (sim/replica.py) and by the vLLM adapter (engines/vllm_scheduler.py) alike: a bad plan fails
 the same way, with the same one-line message naming the policy, in simulation and inside vLLM.
 
-`check(plan, state, name)` reads the plan once (a generator is not consumed twice), checks it
-against the replica's state as the plan's own steps change it (preemptions first, then
-admissions, then chunks, then the decode selection) and returns it normalized, as the tuple
-(preempt, admit, chunks, decode): lists of Python ints (copies), `decode` True, False or a set
-of ints. What it does not check is KV room: the
-replica's KV owner allocates check-then-act (with prefix caching a hit or an eviction decides
-what fits), and `kv_error` words the refusal for both.
+`check(plan, state, name, hooks)` reads the plan once (a generator is not consumed twice),
+checks it against the replica's state as the plan's own steps change it (preemptions first,
+then admissions, then chunks, then the decode selection) and returns it normalized, as the
+tuple (preempt, admit, chunks, decode): lists of Python ints, `decode` True, False or a set of
+ints (copies where user code could edit the policy's own while the plan is applied: `check`).
+What it does not check is KV room: the replica allocates check-then-act (with prefix caching
+a hit or an eviction decides what fits), and `kv_error` words the refusal for both.
 """
 from __future__ import annotations
 
