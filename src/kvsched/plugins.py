@@ -14,6 +14,7 @@ the package, run without editing kvsched.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -80,13 +81,25 @@ def _from_spec(spec: str, flag: str):
     return obj
 
 
-def _import(name: str, flag: str):
+@contextlib.contextmanager
+def _cwd_searched_last():
+    """The working folder on sys.path, last (an installed module of the same name wins), for
+    the duration: a console script's sys.path lacks it."""
     cwd = os.getcwd()
     added = cwd not in sys.path
-    if added:                                   # searched last: an installed module wins
+    if added:
         sys.path.append(cwd)
     try:
-        return importlib.import_module(name)
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def _import(name: str, flag: str):
+    try:
+        with _cwd_searched_last():
+            return importlib.import_module(name)
     except ModuleNotFoundError as exc:
         raise KvschedError(f"{flag}: cannot import module {name!r}: {exc}") from None
     except KvschedError:
@@ -95,9 +108,6 @@ def _import(name: str, flag: str):
         raise
     except BaseException as exc:
         raise KvschedError(f"{flag}: importing module {name!r} raised {type(exc).__name__}: {exc}") from None
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
 
 
 def _load_file(path: str, flag: str):
@@ -141,19 +151,13 @@ def source_file(spec) -> Path | None:
     if where.endswith(".py") or os.sep in where or "/" in where:
         p = Path(where).expanduser().resolve()
         return p if p.is_file() else None
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.append(cwd)
     try:
-        found = importlib.util.find_spec(where)     # (may import the module's parent packages)
+        with _cwd_searched_last():
+            found = importlib.util.find_spec(where)     # (may import the module's parent packages)
     except PASS_THROUGH:
         raise
     except BaseException:                           # what resolving it reports, as one line
         return None
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
     if found is None or not found.has_location or not found.origin:     # built-in, frozen, namespace
         return None
     return Path(found.origin) if Path(found.origin).is_file() else None

@@ -52,6 +52,12 @@ class Cohort:
     def new_blocks(self) -> int:
         return self.residue[-self.clock % self.block_size]
 
+    def progress(self, i: int) -> tuple[int, int]:
+        """Member i's (KV tokens, tokens generated) now: its state at join plus the steps since."""
+        c0, k0, g0, _ = self.members[i]
+        steps = self.clock - c0
+        return k0 + steps, g0 + steps
+
     def last_token(self, i: int) -> float:
         c0, _, _, t0 = self.members[i]
         return self.last_time if self.clock > c0 else t0

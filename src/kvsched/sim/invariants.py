@@ -82,8 +82,7 @@ def holdings(rep, transfers: dict[int, int]) -> dict[int, int]:
     r = rep.reqs
     held = {i: r.computed[i] for i in rep._prefilling}
     for i, c in rep._decoders.where.items():
-        c0, k0, _, _ = c.members[i]
-        held[i] = k0 + c.clock - c0
+        held[i] = c.progress(i)[0]
     for i in rep._landing:
         held[i] = r.computed[i]
     held.update(transfers)
@@ -140,8 +139,7 @@ def _tokens_conserved(rep, transfers: dict[int, int], step: int) -> None:
         raise InvariantError(name, f"replica {rep.index}'s prefill backlog is {rep.prefill_backlog} tokens; "
                              f"its requests have {backlog} left")
     for i, c in rep._decoders.where.items():
-        c0, k0, g0, _ = c.members[i]
-        gen, kv = g0 + c.clock - c0, k0 + c.clock - c0
+        kv, gen = c.progress(i)
         if r.status[i] != DECODE or not 1 <= gen < r.output[i] or kv != r.prompt[i] + gen - 1:
             raise InvariantError(name, f"request {i} decodes with {gen} of {r.output[i]} tokens generated and "
                                  f"{kv} KV tokens for a prompt of {r.prompt[i]} (status {r.status[i]})")

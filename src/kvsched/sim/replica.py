@@ -82,10 +82,7 @@ class PlanFace:
 
     def restart_target(self, i: int) -> int:
         c = self.decoders.get(i)                # a decoder's tokens are its cohort's (the table's lag)
-        if c is not None:
-            c0, _, g0, _ = c.members[i]
-            return self._prompt[i] + g0 + c.clock - c0
-        return self._prompt[i] + self._gen[i]
+        return self._prompt[i] + (self._gen[i] if c is None else c.progress(i)[1])
 
 
 class Arrivals:

@@ -226,16 +226,14 @@ class ReplicaView:
         r = _R(self)
         c = r._where.get(i)
         if c is not None:
-            c0, _, g0, _ = c.members[i]
-            return g0 + c.clock - c0
+            return c.progress(i)[1]
         return r.reqs.gen[i] if r._status[i] != DECODE else self._remote(i)
 
     def kv_tokens(self, i: int) -> int:
         r = _R(self)
         c = r._where.get(i)
         if c is not None:
-            c0, k0, _, _ = c.members[i]
-            return k0 + c.clock - c0
+            return c.progress(i)[0]
         return r._computed[i] if r._status[i] != DECODE else self._remote(i)
 
     def _remote(self, i: int):
@@ -249,10 +247,7 @@ class ReplicaView:
 
     def needs_block(self, i: int) -> bool:
         c = _R(self)._where.get(i)
-        if c is None:
-            return False
-        c0, k0, _, _ = c.members[i]
-        return (k0 + c.clock - c0) % self.block_size == 0
+        return c is not None and c.progress(i)[0] % self.block_size == 0
 
     def tier_priority(self, i: int) -> int:
         return _R(self).reqs.priority[i]
