@@ -1,8 +1,10 @@
-"""The compiled fast path (src/kvsched/sim/_fast.pyx, issue "Speed"): built when Cython and a C
-compiler are at hand on a 64-bit machine; without them kvsched installs and runs its
-pure-Python code, with the same results bit for bit. Everything else is in pyproject.toml."""
-import ast
-import hashlib
+"""The compiled build (issue "One engine, one source"): Cython compiles the readable Python
+modules listed in kvsched/compiled.py (`COMPILED`) as they are, and the CSV text leaf
+(src/kvsched/_csv.pyx), when Cython and a C compiler are at hand on a 64-bit machine; without
+them kvsched installs and runs the same .py files, with the same results bit for bit.
+Everything else is in pyproject.toml."""
+import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -10,68 +12,82 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 PACKAGE = Path(__file__).resolve().parent / "src/kvsched"
-PYX = PACKAGE / "sim/_fast.pyx"
 # no fused multiply-add or fast-math: C must round every float operation as Python does.
-# Install time (issue "First contact"): no debug information (Python's default -g is 40% of the
-# compile and 85% of the module's size) and -O1, which compiles in 4.0 s against -O2's 6.1 s and
-# -O3's 8.6 s with no loss measured (benchmarks/bench_simulator.py, vllm-v1: 50,000 requests 0.84
-# s against 0.88 s, 1,000,000 with --out 14.1 s against 14.2 s): the loops call back into Python.
+# Install time (issue "First contact"): no debug information (Python's default -g is most of the
+# compile and of the modules' size) and -O1: the compiled code calls back into Python, so -O2
+# and -O3 compile slower and gain nothing measurable (benchmarks/bench_simulator.py).
 FLAGS = ["-O1", "-g0", "-ffp-contract=off", "-fno-fast-math"]
+# Python semantics kept: no type taken from annotations (an `int` annotation would refuse a
+# numpy integer), Python's division and modulo (cdivision off), bounds and negative indices checked.
+DIRECTIVES = {"language_level": 3, "annotation_typing": False, "binding": True}
 
 
 def warn(why: str) -> None:
-    print(f"kvsched: a compiled module is not built ({why}); its pure-Python code runs", file=sys.stderr)
+    print(f"kvsched: a compiled module is not built ({why}); its Python code runs", file=sys.stderr)
 
 
 class OptionalBuildExt(build_ext):
-    """A failed compile is a warning, not a failed install."""
+    """A failed compile is a warning, not a failed install; the modules compile in parallel.
+    The manifest lists only the modules built now, with the hashes of the sources they were
+    built from: a module that failed leaves no built file behind (an old one would pass for
+    current in an editable install)."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if self.parallel is None:
+            self.parallel = os.cpu_count() or 1
 
     def run(self) -> None:
+        hashes = {rel: RULES.source_digest(PACKAGE, rel) for rel in RULES.COMPILED}
+        self.built: set[str] = set()
         try:
             super().run()
         except Exception as exc:        # no compiler at all
             warn(str(exc))
+        package = Path(self.get_ext_fullpath("kvsched.x")).parent
+        lines = [f"{rel} {sha}" for rel, sha in hashes.items() if RULES.module_name(rel) in self.built]
+        package.mkdir(parents=True, exist_ok=True)
+        (package / RULES.MANIFEST).write_text("".join(line + "\n" for line in lines))
 
     def build_extension(self, ext) -> None:
         try:
             super().build_extension(ext)
+            self.built.add(ext.name)
         except Exception as exc:
-            warn(str(exc))
+            Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+            warn(f"{ext.name}: {exc}")
 
 
-def mirrors() -> tuple[str, ...]:
-    """kvsched.sim.compiled.MIRRORS, read as a literal (kvsched is not importable at build time)."""
-    tree = ast.parse((PACKAGE / "sim/compiled.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "MIRRORS" for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise RuntimeError("MIRRORS not found in src/kvsched/sim/compiled.py")
+def build_rules():
+    """kvsched/compiled.py, loaded by path (kvsched itself is not importable at build time; that
+    file needs only the standard library): what to compile and how the manifest is written."""
+    spec = importlib.util.spec_from_file_location("kvsched_compiled_rules", PACKAGE / "compiled.py")
+    rules = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rules)
+    return rules
+
+
+RULES = build_rules()
 
 
 def extensions() -> list:
     if sys.maxsize < 2 ** 62:           # 32-bit x86 rounds in 80-bit registers: results could differ
         warn("not a 64-bit Python")
         return []
-    if not PYX.exists():
-        warn(f"{PYX} is missing")
-        return []
-    # the sha256 of every file the module mirrors, recorded in it: kvsched/sim/compiled.py uses
-    # the module only while the installed files still match (an edit runs the Python code)
-    sources = ";".join(f"{rel}={hashlib.sha256((PACKAGE / rel).read_bytes()).hexdigest()}" for rel in mirrors())
-    ext = Extension("kvsched.sim._fast", ["src/kvsched/sim/_fast.pyx"], extra_compile_args=FLAGS,
-                    define_macros=[("KVSCHED_SOURCES", f'"{sources}"')])
-    # the CSV text leaf (kvsched/csvtext.py's compiled layout): no Python twin, so no hashes
-    csv = Extension("kvsched._csv", ["src/kvsched/_csv.pyx"], extra_compile_args=FLAGS)
+    exts = [Extension(RULES.module_name(rel), [f"src/kvsched/{rel}"], extra_compile_args=FLAGS) for rel in RULES.COMPILED]
+    exts.append(Extension("kvsched._csv", ["src/kvsched/_csv.pyx"], extra_compile_args=FLAGS))
     try:
         from Cython.Build import cythonize
     except Exception as exc:            # no Cython
         warn(f"{type(exc).__name__}: {exc}")
         return []
     built = []
-    for one in (ext, csv):              # each on its own: a failure of one keeps the other
+    for one in exts:                    # each on its own: a failure of one keeps the others
         try:
-            built += cythonize([one], quiet=True)
-        except Exception as exc:        # the .pyx does not compile
+            built += cythonize([one], quiet=True, force=True, compiler_directives=DIRECTIVES)
+        except Exception as exc:        # it does not compile: no built file of it may stay
+            for old in (PACKAGE.parent.parent / "src/kvsched").glob(one.name[8:].replace(".", "/") + ".*.so"):
+                old.unlink()
             warn(f"{one.name}: {type(exc).__name__}: {exc}")
     return built
 

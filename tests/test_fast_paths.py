@@ -220,8 +220,8 @@ PLANNERS = ("vllm-v1", "sarathi", "vllm-v0", "orca", "request-level", "slai")   
 
 
 def _general_cache(monkeypatch) -> None:
-    from kvsched.sim.prefix_cache import PrefixCache
-    monkeypatch.setattr(PrefixCache, "inert", property(lambda self: False))
+    from kvsched.sim import prefix_cache
+    monkeypatch.setattr(prefix_cache, "SHORTCUTS", False)
 
 
 def _cache_fingerprint(w: Workload, name: str, **kw) -> tuple[str, dict]:
@@ -303,10 +303,17 @@ def test_a_batch_s_finished_requests_free_in_admission_order():
     blocks are evicted first."""
     from types import SimpleNamespace
 
+    from kvsched.cost import ConstantCost
+    from kvsched.kvcache import PagedKV
     from kvsched.sim.replica import Replica
+    from kvsched.sim.requests import RequestTable
     freed: list[int] = []
-    cache = SimpleNamespace(inert=False, free=lambda i, kv_tokens, done: freed.append(i))
-    state = SimpleNamespace(_finishing=[(3, 40), (5, 10), (8, 16)], _order={3: 7, 5: 2}, cache=cache)
-    Replica._free_finished(state)
+    kv = PagedKV(4096, 16)
+    rep = Replica(RequestTable(workload(10, 1.0, 0), 16, kv.capacity_blocks), make_policy("vllm-v1", {}, get_gpu("a100-80gb")),
+                  ConstantCost(0.01), kv)
+    rep.cache = SimpleNamespace(inert=False, free=lambda i, kv_tokens, done: freed.append(i))
+    rep._finishing[:] = [(3, 40), (5, 10), (8, 16)]
+    rep._order.update({3: 7, 5: 2})
+    rep._free_finished()
     assert freed == [8, 5, 3]
-    assert state._finishing == [] and state._order == {}
+    assert rep._finishing == [] and rep._order == {}

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvsched import compiled as _compiled
 from kvsched.errors import KvschedError, PlanError
+
+_compiled.install()         # a compiled module runs only while its .py is what it was built from
 
 if TYPE_CHECKING:
     from kvsched.run import Result, Scenario, simulate

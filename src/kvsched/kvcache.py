@@ -6,6 +6,11 @@ import operator
 from kvsched.errors import KvschedError
 
 
+# KV capacity in tokens below this: every count of tokens or blocks the engine keeps (KV held,
+# context sums, clocks) then fits the 64-bit integers its compiled build computes in.
+TOKEN_LIMIT = 1 << 62
+
+
 class PagedKV:
     """A pool of `capacity_blocks` blocks of `block_size` tokens.
 
@@ -21,6 +26,9 @@ class PagedKV:
                                f"and {block_size!r}") from None
         if block_size < 1:
             raise KvschedError(f"--block-size must be >= 1, got {block_size}")
+        if capacity_tokens >= TOKEN_LIMIT:
+            raise KvschedError(f"--kv-capacity ({capacity_tokens} tokens) is beyond the {TOKEN_LIMIT} tokens "
+                               "the simulator counts in 64-bit integers")
         if capacity_tokens < block_size:
             raise KvschedError(f"--kv-capacity ({capacity_tokens} tokens) is smaller than one "
                                f"block ({block_size} tokens)")

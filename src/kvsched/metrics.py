@@ -15,6 +15,11 @@ from typing import Any
 
 import numpy as np
 
+try:
+    import cython
+except ModuleNotFoundError:                 # run as Python without Cython installed
+    from kvsched import cython_shim as cython
+
 from kvsched.errors import KvschedError
 
 
@@ -39,11 +44,13 @@ class GapHistogram:
         self.total_sq = 0.0
         self.max = 0.0
 
+    @cython.locals(k=cython.Py_ssize_t, x=cython.double)
     def add(self, gap: float, n: int = 1) -> None:
         if n <= 0:
             return
         if gap > self.low:
-            k = int((_log(gap) - self._log_low) * self._scale) + 1
+            x = (_log(gap) - self._log_low) * self._scale
+            k = cython.cast(cython.Py_ssize_t, x) + 1           # int(x): toward zero
             if k >= self._top:
                 k = self._top
         else:

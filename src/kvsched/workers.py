@@ -18,6 +18,8 @@ import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 
+from kvsched import compiled
+
 PR_SET_PDEATHSIG = 1        # linux/prctl.h
 WATCH_SECONDS = 0.5
 
@@ -49,7 +51,7 @@ def start_worker(driver: int) -> None:
     the driver, which stops its workers, so a worker ignores SIGINT itself; a worker whose driver
     died exits at once instead of computing points that nobody will store."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    warnings.filterwarnings("ignore", message="the compiled fast path was built")     # the driver said it
+    warnings.filterwarnings("ignore", message=compiled.WARNING)      # the driver said it
     parent = os.getppid()               # the driver (fork, spawn) or a fork server of its own
     _kill_with_parent()
     if parent != driver and not _alive(driver) or os.getppid() != parent:    # it died before prctl held
@@ -64,7 +66,7 @@ def start_worker(driver: int) -> None:
 
 def pool(workers: int) -> ProcessPoolExecutor:
     """A process pool whose workers exit when this process dies, however it dies. The engine is
-    loaded here first, so that its one warning about a stale compiled module (sim/compiled.py)
+    loaded here first, so that its warning about a stale compiled module (kvsched/compiled.py)
     shows once, from this process, not from every worker or inside a point's silenced warnings."""
     importlib.import_module("kvsched.sim.replica")
     return ProcessPoolExecutor(max_workers=workers, initializer=start_worker, initargs=(os.getpid(),))

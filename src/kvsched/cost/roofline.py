@@ -39,6 +39,9 @@ class RooflineCost:
         object.__setattr__(self, "_gemm_flops", 2.0 * m.active)     # per computed token
         object.__setattr__(self, "_dense", m.active_params is None)
         object.__setattr__(self, "_weights", m.weight_bytes)
+        # what `decode_time` reads, in one attribute (it runs for every decode-only batch)
+        object.__setattr__(self, "_decode_terms", (self._gemm_flops, self._attn_flops, self._flop_rate, self._weights,
+                                                   self._kv_bytes, self._byte_rate, self.overhead))
 
     def time(self, shape: BatchShape):
         tokens = shape.prefill_tokens + shape.decode_seqs
@@ -61,11 +64,8 @@ class RooflineCost:
         building it (the replica's decode fast path)."""
         if not self._dense:
             return self.time(BatchShape(0, 0, 0, 0, n, ctx, (), phase_switch))
-        compute = (self._gemm_flops * n + self._attn_flops * ctx) / self._flop_rate
-        memory = (self._weights + 0 * n + self._kv_bytes * ctx) / self._byte_rate
-        return self.overhead + (compute + memory + abs(compute - memory)) / 2
+        gemm, attn, flop_rate, weights, kv_bytes, byte_rate, overhead = self._decode_terms
+        compute = (gemm * n + attn * ctx) / flop_rate
+        memory = (weights + 0 * n + kv_bytes * ctx) / byte_rate
+        return overhead + (compute + memory + abs(compute - memory)) / 2
 
-
-# The methods as this module defines them: sim/_fast.pyx computes them itself only for a cost
-# whose class still has these (a class patched since, or a subclass, is asked instead).
-COMPILED_TWINS = (RooflineCost.time, RooflineCost.decode_time)

@@ -31,6 +31,14 @@ class BatchShape:
     chunks: list[tuple[int, int]] | tuple = field(default_factory=tuple)
     phase_switch: bool = False
 
+    def __init__(self, prefill_tokens=0, prefill_seqs=0, prefill_attn=0, prefill_ctx=0, decode_seqs=0,
+                 decode_ctx=0, chunks=(), phase_switch=False) -> None:
+        """The dataclass's own __init__, written out: the generated one would run as
+        interpreted code even in the compiled build (kvsched/compiled.py), once per batch."""
+        self.prefill_tokens, self.prefill_seqs, self.prefill_attn, self.prefill_ctx = (
+            prefill_tokens, prefill_seqs, prefill_attn, prefill_ctx)
+        self.decode_seqs, self.decode_ctx, self.chunks, self.phase_switch = decode_seqs, decode_ctx, chunks, phase_switch
+
     @property
     def tokens(self):
         """Tokens computed in the batch (a decode computes one)."""

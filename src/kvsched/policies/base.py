@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import Collection, Iterable, Protocol, Sequence
 
 
+_FRESH: list = []       # an omitted list field: a new list each time (the dataclass's default_factory)
+
+
 @dataclass(slots=True)
 class Plan:
     """What the next batch does. Applied in this order: preempt, admit, run the batch.
@@ -27,6 +30,15 @@ class Plan:
     chunks: list[tuple[int, int]] = field(default_factory=list)
     decode: bool | Collection[int] = False
     preempt: list[int] = field(default_factory=list)
+
+    def __init__(self, admit: list[int] = _FRESH, chunks: list[tuple[int, int]] = _FRESH,
+                 decode: bool | Collection[int] = False, preempt: list[int] = _FRESH) -> None:
+        """The dataclass's own __init__, written out: the generated one would run as
+        interpreted code even in the compiled build (kvsched/compiled.py), once per batch."""
+        self.admit = [] if admit is _FRESH else admit
+        self.chunks = [] if chunks is _FRESH else chunks
+        self.decode = decode
+        self.preempt = [] if preempt is _FRESH else preempt
 
 
 class ServerView(Protocol):

@@ -364,10 +364,3 @@ class RequestLevel(_Base):
         admit, chunks = admit_whole_prompts(v, v.kv_free_blocks, 1 << 62, self.b, hits=hits)
         return Plan(admit, chunks, False, [])
 
-
-# The plans as this module defines them: sim/_fast.pyx plans and runs a batch of these itself
-# (`admit_step`) only for a policy of exactly this class whose `schedule` is still this one,
-# while the helpers they call are still these (a subclass, or a class, instance or helper
-# patched since, is asked instead).
-COMPILED_PLANS = {VllmV1: VllmV1.schedule, Sarathi: Sarathi.schedule}
-COMPILED_HELPERS = {"make_room": make_room, "admit_reserving": admit_reserving}

@@ -33,6 +33,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+try:
+    import cython
+except ModuleNotFoundError:                 # run as Python without Cython installed
+    from kvsched import cython_shim as cython
+
 from kvsched.errors import PASS_THROUGH, KvschedError, PlanError
 from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram, RunRecords
@@ -259,6 +264,8 @@ class Cluster:
         with fewer_collections():               # the prefix cache allocates a block object per block
             return self._run(progress)
 
+    @cython.locals(reqs=RequestTable, single=Replica, rep=Replica, r=Replica, nxt=cython.Py_ssize_t,
+                   n=cython.Py_ssize_t, k=cython.Py_ssize_t, steps=cython.longlong)
     def _run(self, progress: Callable[[int, int], None] | None) -> RunRecords:
         wall0 = _time.perf_counter()
         reqs, reps, events = self.reqs, self.replicas, self._events

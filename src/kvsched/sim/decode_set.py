@@ -122,7 +122,11 @@ class Cohort:
 
     def _trim(self) -> None:
         """Drop gaps older than every member's window; grow if still more than half full."""
-        keep_from = min((m[0] for m in self.members.values()), default=self.clock) + 1
+        keep_from = self.clock
+        for m in self.members.values():
+            if m[0] < keep_from:
+                keep_from = m[0]
+        keep_from += 1
         kept = self._gaps[keep_from - self._base:self.clock - self._base]
         size = len(self._gaps)
         if 2 * (len(kept) + 1) > size:

@@ -44,6 +44,9 @@ def fewer_collections(threshold: int = 200_000):
         gc.set_threshold(*old)
 
 
+SHORTCUTS = True    # an inert cache's shortcuts (`PrefixCache.inert`); False: the general path only
+
+
 class Block:
     """A cached block: its key and reference count (0: free, in the free queue)."""
     __slots__ = ("key", "ref")
@@ -135,8 +138,9 @@ class PrefixCache:
     @property
     def inert(self) -> bool:
         """No block is keyed and none will be until a preemption: every lookup misses, and
-        the free queue holds keyless blocks only (their order cannot matter)."""
-        return not self.map and not self._shared
+        the free queue holds keyless blocks only (their order cannot matter). With
+        `SHORTCUTS` False never: every batch takes the general path (tests compare the two)."""
+        return SHORTCUTS and not self.map and not self._shared
 
     def miss(self, i: int) -> None:
         """`hit` of request i while the cache is inert: the lookup counted, nothing taken."""

@@ -22,15 +22,19 @@ from collections import deque
 from typing import Callable, Iterator
 
 import numpy as np
-from math import log as _log
 from numbers import Real
+from math import log as _log
+
+try:
+    import cython
+except ModuleNotFoundError:                 # run as Python without Cython installed
+    from kvsched import cython_shim as cython
 
 from kvsched.cost.shape import BatchShape
 from kvsched.errors import PASS_THROUGH, KvschedError, PlanError
 from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram
 from kvsched.policies.base import NOOP_HOOKS, Plan, decodes_when_idle, defined_in
-from kvsched.sim import compiled
 from kvsched.sim.decode_set import Cohort, DecodeSet
 from kvsched.sim.plan_check import check as check_plan, kv_error, short as _short
 from kvsched.sim.prefix_cache import HitPlanner, LazyPlanner, PrefixCache
@@ -39,22 +43,8 @@ from kvsched.sim.rowlog import BATCHES, CHUNK, TIMELINE, RowLog
 from kvsched.sim.view import ReadOnlyKeys, ReadOnlySeq, ReplicaView
 
 
-_fast = compiled.load()      # the compiled twins (sim/_fast.pyx), or None: pure Python
 DEFAULT_STALL_BATCHES = 100_000
 IDLE_PLAN = Plan([], [], True, [])      # what a `decodes_when_idle` policy plans when idle (read only)
-
-
-def _compiled_plan(policy, schedule) -> int:
-    """Which baseline `_fast.admit_step` plans for this policy (0: none): one of exactly a class
-    in `COMPILED_PLANS` whose bound `schedule` is still that class's own, the module's helpers
-    (`COMPILED_HELPERS`) unpatched."""
-    from kvsched.policies import baselines
-    original = baselines.COMPILED_PLANS.get(type(policy))
-    if original is None or getattr(schedule, "__func__", None) is not original \
-            or getattr(schedule, "__self__", None) is not policy \
-            or any(getattr(baselines, name) is not f for name, f in baselines.COMPILED_HELPERS.items()):
-        return 0
-    return _fast.SARATHI if type(policy) is baselines.Sarathi else _fast.VLLM_V1
 
 
 class PlanFace:
@@ -138,14 +128,12 @@ class Replica:
         # sums and maximum: in a cluster a replica's histogram alone is not its gaps, only
         # `GapHistogram.merged` over all of them (or `merged_tiers`) is a histogram
         self.itl = GapHistogram(counts=itl_bins)
-        # per-tier inter-token gaps, kept only when the workload has tiers: the tiered variants of
-        # _decode_step and _fold shadow the plain ones, so a run without tiers pays nothing
+        # per-tier inter-token gaps, kept only when the workload has tiers (`_decode_step` and
+        # `_fold` add to them then)
         self.tier_itl: list[GapHistogram] | None = None
         if reqs.workload.tiers:
             self.tier_itl = [GapHistogram(counts=None if tier_bins is None else tier_bins[t])
                              for t in range(len(reqs.workload.tiers))]
-            self._decode_step = self._decode_step_tiered
-            self._fold = self._fold_tiered
         self.now = 0.0
         self.iterations = 0
         self._last_kind = 0             # kind of the previous batch (BatchShape.phase_switch)
@@ -173,24 +161,11 @@ class Replica:
         # edit the policy's lists: the check copies them then
         self._plan_hooks = (self._on_finish is not None or self._on_preempt is not None
                             or not type(cost).__module__.startswith("kvsched."))
-        # the compiled twins (sim/_fast.pyx), where every count fits their 64-bit integers; a batch's
-        # finishes compiled where no hook or tier histogram takes part
-        fast = _fast if _fast is not None and kv.capacity_blocks * bs < _fast.TOKEN_LIMIT else None
-        self._fast = fast
-        self._window_max = fast.window_max if fast is not None else np.maximum.reduce
-        self._finish_due = (fast.finish_due if fast is not None and self._on_finish is None
-                            and on_done is None and self.tier_itl is None else None)
         # the policy promises Plan([], [], True, []) while nothing waits or prefills and the
         # decoders fit (policies/base.py, `decodes_when_idle`): such batches skip `schedule`
         self._steady = decodes_when_idle(policy)
         self.runs_ahead = False                 # the cluster loop lets steady batches run to its next event
         self._decode_time = _decode_time(cost)
-        # the compiled decode run takes replicas whose decode time it computes itself (a roofline's)
-        self._roof = fast.roofline_terms(cost, self._decode_time) if fast is not None else None
-        self._tables = fast.Tables(self) if fast is not None else None     # its containers, for the twins
-        # a baseline's batch planned and run compiled (`admit_step`), where its plan preempts nothing
-        self._plan_kind = (_compiled_plan(policy, self._schedule) if self._roof is not None and handoff is None
-                           and self._on_batch_end is None and self.tier_itl is None else 0)
         self._face = PlanFace(self)
         self.view = ReplicaView(self, {
             "index": index, "role": role, "block_size": bs, "kv_capacity_blocks": kv.capacity_blocks,
@@ -326,8 +301,6 @@ class Replica:
         q = len(self._queue)
         if q > self.peak_queue:
             self.peak_queue = q
-        if self._plan_kind and self._fast.admit_step(self, self.policy, self._plan_kind, self._roof, self._tables):
-            return True
         try:
             plan = self._schedule(self.view)
         except KvschedError as exc:
@@ -371,8 +344,7 @@ class Replica:
             until = 0.0
         if self._on_batch_end is None and self.tier_itl is None:
             c = self._decoders.cohorts[0]
-            if self._roof is None or not self._fast.plain_decodes(self, c, until, self._roof, self._tables):
-                self._plain_decodes(c, until)       # (the compiled run declines state it cannot hold exactly)
+            self._plain_decodes(c, until)
             return
         while True:                             # tiers or a batch hook: the general batch
             self._execute(IDLE_PLAN)
@@ -381,11 +353,23 @@ class Replica:
             if not (self.now < until and self._idle_fits()):
                 return
 
+    @cython.locals(bs=cython.longlong, cap=cython.longlong, n=cython.longlong, clock=cython.longlong,
+                   ctx=cython.longlong, used=cython.longlong, f=cython.longlong, switch=cython.bint,
+                   now=cython.double, last=cython.double, counts=list, log_low=cython.double,
+                   scale=cython.double, low=cython.double, top=cython.longlong, total=cython.double,
+                   total_sq=cython.double, gmax=cython.double, hn=cython.longlong, kv_integral=cython.double,
+                   busy=cython.double, peak=cython.longlong, k=cython.longlong, k0=cython.longlong,
+                   running=cython.Py_ssize_t, base=cython.longlong, gaps=cython.double[:], glen=cython.Py_ssize_t,
+                   allocated=cython.longlong, track=cython.bint, hooks=cython.bint, nf=cython.Py_ssize_t,
+                   dnew=cython.longlong, held=cython.longlong, nb=cython.longlong, m=cython.longlong,
+                   b=cython.longlong, x=cython.double, dt=cython.double, start=cython.double, gap=cython.double,
+                   residue=list, heap=list, kv=PagedKV, itl=GapHistogram)
     def _plain_decodes(self, c: Cohort, until: float) -> None:
         """`_decode_run`'s batches inlined (the bulk of a run): what `_decode_step` and
-        `_execute` do, in the same order of float operations. sim/_fast.pyx compiles it
-        (`plain_decodes`): change the two together. The batch's figures are kept in
-        locals and written back before anything outside can look (a finish's hooks, the end)."""
+        `_execute` do, in the same order of float operations. The batch's figures are kept in
+        locals (C's, when compiled: counts bounded by the KV capacity, kvcache.py's
+        `TOKEN_LIMIT`) and written back before anything outside can look (a finish's hooks,
+        the end)."""
         bs, kv, cap = self.block_size, self.kv, self.kv.capacity_blocks
         residue, fresh, heap = c.residue, c.fresh, c._heap
         n, clock, ctx, used = c.n, c.clock, c.ctx, kv.used
@@ -415,7 +399,8 @@ class Replica:
             nb = n
             if track:                           # the router summary at the batch's start
                 self._snap = (self.outstanding, held, self.prefill_backlog)
-            dt = decode_time(n, ctx + n, switch)
+            dt_o = decode_time(n, ctx + n, switch)
+            dt = dt_o if type(dt_o) is float else _seconds(dt_o)
             switch = False
             start, now = now, now + dt
             if not start < now < INF:
@@ -435,7 +420,8 @@ class Replica:
             m = n - nf
             if m > 0:                           # GapHistogram.add(gap, m), inline
                 if gap > low:
-                    b = int((_log(gap) - log_low) * scale) + 1
+                    x = (_log(gap) - log_low) * scale
+                    b = cython.cast(cython.longlong, x) + 1     # int(x): toward zero
                     if b >= top:
                         b = top
                 else:
@@ -484,7 +470,7 @@ class Replica:
         self._end_run(k0, k, kv_integral, busy, peak, now)
 
     def _end_run(self, k0: int, k: int, kv_integral: float, busy: float, peak: int, now: float) -> None:
-        """The end of a decode run (`_plain_decodes` and its compiled twin): its figures written
+        """The end of a decode run (`_plain_decodes`): its figures written
         back, batches k0..k done, decode-only, the row logs' full chunks spilled."""
         self.kv_integral, self.busy, self.peak_kv, self.now = kv_integral, busy, peak, now
         self._last_kind = 2
@@ -569,7 +555,9 @@ class Replica:
             cohorts, nd = (), 0
         else:
             cohorts = self._selected(d)
-            nd = sum(c.n for c in cohorts)
+            nd = 0
+            for c in cohorts:
+                nd += c.n
         dnew = dctx = 0
         if nd:
             if len(cohorts) == 1:
@@ -599,17 +587,14 @@ class Replica:
         kind = (pt > 0) + 2 * (nd > 0)          # 1 prefill-only, 2 decode-only, 3 mixed
         switch = kind != self._last_kind and self._last_kind != 0
         self._last_kind = kind
-        # a dense roofline's time compiled (sim/_fast.pyx), else (or where it declines) the cost model's
-        dt = None if self._roof is None else self._fast.batch_time(self._roof, pt, pattn, pctx, nd, dctx + nd)
-        if dt is None:
-            try:
-                dt = self.cost.time(BatchShape(pt, len(shape_chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
-            except KvschedError:
-                raise
-            except PASS_THROUGH:
-                raise
-            except BaseException as exc:
-                raise self._cost_failed(exc) from exc
+        try:
+            dt = self.cost.time(BatchShape(pt, len(shape_chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
+        except KvschedError:
+            raise
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:
+            raise self._cost_failed(exc) from exc
         if type(dt) is not float:               # an int or numpy scalar: the clock holds Python floats
             dt = _seconds(dt)
         start = self.now
@@ -728,7 +713,7 @@ class Replica:
             cache.free_private(done)
         else:
             if len(done) > 1:                   # landed (disaggregated) ones first
-                done.sort(key=lambda x: order.get(x[0], 0))
+                done.sort(key=_ByAdmission(order))
             for i, kv_tokens in done:
                 cache.free(i, kv_tokens, True)
         for i, _ in done:
@@ -774,56 +759,45 @@ class Replica:
             r.admitted[i] = self.now
 
     def _decode_step(self, end: float, cohorts) -> None:
-        add = self.itl.add
+        if self.tier_itl is not None:
+            self._tier_first_gaps(end, cohorts)
+        itl = self.itl
         for ch in cohorts:
             if not ch.n:
                 continue
             fresh = ch.fresh
             gap = ch.step(end)
-            add(gap, ch.n - len(fresh))
+            itl.add(gap, ch.n - len(fresh))
             if fresh:
                 self._first_gaps(ch, end)
-            if self._finish_due is not None and self._finish_due(self, ch, end, self._tables):
-                continue
             for i in ch.due():
                 kv_tokens = self._leave_decode(i)
                 self._finish(i, end, kv_tokens)
 
     def _first_gaps(self, ch: Cohort, end: float) -> None:
         """The first decode step of the cohort's fresh members: each gap is from its own last
-        token (its first token, or one before it moved cohorts). sim/_fast.pyx compiles it."""
-        if self._fast is not None and self._fast.first_gaps(self.itl, ch.fresh, end, self._tables):
-            return
-        add, r = self.itl.add, self.reqs
+        token (its first token, or one before it moved cohorts)."""
+        itl, r = self.itl, self.reqs
         itl_max, viol, tbt, last = r.itl_max, r.viol, r.tbt, r.last_tok
         for i in ch.fresh:
             g = end - last[i]
-            add(g)
+            itl.add(g)
             if g > itl_max[i]:
                 itl_max[i] = g
             if g > tbt[i]:
                 viol[i] += 1
         ch.fresh.clear()
 
-    def _decode_step_tiered(self, end: float, cohorts) -> None:
-        """`_decode_step`, after putting each fresh decoder's first gap (end - its last token,
-        the gap `_decode_step` records for it) in its tier's histogram; the other gaps reach
-        the tier histograms through `_fold_tiered`."""
+    def _tier_first_gaps(self, end: float, cohorts) -> None:
+        """Each fresh decoder's first gap (end - its last token, the gap `_decode_step` records
+        for it) into its tier's histogram; the other gaps reach the tier histograms through
+        `_fold`."""
         hists, tier, last = self.tier_itl, self.reqs.tier, self.reqs.last_tok
         for ch in cohorts:
             for i in ch.fresh:
                 t = tier[i]
                 if t >= 0:
                     hists[t].add(end - last[i])
-        Replica._decode_step(self, end, cohorts)
-
-    def _fold_tiered(self, i: int, gen: int, last: float, window: np.ndarray) -> None:
-        """`_fold`, and the window's gaps (one per decode step after the first in the cohort,
-        the gaps `_decode_step` counted for this request as the cohort's) into its tier's histogram."""
-        Replica._fold(self, i, gen, last, window)
-        t = self.reqs.tier[i]
-        if t >= 0 and len(window):
-            self.tier_itl[t].add_many(window)
 
     def pending_tier_gaps(self) -> Iterator[tuple[int, np.ndarray]]:
         """(tier, gaps) of each request still decoding here, not yet folded into `tier_itl`."""
@@ -835,16 +809,20 @@ class Replica:
                 yield t, window
 
     def _fold(self, i: int, gen: int, last: float, window: np.ndarray) -> None:
-        """Record what a request did in a cohort it leaves: its gaps' maximum and SLO misses."""
+        """Record what a request did in a cohort it leaves: its gaps' maximum and SLO misses,
+        and with tiers the window's gaps (one per decode step after the first in the cohort,
+        the gaps `_decode_step` counted for it as the cohort's) into its tier's histogram."""
         r = self.reqs
         r.gen[i] = gen
         r.last_tok[i] = last
         if len(window):
-            m = float(self._window_max(window))
+            m = _window_max(window)
             if m > r.itl_max[i]:
                 r.itl_max[i] = m
             if m > r.tbt[i]:
                 r.viol[i] += int(np.count_nonzero(window > r.tbt[i]))
+            if self.tier_itl is not None and r.tier[i] >= 0:
+                self.tier_itl[r.tier[i]].add_many(window)
 
     def _leave_decode(self, i: int) -> int:
         kv_tokens, gen, last, window = self._decoders.leave(i)
@@ -942,6 +920,17 @@ class Replica:
 
 
 
+class _ByAdmission:
+    """A sort key: a finished request's admission rank (0: landed here, not admitted)."""
+    __slots__ = ("order",)
+
+    def __init__(self, order: dict[int, int]) -> None:
+        self.order = order
+
+    def __call__(self, item: tuple[int, int]) -> int:
+        return self.order.get(item[0], 0)
+
+
 def merged_tiers(replicas: list[Replica]) -> list[GapHistogram]:
     """The per-tier gap histograms of `replicas` merged, with the gaps of requests still
     decoding on them added (`Replica.pending_tier_gaps`; none once a run ends)."""
@@ -950,6 +939,21 @@ def merged_tiers(replicas: list[Replica]) -> list[GapHistogram]:
         for t, window in r.pending_tier_gaps():
             out[t].add_many(window)
     return out
+
+
+@cython.locals(w=cython.double[:], k=cython.Py_ssize_t, m=cython.double)
+def _window_max(window: np.ndarray) -> float:
+    """The largest gap of a non-empty window of a cohort's gaps (finite floats). Compiled, a loop
+    over its buffer; as Python, numpy's reduction: the same float either way (a maximum of
+    finite floats), each the fast way of its build."""
+    if not cython.compiled:
+        return float(np.maximum.reduce(window))
+    w = window
+    m = w[0]
+    for k in range(1, w.shape[0]):
+        if w[k] > m:
+            m = w[k]
+    return m
 
 
 def _seconds(dt) -> float:

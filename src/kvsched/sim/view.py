@@ -25,6 +25,11 @@ from operator import attrgetter
 
 import numpy as np
 
+try:
+    import cython
+except ModuleNotFoundError:                 # run as Python without Cython installed
+    from kvsched import cython_shim as cython
+
 from kvsched.errors import KvschedError, PlanError
 from kvsched.sim.requests import DECODE, DONE
 
@@ -177,14 +182,17 @@ class ReplicaView:
 
     # the hottest reads
     @property
+    @cython.locals(r="Replica")
     def kv_free_blocks(self) -> int:
-        kv = _R(self).kv
-        return kv.capacity_blocks - kv.used
+        r = _R(self)
+        return r.kv.capacity_blocks - r.kv.used
 
     @property
+    @cython.locals(r="Replica")
     def decode_new_blocks(self) -> int:
         """Blocks one decode step of every decoder needs."""
-        return _R(self)._decoders.new_blocks
+        r = _R(self)
+        return r._decoders.new_blocks
 
     @property
     def cost_model(self):
@@ -206,22 +214,32 @@ class ReplicaView:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
+    @cython.locals(r="Replica")
     def arrival(self, i: int) -> float:
-        return _R(self)._arrival[i]
+        r = _R(self)
+        return r._arrival[i]
 
+    @cython.locals(r="Replica")
     def prompt_len(self, i: int) -> int:
-        return _R(self)._prompt[i]
+        r = _R(self)
+        return r._prompt[i]
 
+    @cython.locals(r="Replica")
     def output_len(self, i: int) -> int | None:
         r = _R(self)
         return r._output[i] if r._known[i] else None
 
+    @cython.locals(r="Replica")
     def prefill_target(self, i: int) -> int:
-        return _R(self)._target[i]
+        r = _R(self)
+        return r._target[i]
 
+    @cython.locals(r="Replica")
     def prefill_done(self, i: int) -> int:
-        return _R(self)._computed[i]
+        r = _R(self)
+        return r._computed[i]
 
+    @cython.locals(r="Replica")
     def generated(self, i: int) -> int:
         r = _R(self)
         c = r._where.get(i)
@@ -229,6 +247,7 @@ class ReplicaView:
             return c.progress(i)[1]
         return r.reqs.gen[i] if r._status[i] != DECODE else self._remote(i)
 
+    @cython.locals(r="Replica")
     def kv_tokens(self, i: int) -> int:
         r = _R(self)
         c = r._where.get(i)
@@ -242,20 +261,29 @@ class ReplicaView:
     def kv_blocks(self, i: int) -> int:
         return -(-self.kv_tokens(i) // self.block_size)
 
+    @cython.locals(r="Replica")
     def is_decoding(self, i: int) -> bool:
-        return i in _R(self)._where
+        r = _R(self)
+        return i in r._where
 
+    @cython.locals(r="Replica")
     def needs_block(self, i: int) -> bool:
-        c = _R(self)._where.get(i)
+        r = _R(self)
+        c = r._where.get(i)
         return c is not None and c.progress(i)[0] % self.block_size == 0
 
+    @cython.locals(r="Replica")
     def tier_priority(self, i: int) -> int:
-        return _R(self).reqs.priority[i]
+        r = _R(self)
+        return r.reqs.priority[i]
 
+    @cython.locals(r="Replica")
     def tbt_slo(self, i: int) -> float:
         """The request's time-between-tokens SLO in seconds (infinity when its tier has none)."""
-        return _R(self).reqs.tbt[i]
+        r = _R(self)
+        return r.reqs.tbt[i]
 
+    @cython.locals(r="Replica")
     def last_token_time(self, i: int) -> float | None:
         """When its last output token came out (None before the first)."""
         r = _R(self)

@@ -1,0 +1,28 @@
+# Cython's declarations for decode_set.py (see sim/replica.pxd).
+cimport cython
+
+
+@cython.final
+cdef class Cohort:
+    cdef public object block_size, clock, n, ctx, last_time, _gaps, _base
+    cdef public list residue, _heap
+    cdef public dict members, fresh, _finish
+
+    cpdef progress(self, i)
+    cpdef last_token(self, i)
+    cpdef join(self, i, kv, gen, output, time)
+    cpdef step(self, end)
+    cpdef list due(self)
+    cpdef leave(self, i)
+    cpdef window(self, i)
+    cpdef _trim(self)
+
+
+@cython.final
+cdef class DecodeSet:
+    cdef public object block_size, n, _move
+    cdef public list cohorts
+    cdef public dict where
+
+    cpdef join(self, i, kv, gen, output, time)
+    cpdef leave(self, i)
