@@ -134,9 +134,10 @@ def main() -> int:
     print(f"workload: {TRACE_NAME} resampled; {' '.join(HARDWARE)}; roofline; Poisson {RATE:g} req/s per replica")
     print(f"whole: the process, start-up to exit; loop: the simulation; runs of {OUT_AT:,} requests or more write --out"
           + (f"; best of {args.repeat} runs" if args.repeat > 1 else ""))
-    probe = "import kvsched.sim.replica as r; print('yes' if r._fast is not None else 'no')"
+    probe = ("import importlib, kvsched.compiled as c; "
+             "print(sum(c.is_compiled(importlib.import_module(n)) for n in c.NAMES), 'of', len(c.NAMES))")
     compiled = subprocess.run([py, "-c", probe], env=env, capture_output=True, text=True).stdout.strip() or "?"
-    print(f"compiled fast path (sim/_fast.pyx): {compiled}; KVSCHED_PURE_PYTHON=1 runs without it")
+    print(f"compiled modules (kvsched/compiled.py): {compiled}; KVSCHED_PURE_PYTHON=1 runs their .py files")
     head = f"{'run':22} {'requests':>9} {'whole s':>8} {'loop s':>7} {'iterations':>11} {'iter/s':>9} {'peak MiB':>9}"
     print(head + ("  after/before iter/s" if args.before else "") + "  target")
     before_env = child_env(args.before) if args.before else None

@@ -224,6 +224,7 @@ class Replica:
             return INF
         return self.now
 
+    @cython.locals(r="RequestTable")
     def accept(self, i: int, t: float) -> None:
         """A request routed here arrives at t."""
         r = self.reqs
@@ -326,6 +327,7 @@ class Replica:
         return True
 
     # ----- decode-only batches without the policy -----------------------------------
+    @cython.locals(ds="DecodeSet", c="Cohort", kv="PagedKV")
     def _idle_fits(self) -> bool:
         """Nothing waits or prefills here, the decoders are one cohort and one decode step of
         them all fits in free KV: the state where a steady policy decodes everyone."""
@@ -363,7 +365,7 @@ class Replica:
                    allocated=cython.longlong, track=cython.bint, hooks=cython.bint, nf=cython.Py_ssize_t,
                    dnew=cython.longlong, held=cython.longlong, nb=cython.longlong, m=cython.longlong,
                    b=cython.longlong, x=cython.double, dt=cython.double, start=cython.double, gap=cython.double,
-                   residue=list, heap=list, kv=PagedKV, itl=GapHistogram)
+                   residue=list, heap=list, kv="PagedKV", itl="GapHistogram")
     def _plain_decodes(self, c: Cohort, until: float) -> None:
         """`_decode_run`'s batches inlined (the bulk of a run): what `_decode_step` and
         `_execute` do, in the same order of float operations. The batch's figures are kept in
@@ -538,6 +540,7 @@ class Replica:
             raise self._policy_failed(where, exc, i) from exc
 
     # ----- one batch ---------------------------------------------------------------------
+    @cython.locals(ds="DecodeSet", c0="Cohort", co="Cohort", kv="PagedKV")
     def _execute(self, plan: Plan) -> bool:
         """Check and run one plan; False if it is empty."""
         preempt, admit, chunks, d = check_plan(plan, self._face, self.name, self._plan_hooks)
@@ -556,8 +559,8 @@ class Replica:
         else:
             cohorts = self._selected(d)
             nd = 0
-            for c in cohorts:
-                nd += c.n
+            for co in cohorts:
+                nd += co.n
         dnew = dctx = 0
         if nd:
             if len(cohorts) == 1:
@@ -565,9 +568,9 @@ class Replica:
                 dnew = c0.residue[-c0.clock % bs]     # c0.new_blocks, inline
                 dctx = c0.ctx
             else:
-                for c in cohorts:
-                    dnew += c.new_blocks
-                    dctx += c.ctx
+                for co in cohorts:
+                    dnew += co.new_blocks
+                    dctx += co.ctx
         if chunks:
             new_blocks, pt, pattn, pctx, shape_chunks = self._prefill_shape(chunks, dnew)
             if self.cache is not None:          # allocated there, the decode step included
@@ -741,6 +744,7 @@ class Replica:
             return []
         return ds.everyone() if len(d) == ds.n else ds.select(d)
 
+    @cython.locals(r="RequestTable")
     def _admit(self, i: int) -> None:
         r = self.reqs
         q = self._queue
@@ -758,6 +762,7 @@ class Replica:
         if r.admitted[i] == INF:
             r.admitted[i] = self.now
 
+    @cython.locals(ch="Cohort", itl="GapHistogram")
     def _decode_step(self, end: float, cohorts) -> None:
         if self.tier_itl is not None:
             self._tier_first_gaps(end, cohorts)
@@ -774,6 +779,7 @@ class Replica:
                 kv_tokens = self._leave_decode(i)
                 self._finish(i, end, kv_tokens)
 
+    @cython.locals(itl="GapHistogram", r="RequestTable")
     def _first_gaps(self, ch: Cohort, end: float) -> None:
         """The first decode step of the cohort's fresh members: each gap is from its own last
         token (its first token, or one before it moved cohorts)."""
@@ -808,6 +814,7 @@ class Replica:
             if t >= 0 and len(window):
                 yield t, window
 
+    @cython.locals(r="RequestTable")
     def _fold(self, i: int, gen: int, last: float, window: np.ndarray) -> None:
         """Record what a request did in a cohort it leaves: its gaps' maximum and SLO misses,
         and with tiers the window's gaps (one per decode step after the first in the cohort,
@@ -835,6 +842,7 @@ class Replica:
         self._fold(i, gen, last, window)
         dst.join(i, kv_tokens, gen, self.reqs.output[i], last)
 
+    @cython.locals(r="RequestTable")
     def _prefill_complete(self, i: int, t: float) -> None:
         del self._prefilling[i]
         r = self.reqs
@@ -863,6 +871,7 @@ class Replica:
             r.status[i] = DECODE
             self._decoders.join(i, r.computed[i], g, r.output[i], t)
 
+    @cython.locals(r="RequestTable", ds="DecodeSet")
     def _land_ready(self) -> None:
         """Landed requests (their KV reserved by `reserve`) join the decode set."""
         r, ds = self.reqs, self._decoders
@@ -872,6 +881,7 @@ class Replica:
             ds.join(i, r.computed[i], r.gen[i], r.output[i], r.last_tok[i])
         self._landing.clear()
 
+    @cython.locals(r="RequestTable")
     def _finish(self, i: int, t: float, kv_tokens: int) -> None:
         r = self.reqs
         r.status[i] = DONE
@@ -894,6 +904,7 @@ class Replica:
         if self._on_done is not None:
             self._on_done(i, t)
 
+    @cython.locals(r="RequestTable")
     def _preempt(self, i: int) -> None:
         r = self.reqs
         if i in self._where:                    # decoding

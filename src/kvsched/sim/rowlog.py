@@ -14,13 +14,13 @@ if TYPE_CHECKING:
     from kvsched.csvtext import Column
 
 CHUNK = 1 << 16             # rows held in memory before they go to disk
-PIECE = 1 << 13             # rows converted, merged or written by the compiled run at once
+PIECE = 1 << 13             # rows converted or merged at once (a few MB)
 
 
 class RowSchema(NamedTuple):
     """A per-batch row log's named columns: (name, kind) pairs, kind 'f' float64 or 'i' int64.
-    The one place a column of timeline.csv or batches.csv is named: the replica's logs, the
-    compiled decode run's row sinks and the --out writer all take it from here."""
+    The one place a column of timeline.csv or batches.csv is named: the replica's logs and the
+    --out writer take it from here."""
     columns: tuple[tuple[str, str], ...]
 
     @property
@@ -45,99 +45,43 @@ def layout(kinds: str) -> np.dtype:
 
 
 class RowLog(Sequence):
-    """Append-only rows of a fixed column layout (`kinds`: 'f' float64 or 'i' int64).
-
-    Rows in memory, oldest first: `_blocks` (lists of tuples, or arrays the compiled decode
-    run filled), then `_open[:_fill]` (the array it is filling, `writable`), then `_rows`
-    (Python's appends)."""
+    """Append-only rows of a fixed column layout (`kinds`: 'f' float64 or 'i' int64): in
+    memory as Python's appends (`_rows`, oldest first), whole chunks of the oldest spilled to
+    a temporary file (memory stays flat)."""
 
     def __init__(self, kinds: str) -> None:
         self.dtype = layout(kinds)
         self._rows: list[tuple] = []
-        self._blocks: list[list[tuple] | np.ndarray] = []
-        self._held = 0                            # rows in _blocks
-        self._open: np.ndarray | None = None
-        self._fill = 0
         self._file = None
         self._spilled = 0
         self.append = self._rows.append           # the hot path: a list append
 
-    def writable(self) -> np.ndarray:
-        """The array the compiled decode run (sim/_fast.pyx) writes rows into, from row
-        `_fill` on (a full one becomes a block first); it sets `_fill` when it stops. The
-        rows appended meanwhile come after those: it moves them in first, or calls
-        `seal_rows`."""
-        if self._open is not None and self._fill == len(self._open):
-            self._seal()
-        if self._open is None:
-            self._open = np.empty(PIECE, self.dtype)
-        return self._open
-
-    def seal_rows(self) -> None:
-        """The open array's rows, then the appended rows, become blocks."""
-        self._seal()
-        if self._rows:
-            self._blocks.append(self._rows[:])
-            self._held += len(self._rows)
-            self._rows.clear()                    # in place: `append` stays bound to it
-
-    def _seal(self) -> None:
-        """The open array's rows become a block (a full array is handed over, else copied)."""
-        if self._fill:
-            full = self._fill == len(self._open)
-            self._blocks.append(self._open if full else self._open[:self._fill].copy())
-            self._held += self._fill
-            self._fill = 0
-            if full:
-                self._open = None
-
-    def _parts(self, snapshot: bool = True) -> list[list[tuple] | np.ndarray]:
-        """The rows in memory, oldest first: a snapshot (later appends change none of it), or
-        the parts themselves (for a read at once)."""
-        parts = list(self._blocks)
-        if self._fill:
-            parts.append(self._open[:self._fill].copy() if snapshot else self._open[:self._fill])
-        if self._rows:
-            parts.append(list(self._rows) if snapshot else self._rows)
-        return parts
+    def _parts(self, snapshot: bool = True) -> list[list[tuple]]:
+        """The rows in memory: a snapshot (later appends change none of it), or the list itself
+        (for a read at once)."""
+        if not self._rows:
+            return []
+        return [list(self._rows) if snapshot else self._rows]
 
     def __len__(self) -> int:
         self._spill_if_full()
-        return self._spilled + self._held + self._fill + len(self._rows)
+        return self._spilled + len(self._rows)
 
     def _spill_if_full(self) -> None:
-        if self._held + self._fill + len(self._rows) >= CHUNK:
+        if len(self._rows) >= CHUNK:
             self._spill()
 
     def _spill(self) -> None:
         """Whole chunks of the oldest rows go to the file (the same rows whenever it is
-        called); the rest stay as they were."""
+        called); the rest stay."""
         if self._file is None:
             self._file = tempfile.TemporaryFile()
             weakref.finalize(self, self._file.close)     # closed with the log: no ResourceWarning at exit
         self._file.seek(0, 2)
-        if not self._blocks and not self._fill:          # Python's rows only
-            k = len(self._rows) // CHUNK * CHUNK
-            np.array(self._rows[:k], dtype=self.dtype).tofile(self._file)
-            self._spilled += k
-            del self._rows[:k]
-            return
-        need = (self._held + self._fill + len(self._rows)) // CHUNK * CHUNK
-        out, keep = [], []
-        for part in self._blocks + ([self._open[:self._fill]] if self._fill else []):
-            if need >= len(part):
-                out.append(part)
-                need -= len(part)
-            else:
-                out.append(part[:need])
-                keep.append(part[need:].copy() if isinstance(part, np.ndarray) else part[need:])
-                need = 0
-        if need:                                  # into Python's rows (they stay the newest)
-            out.append(self._rows[:need])
-            del self._rows[:need]
-        np.concatenate([p if isinstance(p, np.ndarray) else np.array(p, dtype=self.dtype) for p in out]).tofile(self._file)
-        self._spilled += sum(map(len, out))
-        self._blocks, self._held, self._fill = keep, sum(map(len, keep)), 0
+        k = len(self._rows) // CHUNK * CHUNK
+        np.array(self._rows[:k], dtype=self.dtype).tofile(self._file)
+        self._spilled += k
+        del self._rows[:k]                        # in place: `append` stays bound to it
 
     def check(self) -> None:
         """Move full chunks to disk (the replica calls it every few thousand batches)."""
@@ -148,7 +92,7 @@ class RowLog(Sequence):
         for block in self.spilled_chunks(total):
             yield from block.tolist()
         for part in parts:
-            yield from (part.tolist() if isinstance(part, np.ndarray) else part)
+            yield from part
 
     def spilled_chunks(self, total: int) -> Iterator[np.ndarray]:
         """The first `total` rows on disk, a chunk (a structured array) at a time (later
@@ -176,7 +120,7 @@ class RowLog(Sequence):
         k -= self._spilled
         for part in self._parts(snapshot=False):
             if k < len(part):
-                return part[k].item() if isinstance(part, np.ndarray) else part[k]
+                return part[k]
             k -= len(part)
         raise IndexError(k)
 
@@ -242,10 +186,7 @@ def _exact_tail(log: RowLog) -> tuple[int, list[np.ndarray]] | None:
     same Python value (written the same)."""
     spilled, chunks = log._spilled, []
     for part in log._parts():
-        if isinstance(part, np.ndarray):        # the compiled run's rows: exact by construction
-            chunks.append(part)
-        else:
-            chunks += [_exact_chunk(part[lo:lo + PIECE], log.dtype) for lo in range(0, len(part), PIECE)]
+        chunks += [_exact_chunk(part[lo:lo + PIECE], log.dtype) for lo in range(0, len(part), PIECE)]
     return None if any(chunk is None for chunk in chunks) else (spilled, chunks)
 
 
