@@ -377,8 +377,8 @@ def huge_kv_bytes() -> str:
 
 @contextlib.contextmanager
 def small_row_chunks(chunk: int, piece: int):
-    from kvsched.sim import replica, rowlog
-    with patched(rowlog, CHUNK=chunk, PIECE=piece), patched(replica, CHUNK=chunk):
+    from kvsched.sim import batch, decode_run, rowlog
+    with patched(rowlog, CHUNK=chunk, PIECE=piece), patched(batch, CHUNK=chunk), patched(decode_run, CHUNK=chunk):
         yield
 
 

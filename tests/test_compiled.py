@@ -226,7 +226,7 @@ def test_without_cython_the_modules_run_the_shim_and_the_same_results(here, tmp_
             f"prints = compiled_battery.fingerprints({names!r})\n"
             "mods = [sys.modules[n] for n in c.NAMES if n in sys.modules]\n"
             "assert mods and all(m.cython is shim and not c.is_compiled(m) for m in mods if hasattr(m, 'cython'))\n"
-            "assert sys.modules['kvsched.sim.replica'].cython is shim\n"
+            "assert sys.modules['kvsched.sim.decode_run'].cython is shim\n"
             "print(json.dumps(prints))")
     p = subprocess.run([sys.executable, "-c", code, TESTS_DIR], env={**os.environ, "KVSCHED_PURE_PYTHON": "1"},
                        cwd=tmp_path, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)

@@ -1,5 +1,5 @@
 """The engine's fast paths give the results of the general path, bit for bit: decode-only
-batches that skip the policy (`decodes_when_idle`, inlined in `Replica._plain_decodes`), and
+batches that skip the policy (`decodes_when_idle`, inlined in `decode_run.plain_decodes`), and
 several of them in one `step` (docs/architecture.md, "Speed")."""
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ def test_a_wrapped_noop_hook_is_called():
 def test_decode_time_of_a_subclass_that_redefines_time():
     from kvsched.cost.roofline import RooflineCost
     from kvsched.hardware import get_model
-    from kvsched.sim.replica import _decode_time
+    from kvsched.sim.decode_run import decode_clock as _decode_time
 
     class Doubled(RooflineCost):
         def time(self, shape):
@@ -314,6 +314,7 @@ def test_a_batch_s_finished_requests_free_in_admission_order():
     rep.cache = SimpleNamespace(inert=False, free=lambda i, kv_tokens, done: freed.append(i))
     rep._finishing[:] = [(3, 40), (5, 10), (8, 16)]
     rep._order.update({3: 7, 5: 2})
-    rep._free_finished()
+    from kvsched.sim.kv_blocks import free_finished
+    free_finished(rep)
     assert freed == [8, 5, 3]
     assert rep._finishing == [] and rep._order == {}

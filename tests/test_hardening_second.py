@@ -92,7 +92,8 @@ def test_no_engine_object_is_reachable_from_the_view(prefix):
     found = probe.found
     from kvsched.kvcache import PagedKV
     from kvsched.sim.decode_set import Cohort, DecodeSet
-    from kvsched.sim.prefix_cache import HitPlanner, LazyPlanner, PrefixCache
+    from kvsched.sim.prefix_cache import PrefixCache
+    from kvsched.sim.prefix_planner import HitPlanner, LazyPlanner
     from kvsched.sim.requests import RequestTable
     engine = (replica_mod.Replica, PagedKV, Cohort, DecodeSet, RequestTable, PrefixCache, HitPlanner, LazyPlanner)
     bad = [type(o).__name__ for o in found if isinstance(o, engine)]

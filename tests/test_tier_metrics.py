@@ -13,7 +13,7 @@ from conftest import Forwarding
 from kvsched.hardware import get_gpu
 from kvsched.metrics import GapHistogram, summarize
 from kvsched.policies import make_policy
-from kvsched.sim.replica import merged_tiers
+from kvsched.sim.records import merged_tiers
 from kvsched.sim.view import _R
 from kvsched.report.table import comparison_table, summary_table
 from kvsched.run import Scenario, simulate

@@ -43,7 +43,8 @@ from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram, RunRecords
 from kvsched.sim.prefix_cache import fewer_collections
 from kvsched.sim import invariants
-from kvsched.sim.replica import DEFAULT_STALL_BATCHES, Arrivals, Replica, merged_tiers
+from kvsched.sim.records import merged_tiers
+from kvsched.sim.replica import DEFAULT_STALL_BATCHES, Arrivals, Replica
 from kvsched.sim.requests import INF, RequestTable
 from kvsched.sim.routers import ReplicaSummary, Router, make_router
 from kvsched.sim.rowlog import MergedRows

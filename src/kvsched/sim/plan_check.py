@@ -18,6 +18,7 @@ import numpy as np
 
 from kvsched.errors import PlanError
 from kvsched.policies.base import Plan
+from kvsched.sim.requests import WAITING
 
 
 class PlanState(Protocol):
@@ -35,6 +36,34 @@ class PlanState(Protocol):
 
 
 _INT = {int}
+
+
+class PlanFace:
+    """What the plan check (sim/plan_check.py, its `PlanState`) reads of a replica: live
+    references to its containers and the request table's lists."""
+    __slots__ = ("count", "index", "running", "prefilling", "decoders", "_queue", "_status", "_target",
+                 "_computed", "_prompt", "_gen")
+
+    def __init__(self, rep) -> None:
+        r = rep.reqs
+        self.count, self.index = r.n, rep.index
+        self.running, self.prefilling, self.decoders = rep._running, rep._prefilling, rep._decoders.where
+        self._queue, self._status, self._target, self._computed = rep._queue, r.status, r.target, r.computed
+        self._prompt, self._gen = r.prompt, r.gen
+
+    def waiting_here(self, i: int) -> bool:
+        q = self._queue                         # the front at once; elsewhere a scan, as the admission's
+        return self._status[i] == WAITING and bool(q) and (q[0] == i or i in q)
+
+    def is_waiting(self, i: int) -> bool:
+        return self._status[i] == WAITING
+
+    def prefill_left(self, i: int) -> int:
+        return self._target[i] - self._computed[i]
+
+    def restart_target(self, i: int) -> int:
+        c = self.decoders.get(i)                # a decoder's tokens are its cohort's (the table's lag)
+        return self._prompt[i] + (self._gen[i] if c is None else c.progress(i)[1])
 
 
 def short(x, limit: int = 60) -> str:

@@ -1,11 +1,12 @@
-# Cython's declarations for replica.py (the compiled build, kvsched/compiled.py): attributes as
-# C struct fields and the batch's methods as C calls, so compiled code reads and calls them
-# without a dict lookup. `object` fields keep Python's numbers exactly.
+# Cython's declarations for replica.py (the compiled build, kvsched/compiled.py): the replica's
+# state as C struct fields, which its owners (lifecycle, kv_blocks, batch, decode_run, records)
+# read and write without a dict lookup, and its step API as C calls. `object` fields keep
+# Python's numbers exactly.
 cimport cython
 
 from kvsched.kvcache cimport PagedKV
 from kvsched.metrics cimport GapHistogram
-from kvsched.sim.decode_set cimport Cohort, DecodeSet
+from kvsched.sim.decode_set cimport DecodeSet
 from kvsched.sim.requests cimport RequestTable
 
 
@@ -30,28 +31,4 @@ cdef class Replica:
     cpdef accept(self, i, t)
     cpdef _arrived(self, t, prefill_tokens)
     cpdef step(self, until=*)
-    cpdef _idle_fits(self)
-    cpdef _decode_run(self, until)
-    cpdef _plain_decodes(self, Cohort c, double until)
-    cpdef _end_run(self, k0, k, kv_integral, busy, peak, now)
-    cpdef _spill_logs(self)
-    cpdef _write_back(self, Cohort c, clock, ctx, now, allocated, used)
-    cpdef _batch_end(self, start, dt)
-    cpdef _execute(self, plan)
-    cpdef _prefill_shape(self, chunks, decode_blocks=*)
-    cpdef _allocate(self, n)
-    cpdef _free(self, i, kv_tokens, done)
-    cpdef _free_finished(self)
-    cpdef _stalled(self, end)
-    cpdef _selected(self, d)
-    cpdef _admit(self, i)
-    cpdef _decode_step(self, end, cohorts)
-    cpdef _first_gaps(self, Cohort ch, end)
-    cpdef _tier_first_gaps(self, end, cohorts)
-    cpdef _fold(self, i, gen, last, window)
-    cpdef _leave_decode(self, i)
-    cpdef _move(self, i, Cohort src, Cohort dst)
-    cpdef _prefill_complete(self, i, t)
-    cpdef _land_ready(self)
-    cpdef _finish(self, i, t, kv_tokens)
-    cpdef _preempt(self, i)
+    cpdef _call(self, fn, where, i)

@@ -320,3 +320,18 @@ def _scalar(path: str) -> property:
 
 for _name, _path in _SCALARS.items():
     setattr(ReplicaView, _name, _scalar(_path))
+
+
+def view_of(replica, share: float, prefix_caching: bool) -> ReplicaView:
+    """The view of `replica` (sim/replica.py) its policy receives; `share` of the arrivals it
+    gets scales the workload's declared rates."""
+    r, types = replica, replica.reqs.workload.declared_types
+    return ReplicaView(r, {
+        "index": r.index, "role": r.role, "block_size": r.block_size, "kv_capacity_blocks": r.kv_capacity_blocks,
+        "waiting": ReadOnlySeq(r._queue), "running": r._running.keys(),
+        "prefilling": r._prefilling.keys(), "decoding": ReadOnlyKeys(r._decoders.where),
+        "recent_batch_times": ReadOnlySeq(r.recent_batch_times),
+        "recent_finished": ReadOnlySeq(r.recent_finished),
+        "_output": r.reqs.output_ro, "_admitted": ReadOnlySeq(r.reqs.admitted),
+        "declared_types": None if types is None else tuple((p, o, rate * share) for p, o, rate in types),
+        "prefix_caching": prefix_caching})

@@ -1,0 +1,246 @@
+"""One batch of a replica, as named phases (docs/architecture.md, "Replica"): the plan checked
+(sim/plan_check.py), then preempt, admit, allocate, shape and time, advance the clock, the
+decode step, prefill completions, finishes, records. `decode_run.py` runs the decode-only
+batches between events without a plan, the same phases inlined.
+"""
+from __future__ import annotations
+
+from numbers import Real
+from typing import TYPE_CHECKING
+
+try:
+    import cython
+except ModuleNotFoundError:                 # run as Python without Cython installed
+    from kvsched import cython_shim as cython
+
+from kvsched.cost.shape import BatchShape
+from kvsched.errors import PASS_THROUGH, KvschedError, PlanError
+from kvsched.policies.base import Plan
+from kvsched.sim.decode_set import Cohort
+from kvsched.sim.kv_blocks import allocate, free_finished, take
+from kvsched.sim.lifecycle import admit, finish, leave_decode, preempt, prefill_complete
+from kvsched.sim.plan_check import check as check_plan, kv_error, short
+from kvsched.sim.records import first_gaps, spill_logs, tier_first_gaps
+from kvsched.sim.requests import INF
+from kvsched.sim.rowlog import CHUNK
+
+if TYPE_CHECKING:
+    from kvsched.sim.replica import Replica
+
+
+@cython.locals(ds="DecodeSet", c0="Cohort", co="Cohort", kv="PagedKV")
+def execute(rep: Replica, plan: Plan) -> bool:
+    """Check and run one plan, phase by phase; False if it is empty."""
+    victims, admitted, chunks, d = check_plan(plan, rep._face, rep.name, rep._plan_hooks)
+    preempted = rep.preemptions
+    for i in victims:                       # preempt
+        preempt(rep, i)
+    for i in admitted:                      # admit
+        admit(rep, i)
+    bs = rep.block_size
+    ds = rep._decoders
+    if d is True:
+        cohorts = ds.cohorts if len(ds.cohorts) == 1 else ds.everyone()
+        nd = ds.n
+    elif d is False:
+        cohorts, nd = (), 0
+    else:
+        cohorts = selected(rep, d)
+        nd = 0
+        for co in cohorts:
+            nd += co.n
+    dnew = dctx = 0                         # allocate: the decode step's blocks, then the chunks'
+    if nd:
+        if len(cohorts) == 1:
+            c0 = cohorts[0]
+            dnew = c0.residue[-c0.clock % bs]     # c0.new_blocks, inline
+            dctx = c0.ctx
+        else:
+            for co in cohorts:
+                dnew += co.new_blocks
+                dctx += co.ctx
+    if chunks:
+        new_blocks, pt, pattn, pctx, shape_chunks = prefill_shape(rep, chunks, dnew)
+        if rep.cache is not None:          # allocated there, the decode step included
+            dnew = 0
+    else:
+        new_blocks = pt = pattn = pctx = 0
+        shape_chunks = ()
+        if rep.cache is not None and dnew:
+            allocate(rep, dnew)
+            dnew = 0
+    if pt == 0 and nd == 0:
+        return False
+    kv = rep.kv
+    held = kv.used + new_blocks + dnew
+    if held > kv.capacity_blocks:
+        raise kv_error(rep.name, held, kv.capacity_blocks, bs)
+    kind = (pt > 0) + 2 * (nd > 0)          # shape and time: 1 prefill-only, 2 decode-only, 3 mixed
+    switch = kind != rep._last_kind and rep._last_kind != 0
+    rep._last_kind = kind
+    try:
+        dt = rep.cost.time(BatchShape(pt, len(shape_chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
+    except KvschedError:
+        raise
+    except PASS_THROUGH:
+        raise
+    except BaseException as exc:
+        raise rep._cost_failed(exc) from exc
+    if type(dt) is not float:               # an int or numpy scalar: the clock holds Python floats
+        dt = seconds(dt)
+    start = rep.now                         # advance the clock
+    end = start + dt
+    if not start < end < INF:
+        end = batch_end(start, dt)          # the error, if dt is one
+    if rep.track_start:
+        rep._snap = (rep.outstanding, held, rep.prefill_backlog - pt)
+    take(rep, held - kv.used)               # checked above: held <= capacity
+    rep.now = end                          # hooks called by the batch's effects see its end
+    if nd:                                  # the decode step
+        decode_step(rep, end, cohorts)
+        if rep._stall:
+            rep._stall = 0
+    if pt:                                  # prefill completions
+        rep.prefill_backlog -= pt
+        out = nd
+        computed, target = rep._computed, rep._target
+        for i, c in chunks:
+            computed[i] += c
+            if computed[i] == target[i]:
+                prefill_complete(rep, i, end)
+                out = True
+        if out:
+            if rep._stall:
+                rep._stall = 0
+        elif rep.preemptions != preempted:  # preempted again, still no output token
+            stalled(rep, end)
+    if rep._finishing:                      # finishes free their blocks (prefix caching: vLLM's order)
+        free_finished(rep)
+    rep.recent_batch_times.append(dt)       # records
+    if rep.timeline is not None:
+        rep.timeline.append((end, len(rep._queue), len(rep._running), kv.used * bs))
+    if rep.batches is not None:
+        rep.batches.append((start, dt, pt, len(shape_chunks), nd, held * bs))
+    rep.kv_integral += held * dt
+    rep.busy += dt
+    if held > rep.peak_kv:
+        rep.peak_kv = held
+    rep.iterations += 1
+    if not rep.iterations % CHUNK:
+        spill_logs(rep)
+    return True
+
+
+def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0) -> tuple[int, int, float, int, list[tuple[int, int]]]:
+    """The checked plan's chunks (sim/plan_check.py): (new KV blocks, tokens, query-key
+    pairs, KV touched, per chunk).
+
+    With prefix caching the blocks are allocated here, as vLLM's scheduler does (new KV
+    blocks returned: 0): the running requests' chunks and the decode step
+    (`decode_blocks`) first, then each admitted request's first chunk takes its cache hit
+    (as far as the chunk leaves room: `PrefixCache.hit`) and its new blocks, in plan order;
+    every chunk's full blocks are cached as it is scheduled, so later chunks of the batch
+    hit them."""
+    computed, bs = rep._computed, rep.block_size
+    cache, fresh = rep.cache, rep._fresh
+    # an inert cache (nothing keyed, nothing to key) misses every lookup: one allocation
+    inert = cache is not None and cache.inert
+    new_blocks = pt = pattn = pctx = 0
+    in_turn = False                         # cached: chunks allocate one by one (an admission came)
+    shape_chunks = []
+    for i, c in chunks:
+        if inert and i in fresh:
+            fresh.discard(i)
+            cache.miss(i)
+        elif cache is not None and i in fresh:
+            if not in_turn:
+                allocate(rep, new_blocks + decode_blocks)
+                new_blocks = decode_blocks = 0
+                in_turn = True
+            fresh.discard(i)
+            h = cache.hit(i, c)
+            computed[i] = h
+            rep.prefill_backlog -= h
+            if h and rep.reqs.preempts[i]:
+                rep.reqs.recomputed[i] -= min(h, rep.reqs.recomputed[i])
+        p = computed[i]
+        n = -(-(p + c) // bs) - -(-p // bs)
+        if cache is not None and not inert:
+            cache.register(i, p, c)
+        if in_turn:
+            allocate(rep, n)
+        else:
+            new_blocks += n
+        pt += c
+        pattn += c * (p + (c + 1) / 2)
+        pctx += p + c
+        shape_chunks.append((p, c))
+    if cache is not None:
+        allocate(rep, new_blocks + decode_blocks)
+        new_blocks = 0
+    return new_blocks, pt, pattn, pctx, shape_chunks
+
+
+def selected(rep: Replica, d: frozenset | set) -> list[Cohort]:
+    """The cohorts that decode when the checked plan names a set of decoders."""
+    ds = rep._decoders
+    if not d:
+        return []
+    return ds.everyone() if len(d) == ds.n else ds.select(d)
+
+
+def stalled(rep: Replica, end: float) -> None:
+    """A batch that preempted and gave no output token: stop the policy after
+    `stall_batches` of them with no output token between. Batches that preempt nothing
+    neither count nor reset: without a preemption every request only moves forward, so
+    such batches end (a long prompt prefilled in small chunks, or the recomputation of
+    what a preemption discarded, in as many batches as it takes). A policy that preempts
+    and recomputes over and over, gaining a prompt token per round or none, is stopped."""
+    rep._stall += 1
+    if rep._stall >= rep._stall_limit:
+        raise PlanError(
+            f"policy {rep.name} made no progress: no output token in {rep._stall} batches that preempted, "
+            f"with {len(rep._queue)} waiting and {len(rep._running)} running requests on replica {rep.index} "
+            f"(t={end:.6g}s; the limit is stall_batches={rep._stall_limit})")
+
+
+@cython.locals(ch="Cohort", itl="GapHistogram")
+def decode_step(rep: Replica, end: float, cohorts) -> None:
+    if rep.tier_itl is not None:
+        tier_first_gaps(rep, end, cohorts)
+    itl = rep.itl
+    for ch in cohorts:
+        if not ch.n:
+            continue
+        fresh = ch.fresh
+        gap = ch.step(end)
+        itl.add(gap, ch.n - len(fresh))
+        if fresh:
+            first_gaps(rep, ch, end)
+        for i in ch.due():
+            kv_tokens = leave_decode(rep, i)
+            finish(rep, i, end, kv_tokens)
+
+
+def batch_end(start: float, dt: float) -> float:
+    """The clock after a batch of `dt` seconds from `start` (checked)."""
+    if not 0 < dt < INF:
+        raise KvschedError(f"cost model gave batch time {dt!r}; it must be positive and finite")
+    end = start + dt
+    if not end > start:
+        raise KvschedError(f"batch time {dt!r} s vanishes at t={start!r} s (below the clock's "
+                           "resolution): rescale the workload's times or the cost model")
+    if end == INF:
+        raise KvschedError(f"a batch of {dt!r} s from t={start!r} s ends beyond the largest time a "
+                           "float holds: rescale the workload's times or the cost model")
+    return end
+
+
+def seconds(dt) -> float:
+    """A cost model's batch time as a Python float (`batch_end` checks its value)."""
+    if isinstance(dt, bool) or not isinstance(dt, Real):
+        raise KvschedError(f"cost model gave batch time {short(dt)}; it must be a number of seconds")
+    try:
+        return float(dt)
+    except OverflowError:
+        return INF

@@ -1,0 +1,68 @@
+"""A replica's KV blocks (docs/architecture.md, "Replica"): the one owner of allocation and
+freeing, in front of the paged pool (kvcache.py) and, with prefix caching, the cache that keeps
+freed blocks (sim/prefix_cache.py). Allocation is check-then-act: blocks that do not fit are
+the plan's error, raised before anything is taken.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvsched.sim.plan_check import kv_error
+
+if TYPE_CHECKING:
+    from kvsched.sim.replica import Replica
+
+
+def allocate(rep: Replica, n: int) -> None:
+    """n new KV blocks from the prefix cache's pool (evicting): checked first, then taken (as
+    vLLM's `allocate_slots` returns None when they do not fit); the plan's KV error if not."""
+    if not n:
+        return
+    kv = rep.kv
+    if kv.used + n > kv.capacity_blocks:
+        raise kv_error(rep.name, kv.used + n, kv.capacity_blocks, rep.block_size)
+    rep.cache.allocate(n)
+
+
+def free(rep: Replica, i: int, kv_tokens: int, done: bool) -> None:
+    """Request i's KV leaves this replica (finished, preempted or handed off)."""
+    if rep.cache is None:
+        rep.kv.used -= -(-kv_tokens // rep.block_size)
+    else:
+        rep.cache.free(i, kv_tokens, done)
+
+
+def free_finished(rep: Replica) -> None:
+    """With prefix caching, the requests a batch finished free their blocks in vLLM's order
+    (its scheduled order: running requests by admission, then the new ones), which decides
+    which cached blocks are evicted first."""
+    done, order, cache = rep._finishing, rep._order, rep.cache
+    if cache.inert:                         # no keys, no shared blocks: the order cannot matter
+        cache.free_private(done)
+    else:
+        if len(done) > 1:                   # landed (disaggregated) ones first
+            done.sort(key=_ByAdmission(order))
+        for i, kv_tokens in done:
+            cache.free(i, kv_tokens, True)
+    for i, _ in done:
+        order.pop(i, None)
+    done.clear()
+
+
+def take(rep: Replica, n: int) -> None:
+    """n blocks already judged to fit (a transfer's reservation, a decode run's steps)."""
+    if rep.cache is None:
+        rep.kv.used += n
+    elif n:
+        rep.cache.allocate(n)
+
+
+class _ByAdmission:
+    """A sort key: a finished request's admission rank (0: landed here, not admitted)."""
+    __slots__ = ("order",)
+
+    def __init__(self, order: dict[int, int]) -> None:
+        self.order = order
+
+    def __call__(self, item: tuple[int, int]) -> int:
+        return self.order.get(item[0], 0)

@@ -1,0 +1,108 @@
+"""What a replica records of its requests as they decode (docs/architecture.md, "Replica"):
+inter-token gaps into its histograms (per tier too), each request's largest gap and SLO
+misses, and its row logs spilled to disk (the rows' one schema: sim/rowlog.py).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+
+try:
+    import cython
+except ModuleNotFoundError:                 # run as Python without Cython installed
+    from kvsched import cython_shim as cython
+
+from kvsched.metrics import GapHistogram
+from kvsched.sim.decode_set import Cohort
+
+if TYPE_CHECKING:
+    from kvsched.sim.replica import Replica
+
+
+@cython.locals(r="RequestTable")
+def fold(rep: Replica, i: int, gen: int, last: float, window: np.ndarray) -> None:
+    """Record what a request did in a cohort it leaves: its gaps' maximum and SLO misses,
+    and with tiers the window's gaps (one per decode step after the first in the cohort,
+    the gaps `batch.decode_step` counted for it as the cohort's) into its tier's histogram."""
+    r = rep.reqs
+    r.gen[i] = gen
+    r.last_tok[i] = last
+    if len(window):
+        m = window_max(window)
+        if m > r.itl_max[i]:
+            r.itl_max[i] = m
+        if m > r.tbt[i]:
+            r.viol[i] += int(np.count_nonzero(window > r.tbt[i]))
+        if rep.tier_itl is not None and r.tier[i] >= 0:
+            rep.tier_itl[r.tier[i]].add_many(window)
+
+
+@cython.locals(itl="GapHistogram", r="RequestTable")
+def first_gaps(rep: Replica, ch: Cohort, end: float) -> None:
+    """The first decode step of the cohort's fresh members: each gap is from its own last
+    token (its first token, or one before it moved cohorts)."""
+    itl, r = rep.itl, rep.reqs
+    itl_max, viol, tbt, last = r.itl_max, r.viol, r.tbt, r.last_tok
+    for i in ch.fresh:
+        g = end - last[i]
+        itl.add(g)
+        if g > itl_max[i]:
+            itl_max[i] = g
+        if g > tbt[i]:
+            viol[i] += 1
+    ch.fresh.clear()
+
+
+def tier_first_gaps(rep: Replica, end: float, cohorts) -> None:
+    """Each fresh decoder's first gap (end - its last token, the gap `batch.decode_step` records
+    for it) into its tier's histogram; the other gaps reach the tier histograms through
+    `fold`."""
+    hists, tier, last = rep.tier_itl, rep.reqs.tier, rep.reqs.last_tok
+    for ch in cohorts:
+        for i in ch.fresh:
+            t = tier[i]
+            if t >= 0:
+                hists[t].add(end - last[i])
+
+
+def spill_logs(rep: Replica) -> None:
+    """Every CHUNK batches the row logs spill their full chunks to disk (memory stays flat)."""
+    for log in (rep.timeline, rep.batches):
+        if log is not None:
+            log.check()
+
+
+@cython.locals(w=cython.double[:], k=cython.Py_ssize_t, m=cython.double)
+def window_max(window: np.ndarray) -> float:
+    """The largest gap of a non-empty window of a cohort's gaps (finite floats). Compiled, a loop
+    over its buffer; as Python, numpy's reduction: the same float either way (a maximum of
+    finite floats), each the fast way of its build."""
+    if not cython.compiled:
+        return float(np.maximum.reduce(window))
+    w = window
+    m = w[0]
+    for k in range(1, w.shape[0]):
+        if w[k] > m:
+            m = w[k]
+    return m
+
+
+def merged_tiers(replicas: list[Replica]) -> list[GapHistogram]:
+    """The per-tier gap histograms of `replicas` merged, with the gaps of requests still
+    decoding on them added (`pending_tier_gaps`; none once a run ends)."""
+    out = [GapHistogram.merged([r.tier_itl[t] for r in replicas]) for t in range(len(replicas[0].tier_itl))]
+    for r in replicas:
+        for t, window in pending_tier_gaps(r):
+            out[t].add_many(window)
+    return out
+
+
+def pending_tier_gaps(rep: Replica) -> Iterator[tuple[int, np.ndarray]]:
+    """(tier, gaps) of each request still decoding here, not yet folded into `tier_itl`."""
+    tier = rep.reqs.tier
+    for i, c in rep._decoders.where.items():
+        t = tier[i]
+        window = c.window(i)
+        if t >= 0 and len(window):
+            yield t, window
