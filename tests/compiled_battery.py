@@ -23,6 +23,7 @@ from kvsched.policies import POLICIES, make_policy
 from kvsched.run import Scenario, simulate
 from kvsched.workload.request import Ragged, Segments, Workload
 from test_fast_paths import STEADY, Fast, workload
+from test_properties import POLICY_PARAMS
 
 SCENARIOS: dict[str, Callable[[], str]] = {}
 UNEXPECTED = "UNEXPECTED "          # a scenario that raised where it should not (both sides may)
@@ -179,23 +180,7 @@ for _name in STEADY:
                                                  kv_capacity=9_000))
 
 
-SMALL_PARAMS = {    # tests/test_properties.py's small limits, so that budgets, seats and gates bind
-    "vllm-v1": {"max_num_batched_tokens": 64, "max_num_seqs": 8},
-    "sarathi": {"chunk_size": 32, "max_num_seqs": 8},
-    "vllm-v0": {"max_num_batched_tokens": 64, "max_num_seqs": 8},
-    "orca": {"max_num_batched_tokens": 64, "max_num_seqs": 8},
-    "request-level": {"b": 4},
-    "eb": {"max_num_batched_tokens": 64, "max_num_seqs": 8, "k": 3, "kv_gate": True},
-    "eb-adaptive": {"max_num_batched_tokens": 64, "max_num_seqs": 8, "window": 20, "update_every": 3,
-                    "min_samples": 3},
-    "eb-plus": {"max_num_batched_tokens": 64, "max_num_seqs": 8, "window": 20, "update_every": 3,
-                "min_samples": 3, "evaluate_every": 2, "min_occupancy": 0, "cooldown": 0},
-    "wait": {"resolve_every": 5},
-    "nested-wait": {"segments": "3,10,30", "resolve_every": 3},
-    "rad": {"t_col": 4, "t_lcm": 16, "n": 6},
-    "slai": {"token_budget": 32, "max_num_seqs": 8, "max_decodes": 6},
-    "distserve": {},
-}
+SMALL_PARAMS = POLICY_PARAMS      # tests/test_properties.py's small limits, so that budgets, seats and gates bind
 
 DEFAULT_PARAMS = {"nested-wait": {"segments": "60,240,1000"}}     # it needs segments or typed requests
 
