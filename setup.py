@@ -40,9 +40,18 @@ class OptionalBuildExt(build_ext):
     def run(self) -> None:
         hashes = {rel: RULES.source_digest(PACKAGE, rel) for rel in RULES.COMPILED}
         self.built: set[str] = set()
+        from Cython.Build import cythonize     # here, not at import: other setup.py commands need no C
+        ready = []
+        for ext in self.extensions:             # each on its own: a failure of one keeps the others
+            try:
+                ext.sources = cythonize([ext], quiet=True, force=True, compiler_directives=DIRECTIVES)[0].sources
+                ready.append(ext)
+            except Exception as exc:            # it does not compile
+                self.drop(ext.name, f"{type(exc).__name__}: {exc}")
+        self.extensions = ready
         try:
             super().run()
-        except Exception as exc:        # no compiler at all
+        except Exception as exc:                # no compiler at all
             warn(str(exc))
         package = Path(self.get_ext_fullpath("kvsched.x")).parent
         lines = [f"{rel} {sha}" for rel, sha in hashes.items() if RULES.module_name(rel) in self.built]
@@ -54,8 +63,15 @@ class OptionalBuildExt(build_ext):
             super().build_extension(ext)
             self.built.add(ext.name)
         except Exception as exc:
-            Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
-            warn(f"{ext.name}: {exc}")
+            self.drop(ext.name, str(exc))
+
+    def drop(self, name: str, why: str) -> None:
+        """A module not built: no built file of it may stay, here or in the source tree (an
+        editable install's), where an old one would be imported."""
+        Path(self.get_ext_fullpath(name)).unlink(missing_ok=True)
+        for old in PACKAGE.glob(name.removeprefix("kvsched.").replace(".", "/") + ".*.so"):
+            old.unlink()
+        warn(f"{name}: {why}")
 
 
 def build_rules():
@@ -71,25 +87,17 @@ RULES = build_rules()
 
 
 def extensions() -> list:
+    """The modules to compile (their .py and .pyx sources: `OptionalBuildExt` runs Cython)."""
     if sys.maxsize < 2 ** 62:           # 32-bit x86 rounds in 80-bit registers: results could differ
         warn("not a 64-bit Python")
         return []
-    exts = [Extension(RULES.module_name(rel), [f"src/kvsched/{rel}"], extra_compile_args=FLAGS) for rel in RULES.COMPILED]
-    exts.append(Extension("kvsched._csv", ["src/kvsched/_csv.pyx"], extra_compile_args=FLAGS))
     try:
-        from Cython.Build import cythonize
+        import Cython  # noqa: F401
     except Exception as exc:            # no Cython
         warn(f"{type(exc).__name__}: {exc}")
         return []
-    built = []
-    for one in exts:                    # each on its own: a failure of one keeps the others
-        try:
-            built += cythonize([one], quiet=True, force=True, compiler_directives=DIRECTIVES)
-        except Exception as exc:        # it does not compile: no built file of it may stay
-            for old in (PACKAGE.parent.parent / "src/kvsched").glob(one.name[8:].replace(".", "/") + ".*.so"):
-                old.unlink()
-            warn(f"{one.name}: {type(exc).__name__}: {exc}")
-    return built
+    exts = [Extension(RULES.module_name(rel), [f"src/kvsched/{rel}"], extra_compile_args=FLAGS) for rel in RULES.COMPILED]
+    return exts + [Extension("kvsched._csv", ["src/kvsched/_csv.pyx"], extra_compile_args=FLAGS)]
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -129,8 +129,9 @@ class Guard:
             also = sorted(rel for rel in python - set(edited) if has_built(root, rel))
             names = ", ".join(f"kvsched/{rel}" for rel in edited)
             more = f" (and of {', '.join(f'kvsched/{rel}' for rel in also)}, compiled against it)" if also else ""
-            warnings.warn(f"{WARNING} {names} was built from another version of it: running the pure-Python "
-                          f"code{more}, slower but current; {REBUILD}", RuntimeWarning, stacklevel=3)
+            warnings.warn_explicit(f"{WARNING} {names} was built from another version of it: running the pure-Python "
+                                   f"code{more}, slower but current; {REBUILD}", RuntimeWarning,
+                                   filename=str(root / edited[0]), lineno=1, module=module_name(edited[0]))
         return python
 
 

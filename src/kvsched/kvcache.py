@@ -27,8 +27,8 @@ class PagedKV:
         if block_size < 1:
             raise KvschedError(f"--block-size must be >= 1, got {block_size}")
         if capacity_tokens >= TOKEN_LIMIT:
-            raise KvschedError(f"--kv-capacity ({capacity_tokens} tokens) is beyond the {TOKEN_LIMIT} tokens "
-                               "the simulator counts in 64-bit integers")
+            raise KvschedError(f"--kv-capacity ({capacity_tokens} tokens) must be below 2**62 ({TOKEN_LIMIT}) "
+                               "tokens: the simulator counts them in 64-bit integers")
         if capacity_tokens < block_size:
             raise KvschedError(f"--kv-capacity ({capacity_tokens} tokens) is smaller than one "
                                f"block ({block_size} tokens)")

@@ -5,7 +5,6 @@ plans Plan([], [], True, []); these run back to back here, inlined, with the res
 """
 from __future__ import annotations
 
-from math import log as _log
 from typing import TYPE_CHECKING, Callable
 
 try:
@@ -61,14 +60,12 @@ def decode_run(rep: Replica, until: float) -> None:
 
 @cython.locals(bs=cython.longlong, cap=cython.longlong, n=cython.longlong, clock=cython.longlong,
                ctx=cython.longlong, used=cython.longlong, f=cython.longlong, switch=cython.bint,
-               now=cython.double, last=cython.double, counts=list, log_low=cython.double,
-               scale=cython.double, low=cython.double, top=cython.longlong, total=cython.double,
-               total_sq=cython.double, gmax=cython.double, hn=cython.longlong, kv_integral=cython.double,
+               now=cython.double, last=cython.double, kv_integral=cython.double,
                busy=cython.double, peak=cython.longlong, k=cython.longlong, k0=cython.longlong,
                running=cython.Py_ssize_t, base=cython.longlong, gaps=cython.double[:], glen=cython.Py_ssize_t,
                allocated=cython.longlong, track=cython.bint, hooks=cython.bint, nf=cython.Py_ssize_t,
-               dnew=cython.longlong, held=cython.longlong, nb=cython.longlong, m=cython.longlong,
-               b=cython.longlong, x=cython.double, dt=cython.double, start=cython.double, gap=cython.double,
+               dnew=cython.longlong, held=cython.longlong, nb=cython.longlong,
+               dt=cython.double, start=cython.double, gap=cython.double,
                residue=list, heap=list, kv="PagedKV", itl="GapHistogram")
 def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
     """`decode_run`'s batches inlined (the bulk of a run): what `decode_step` and
@@ -85,8 +82,6 @@ def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
     switch = last_kind != 2 and last_kind != 0
     now, last = rep.now, c.last_time
     itl = rep.itl
-    counts, log_low, scale, top, low = itl.counts, itl._log_low, itl._scale, itl._top, itl.low
-    total, total_sq, gmax, hn = itl.total, itl.total_sq, itl.max, itl.n
     kv_integral, busy, peak, k = rep.kv_integral, rep.busy, rep.peak_kv, rep.iterations
     k0 = k
     recent = rep.recent_batch_times.append
@@ -123,25 +118,9 @@ def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
         ctx += n
         allocated += dnew
         used = held
-        m = n - nf
-        if m > 0:                           # GapHistogram.add(gap, m), inline
-            if gap > low:
-                x = (_log(gap) - log_low) * scale
-                b = cython.cast(cython.longlong, x) + 1     # int(x): toward zero
-                if b >= top:
-                    b = top
-            else:
-                b = 0
-            counts[b] += m
-            hn += m
-            total += gap * m
-            total_sq += gap * gap * m
-            if gap > gmax:
-                gmax = gap
+        itl.add(gap, n - nf)                # the members that decoded the step before
         if nf:                              # fresh decoders' first gaps, into the histogram
-            itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
             first_gaps(rep, c, now)
-            total, total_sq, gmax, hn = itl.total, itl.total_sq, itl.max, itl.n
             nf = 0
         if clock >= f:                      # finishes: the general code, on the state written back
             write_back(rep, c, clock, ctx, now, allocated, used)
@@ -149,7 +128,6 @@ def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
             if hooks:                       # what a hook may look at: the figures so far
                 rep.kv_integral, rep.busy, rep.peak_kv, rep.iterations = kv_integral, busy, peak, k
                 rep.now, rep._last_kind = now, 2
-                itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
             for i in c.due():
                 finish(rep, i, now, leave_decode(rep, i))
             if rep._finishing:
@@ -172,7 +150,6 @@ def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
         if not now < until or not n or used + dnew > cap:
             break
     write_back(rep, c, clock, ctx, now, allocated, used)
-    itl.total, itl.total_sq, itl.max, itl.n = total, total_sq, gmax, hn
     end_run(rep, k0, k, kv_integral, busy, peak, now)
 
 
