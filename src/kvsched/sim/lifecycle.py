@@ -36,8 +36,8 @@ def admit(rep: Replica, i: int) -> None:
         rep._fresh.add(i)
         rep._admissions += 1
         rep._order[i] = rep._admissions
-    if r.admitted[i] == INF:
-        r.admitted[i] = rep.now
+    if r.admitted_c[i] == INF:
+        r.admitted_c[i] = rep.now
 
 
 @cython.locals(r="RequestTable")
@@ -72,14 +72,14 @@ def prefill_complete(rep: Replica, i: int, t: float) -> None:
     g = r.gen[i] + 1
     r.gen[i] = g
     if g == 1:
-        r.first[i] = t
+        r.first_c[i] = t
     else:                                   # resumed after preemption: one long gap
         gap = t - r.last_tok[i]
         rep.itl.add(gap)
         if rep.tier_itl is not None and r.tier[i] >= 0:
             rep.tier_itl[r.tier[i]].add(gap)
-        if gap > r.itl_max[i]:
-            r.itl_max[i] = gap
+        if gap > r.itl_max_c[i]:
+            r.itl_max_c[i] = gap
         if gap > r.tbt[i]:
             r.viol[i] += 1
     r.last_tok[i] = t
@@ -110,7 +110,7 @@ def land_ready(rep: Replica) -> None:
 def finish(rep: Replica, i: int, t: float, kv_tokens: int) -> None:
     r = rep.reqs
     r.status[i] = DONE
-    r.finished[i] = t
+    r.finished_c[i] = t
     del rep._running[i]
     if rep.cache is None:
         free(rep, i, kv_tokens, True)

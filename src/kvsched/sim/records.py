@@ -30,20 +30,20 @@ def fold(rep: Replica, i: int, gen: int, last: float, window: np.ndarray) -> Non
     r.last_tok[i] = last
     if len(window):
         m = window_max(window)
-        if m > r.itl_max[i]:
-            r.itl_max[i] = m
+        if m > r.itl_max_c[i]:
+            r.itl_max_c[i] = m
         if m > r.tbt[i]:
             r.viol[i] += int(np.count_nonzero(window > r.tbt[i]))
         if rep.tier_itl is not None and r.tier[i] >= 0:
             rep.tier_itl[r.tier[i]].add_many(window)
 
 
-@cython.locals(itl="GapHistogram", r="RequestTable")
+@cython.locals(itl="GapHistogram", r="RequestTable", itl_max=cython.double[:])
 def first_gaps(rep: Replica, ch: Cohort, end: float) -> None:
     """The first decode step of the cohort's fresh members: each gap is from its own last
     token (its first token, or one before it moved cohorts)."""
     itl, r = rep.itl, rep.reqs
-    itl_max, viol, tbt, last = r.itl_max, r.viol, r.tbt, r.last_tok
+    itl_max, viol, tbt, last = r.itl_max_c, r.viol, r.tbt, r.last_tok
     for i in ch.fresh:
         g = end - last[i]
         itl.add(g)

@@ -48,6 +48,9 @@ class RequestTable:
         self.preempts = np.zeros(n, np.int64)
         self.recomputed = np.zeros(n, np.int64)
         self.replica = np.full(n, -1, np.int32)         # where it was routed on arrival
+        # the float records as typed buffers of the same memory, for the compiled engine's writes
+        # (requests.pxd; no numpy scalar per access); as Python they are the arrays themselves
+        self.admitted_c, self.first_c, self.finished_c, self.itl_max_c = self.admitted, self.first, self.finished, self.itl_max
         self.output_ro = tuple(self.output)             # a read-only copy for the view
         self.rejected = self._find_rejected(block_size, capacity_blocks, max_model_len, strict)
         self.rejected_list = self.rejected.tolist()
