@@ -7,6 +7,7 @@ Then the guard (an edited .py runs as edited, with a warning) and the `cython` s
 (kvsched/cython_shim.py). CI builds the modules (`pip install .`), so there nothing skips."""
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -33,9 +34,14 @@ def built(rel: str) -> bool:
     return any((compiled.PACKAGE / (rel[:-3] + suffix)).is_file() for suffix in EXTENSION_SUFFIXES)
 
 
+@functools.cache
+def _interpreted_here() -> frozenset[str]:
+    return frozenset(compiled.interpreted(compiled.PACKAGE)[0])
+
+
 def current(rel: str) -> bool:
     """Built from its sources as they are now, and so are the modules it is compiled against."""
-    return built(rel) and rel not in compiled.interpreted(compiled.PACKAGE)[0]
+    return built(rel) and rel not in _interpreted_here()
 
 
 COMPILED_HERE = sorted(n for n in compiled.NAMES if compiled.is_compiled(importlib.import_module(n)))

@@ -2,7 +2,7 @@
 from kvsched.kvcache cimport PagedKV
 from kvsched.metrics cimport GapHistogram
 from kvsched.sim.decode_set cimport Cohort, DecodeSet
-from kvsched.sim.kv_blocks cimport allocate, free_finished, take
+from kvsched.sim.kv_blocks cimport allocate, check, free_finished, take
 from kvsched.sim.lifecycle cimport admit, finish, leave_decode, preempt, prefill_complete
 from kvsched.sim.records cimport first_gaps, spill_logs, tier_first_gaps
 from kvsched.sim.replica cimport Replica

@@ -17,9 +17,9 @@ from kvsched.cost.shape import BatchShape
 from kvsched.errors import PASS_THROUGH, KvschedError, PlanError
 from kvsched.policies.base import Plan
 from kvsched.sim.decode_set import Cohort
-from kvsched.sim.kv_blocks import allocate, free_finished, take
+from kvsched.sim.kv_blocks import allocate, check, free_finished, take
 from kvsched.sim.lifecycle import admit, finish, leave_decode, preempt, prefill_complete
-from kvsched.sim.plan_check import check as check_plan, kv_error, short
+from kvsched.sim.plan_check import check as check_plan, short
 from kvsched.sim.records import first_gaps, spill_logs, tier_first_gaps
 from kvsched.sim.requests import INF
 from kvsched.sim.rowlog import CHUNK
@@ -73,8 +73,7 @@ def execute(rep: Replica, plan: Plan) -> bool:
         return False
     kv = rep.kv
     held = kv.used + new_blocks + dnew
-    if held > kv.capacity_blocks:
-        raise kv_error(rep.name, held, kv.capacity_blocks, bs)
+    check(rep, held)
     kind = (pt > 0) + 2 * (nd > 0)          # shape and time: 1 prefill-only, 2 decode-only, 3 mixed
     switch = kind != rep._last_kind and rep._last_kind != 0
     rep._last_kind = kind

@@ -13,14 +13,18 @@ if TYPE_CHECKING:
     from kvsched.sim.replica import Replica
 
 
+def check(rep: Replica, held: int) -> None:
+    """The plan's KV error if `held` blocks would not fit (the check before any take)."""
+    if held > rep.kv.capacity_blocks:
+        raise kv_error(rep.name, held, rep.kv.capacity_blocks, rep.block_size)
+
+
 def allocate(rep: Replica, n: int) -> None:
     """n new KV blocks from the prefix cache's pool (evicting): checked first, then taken (as
     vLLM's `allocate_slots` returns None when they do not fit); the plan's KV error if not."""
     if not n:
         return
-    kv = rep.kv
-    if kv.used + n > kv.capacity_blocks:
-        raise kv_error(rep.name, kv.used + n, kv.capacity_blocks, rep.block_size)
+    check(rep, rep.kv.used + n)
     rep.cache.allocate(n)
 
 
