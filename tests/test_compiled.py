@@ -218,7 +218,8 @@ def test_the_cython_shim_has_every_name_the_compiled_modules_use():
     import re
     used = set()
     for rel in compiled.COMPILED:
-        used |= set(re.findall(r"\bcython\.(\w+)", (compiled.PACKAGE / rel).read_text()))
+        # `from cython.cimports...` runs only under `if cython.compiled:`, never with the shim
+        used |= set(re.findall(r"(?<!from )\bcython\.(\w+)", (compiled.PACKAGE / rel).read_text()))
     assert used and not [n for n in used if not hasattr(shim, n)]
 
 
@@ -307,7 +308,7 @@ def test_kvsched_pure_python_imports_every_py_without_a_warning(tmp_path):
 
 
 EDITS = {   # a cost model's formula and a built-in policy's budget, changed in place after the build
-    "cost/roofline.py": ("return self.overhead + ", "return 2 * self.overhead + ", 1),
+    "cost/roofline.py": ("return self.overhead + ", "return 2 * self.overhead + ", 2),     # time and DenseDecode
     "policies/baselines.py": ("budget = self.max_num_batched_tokens - nd", "budget = self.max_num_batched_tokens // 16 - nd", 2),
 }
 
@@ -330,7 +331,8 @@ def test_an_edited_module_runs_as_edited_with_a_warning(tmp_path, rel):
     assert text.count(old) == count
     source.write_text(text.replace(old, new))
     mods, after, err = run_copy(root, pure=False)
-    assert not mods[name] and all(mods[n] for n in mods if n != name and n in COMPILED_HERE)
+    python = {compiled.module_name(r) for r in compiled.interpreted(root / "kvsched")[0]}   # it and those built against it
+    assert name in python and mods == {n: n in COMPILED_HERE and n not in python for n in mods}
     line = next(x for x in err.splitlines() if f"{compiled.WARNING} kvsched/{rel} " in x)
     assert line.split("RuntimeWarning: ", 1)[-1].startswith(compiled.WARNING)
     assert "running the pure-Python code" in line and "pip install" in line

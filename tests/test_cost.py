@@ -82,3 +82,27 @@ def test_roofline_decode_time_is_time_bit_for_bit():
             n = rng.randint(1, 2048)
             ctx = rng.randint(n, 8_000_000)
             assert c.decode_time(n, ctx) == c.time(BatchShape(0, 0, 0, 0, n, ctx, (), False))
+
+
+def test_dense_decode_is_time_bit_for_bit_at_the_edges():
+    """DenseDecode (C numbers when compiled) at integer weights, past 2**53 tokens, and past
+    its `ctx_limit` (where decode_time falls back to `time`); None for an MoE model."""
+    import dataclasses
+
+    from kvsched.cost.roofline import RooflineCost
+    from kvsched.cost.shape import BatchShape
+    from kvsched.hardware import MODELS, get_gpu, get_model
+    gpu = get_gpu("h100-sxm")
+    m = get_model("llama-2-7b")
+    for model in (m, dataclasses.replace(m, params=6_738_415_616)):     # float and int weight bytes
+        c = RooflineCost(model, gpu)
+        d = c.dense_decode
+        assert d is not None and d.int_weights == (type(model.weight_bytes) is int)
+        for n, ctx in ((1, 1), (7, 2**53 + 1), (3, 3**33), (5, d.ctx_limit), (5, d.ctx_limit + 1),
+                       (2, 10**19), (np.int64(4), 5000)):
+            assert c.decode_time(n, ctx) == c.time(BatchShape(0, 0, 0, 0, n, ctx, (), False)), (n, ctx)
+        assert d.seconds(7, d.ctx_limit) == c.time(BatchShape(0, 0, 0, 0, 7, d.ctx_limit, (), False))
+        with pytest.raises(ValueError, match="ctx_limit|needs"):
+            d.seconds(7, d.ctx_limit + 1)
+    moe = next(get_model(k) for k in MODELS if get_model(k).active_params is not None)
+    assert RooflineCost(moe, gpu).dense_decode is None

@@ -9,7 +9,6 @@ from per-tier gap histograms the replicas keep only then.
 from __future__ import annotations
 
 import math
-from math import log as _log
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +18,10 @@ try:
     import cython
 except ModuleNotFoundError:                 # run as Python without Cython installed
     from kvsched import cython_shim as cython
+if cython.compiled:                         # C's log, which math.log calls for a positive float
+    from cython.cimports.libc.math import log as _log
+else:
+    from math import log as _log
 
 from kvsched.errors import KvschedError
 

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+try:
+    import cython
+except ModuleNotFoundError:                 # run as Python without Cython installed
+    from kvsched import cython_shim as cython
+
 from kvsched.cost.shape import BatchShape
 from kvsched.hardware import GPU, Model
 
@@ -39,9 +44,9 @@ class RooflineCost:
         object.__setattr__(self, "_gemm_flops", 2.0 * m.active)     # per computed token
         object.__setattr__(self, "_dense", m.active_params is None)
         object.__setattr__(self, "_weights", m.weight_bytes)
-        # what `decode_time` reads, in one attribute (it runs for every decode-only batch)
-        object.__setattr__(self, "_decode_terms", (self._gemm_flops, self._attn_flops, self._flop_rate, self._weights,
-                                                   self._kv_bytes, self._byte_rate, self.overhead))
+        # what `decode_time` reads (it runs for every decode-only batch): None when `time`'s
+        # numbers are not those DenseDecode computes in (MoE, a float KV size or efficiency)
+        object.__setattr__(self, "dense_decode", DenseDecode.of(self))
 
     def time(self, shape: BatchShape):
         tokens = shape.prefill_tokens + shape.decode_seqs
@@ -62,10 +67,51 @@ class RooflineCost:
         """A decode-only batch of n requests over ctx KV tokens: `time` of that BatchShape, bit
         for bit (the same operations in the same order; tests/test_cost.py checks it), without
         building it (the replica's decode fast path)."""
-        if not self._dense:
+        d = self.dense_decode
+        if d is None or type(n) is not int or type(ctx) is not int or not 0 <= n <= ctx <= d.ctx_limit:
             return self.time(BatchShape(0, 0, 0, 0, n, ctx, (), phase_switch))
-        gemm, attn, flop_rate, weights, kv_bytes, byte_rate, overhead = self._decode_terms
-        compute = (gemm * n + attn * ctx) / flop_rate
-        memory = (weights + 0 * n + kv_bytes * ctx) / byte_rate
-        return overhead + (compute + memory + abs(compute - memory)) / 2
+        return d.seconds(n, ctx)
 
+
+
+class DenseDecode:
+    """`RooflineCost.time` of a decode-only batch of a dense model (n requests over ctx KV
+    tokens), bit for bit: the same operations in the same order, on the same numbers. Its
+    terms are C doubles and integers when compiled (kvsched/compiled.py), so the replica's
+    decode runs (sim/decode_run.py) call it without a Python number; `of` builds one only
+    when that holds: the float terms are Python floats, the KV bytes per token an int (its
+    product with ctx is then an exact integer in both, up to `ctx_limit`), and the weights'
+    bytes a float or an int (kept an exact integer then, as Python's sum is)."""
+
+    def __init__(self, gemm: float, attn: float, flop_rate: float, weights: float | int, kv_bytes: int,
+                 byte_rate: float, overhead: float) -> None:
+        self.gemm, self.attn, self.flop_rate, self.byte_rate, self.overhead = gemm, attn, flop_rate, byte_rate, overhead
+        self.kv_bytes = kv_bytes
+        self.int_weights = type(weights) is int
+        self.weights = float(weights) if not self.int_weights else 0.0
+        self.weights_int = weights if self.int_weights else 0
+        # the largest ctx whose integer terms stay below 2**63 (C's long long)
+        self.ctx_limit = ((1 << 63) - 1 - self.weights_int) // max(kv_bytes, 1)
+
+    @staticmethod
+    def of(cost: RooflineCost) -> DenseDecode | None:
+        terms = (cost._gemm_flops, cost._attn_flops, cost._flop_rate, cost._weights, cost._kv_bytes,
+                 cost._byte_rate, cost.overhead)
+        floats, weights, kv_bytes = terms[:3] + terms[5:], terms[3], terms[4]
+        if (not cost._dense or any(type(x) is not float for x in floats) or type(kv_bytes) is not int
+                or not 0 <= kv_bytes < 1 << 62 or type(weights) not in (int, float)
+                or type(weights) is int and not 0 <= weights < 1 << 62):
+            return None
+        return DenseDecode(*terms)
+
+    @cython.locals(compute=cython.double, memory=cython.double)
+    def seconds(self, n: int, ctx: int) -> float:
+        """The batch's time, for 0 <= n <= ctx <= `ctx_limit` (`decode_time` checks)."""
+        if not 0 <= n <= ctx <= self.ctx_limit:
+            raise ValueError(f"DenseDecode.seconds({n}, {ctx}): needs 0 <= n <= ctx <= {self.ctx_limit}")
+        compute = (self.gemm * n + self.attn * ctx) / self.flop_rate
+        if self.int_weights:                # Python's exact integer sum, then the division
+            memory = (self.weights_int + 0 * n + self.kv_bytes * ctx) / self.byte_rate
+        else:
+            memory = (self.weights + 0 * n + self.kv_bytes * ctx) / self.byte_rate
+        return self.overhead + (compute + memory + abs(compute - memory)) / 2

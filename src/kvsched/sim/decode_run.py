@@ -12,6 +12,7 @@ try:
 except ModuleNotFoundError:                 # run as Python without Cython installed
     from kvsched import cython_shim as cython
 
+from kvsched.cost.roofline import DenseDecode, RooflineCost
 from kvsched.cost.shape import BatchShape
 from kvsched.policies.base import Plan, defined_in
 from kvsched.sim.batch import batch_end, execute, seconds
@@ -66,7 +67,7 @@ def decode_run(rep: Replica, until: float) -> None:
                allocated=cython.longlong, track=cython.bint, hooks=cython.bint, nf=cython.Py_ssize_t,
                dnew=cython.longlong, held=cython.longlong, nb=cython.longlong,
                dt=cython.double, start=cython.double, gap=cython.double,
-               residue=list, heap=list, kv="PagedKV", itl="GapHistogram")
+               residue=list, heap=list, kv="PagedKV", itl="GapHistogram", dense="DenseDecode")
 def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
     """`decode_run`'s batches inlined (the bulk of a run): what `decode_step` and
     `batch.execute` does, in the same order of float operations. The batch's figures are kept in
@@ -77,7 +78,7 @@ def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
     residue, fresh, heap = c.residue, c.fresh, c._heap
     n, clock, ctx, used = c.n, c.clock, c.ctx, kv.used
     f = heap[0][0] if heap else 1 << 62    # the next finish (maybe stale: due() sorts it out)
-    decode_time = rep._decode_time
+    decode_time, dense = rep._decode_time, rep._dense_decode
     last_kind = rep._last_kind
     switch = last_kind != 2 and last_kind != 0
     now, last = rep.now, c.last_time
@@ -88,7 +89,7 @@ def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
     timeline = rep.timeline.append if rep.timeline is not None else None
     batches = rep.batches.append if rep.batches is not None else None
     running = len(rep._running)
-    base, gaps = c._base, c._gaps
+    base, gaps = c._base, c._gaps_c
     glen = len(gaps)
     allocated = 0
     track = rep.track_start
@@ -100,8 +101,11 @@ def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
         nb = n
         if track:                           # the router summary at the batch's start
             rep._snap = (rep.outstanding, held, rep.prefill_backlog)
-        dt_o = decode_time(n, ctx + n, switch)
-        dt = dt_o if type(dt_o) is float else seconds(dt_o)
+        if dense is not None and ctx + n <= dense.ctx_limit:
+            dt = dense.seconds(n, ctx + n)
+        else:
+            dt_o = decode_time(n, ctx + n, switch)
+            dt = dt_o if type(dt_o) is float else seconds(dt_o)
         switch = False
         start, now = now, now + dt
         if not start < now < INF:
@@ -110,7 +114,7 @@ def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
         if clock - base >= glen:
             c.clock = clock                 # as Cohort.step: _trim reads the new clock
             c._trim()
-            base, gaps = c._base, c._gaps
+            base, gaps = c._base, c._gaps_c
             glen = len(gaps)
         gap = now - last
         gaps[clock - base] = gap
@@ -134,7 +138,7 @@ def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
                 free_finished(rep)
             f = heap[0][0] if heap else 1 << 62
             n, ctx, used, running = c.n, c.ctx, kv.used, len(rep._running)
-            base, gaps = c._base, c._gaps
+            base, gaps = c._base, c._gaps_c
             glen = len(gaps)
         recent(dt)
         if timeline is not None:
@@ -171,6 +175,15 @@ def write_back(rep: Replica, c: Cohort, clock: int, ctx: int, now: float, alloca
     in between)."""
     c.clock, c.ctx, c.last_time = clock, ctx, now
     take(rep, allocated)                    # kv.used becomes `used`
+
+
+def dense_decode(cost) -> DenseDecode | None:
+    """The cost model's `DenseDecode` (cost/roofline.py) when `decode_clock` gives its
+    `decode_time` and that method is RooflineCost's own: its decode-only batch times in C."""
+    d = getattr(cost, "dense_decode", None)
+    if type(d) is not DenseDecode or defined_in(type(cost), "decode_time") is not RooflineCost:
+        return None
+    return d if getattr(decode_clock(cost), "__func__", None) is RooflineCost.decode_time else None
 
 
 def decode_clock(cost) -> Callable[[int, int, bool], float]:

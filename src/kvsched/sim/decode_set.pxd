@@ -4,7 +4,10 @@ cimport cython
 
 @cython.final
 cdef class Cohort:
-    cdef public object block_size, clock, n, ctx, last_time, _gaps, _base
+    cdef public long long block_size, clock, n, ctx, _base
+    cdef public double last_time
+    cdef public object _gaps
+    cdef public double[:] _gaps_c
     cdef public list residue, _heap
     cdef public dict members, fresh, _finish
 
@@ -14,6 +17,7 @@ cdef class Cohort:
     cpdef step(self, end)
     cpdef list due(self)
     cpdef leave(self, i)
+    cpdef double gap_max(self, Py_ssize_t lo, Py_ssize_t hi)
     cpdef window(self, i)
     cpdef _trim(self)
 

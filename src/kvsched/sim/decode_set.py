@@ -28,6 +28,11 @@ from typing import Callable
 
 import numpy as np
 
+try:
+    import cython
+except ModuleNotFoundError:                 # run as Python without Cython installed
+    from kvsched import cython_shim as cython
+
 FOLD = 16       # decode-all batches fold cohorts this small (in all) into the largest
 
 
@@ -45,7 +50,7 @@ class Cohort:
         self.last_time = 0.0
         self._heap: list[tuple[int, int]] = []
         self._finish: dict[int, int] = {}
-        self._gaps = np.zeros(1024)
+        self._gaps = self._gaps_c = np.zeros(1024)     # _gaps_c: the same buffer, typed when compiled
         self._base = 0                         # clock of _gaps[0]
 
     @property
@@ -82,7 +87,7 @@ class Cohort:
         if k >= len(self._gaps):
             self._trim()
             k = self.clock - self._base
-        self._gaps[k] = gap
+        self._gaps_c[k] = gap
         self.last_time = end
         self.ctx += self.n
         return gap
@@ -98,9 +103,10 @@ class Cohort:
                 out.append(i)
         return out
 
-    def leave(self, i: int) -> tuple[int, int, float, np.ndarray]:
-        """Remove a member: (kv tokens, tokens generated, time of its last token, gaps of its
-        decode steps after the first one)."""
+    def leave(self, i: int) -> tuple[int, int, float, int, int]:
+        """Remove a member: (kv tokens, tokens generated, time of its last token, lo, hi):
+        `_gaps[lo:hi]` are the gaps of its decode steps after the first one (until the next
+        step)."""
         c0, k0, g0, t0 = self.members.pop(i)
         self._finish.pop(i, None)
         steps = self.clock - c0
@@ -111,8 +117,21 @@ class Cohort:
         if steps == 0:
             del self.fresh[i]
         last = self.last_time if steps else t0
-        window = self._gaps[c0 + 2 - self._base:self.clock + 1 - self._base]
-        return kv, g0 + steps, last, window
+        return kv, g0 + steps, last, c0 + 2 - self._base, self.clock + 1 - self._base
+
+    @cython.locals(w=cython.double[:], k=cython.Py_ssize_t, m=cython.double)
+    def gap_max(self, lo: int, hi: int) -> float:
+        """The largest of `_gaps[lo:hi]` (lo < hi; finite floats). Compiled, a loop over the
+        buffer; as Python, numpy's reduction: the same float either way (a maximum of finite
+        floats), each the fast way of its build."""
+        if not cython.compiled:
+            return float(np.maximum.reduce(self._gaps[lo:hi]))
+        w = self._gaps_c
+        m = w[lo]
+        for k in range(lo + 1, hi):
+            if w[k] > m:
+                m = w[k]
+        return m
 
     def window(self, i: int) -> np.ndarray:
         """The gaps member i has had so far after its first decode step here (what `leave`
@@ -133,7 +152,8 @@ class Cohort:
             size *= 2
         gaps = np.zeros(size)
         gaps[:len(kept)] = kept
-        self._gaps, self._base = gaps, keep_from
+        self._gaps = self._gaps_c = gaps
+        self._base = keep_from
 
 
 class DecodeSet:
@@ -165,7 +185,8 @@ class DecodeSet:
         self.where[i] = c
         self.n += 1
 
-    def leave(self, i: int) -> tuple[int, int, float, np.ndarray]:
+    def leave(self, i: int) -> tuple[int, int, float, int, int]:
+        """`Cohort.leave` of member i (its cohort: `where[i]` before the call)."""
         self.n -= 1
         return self.where.pop(i).leave(i)
 

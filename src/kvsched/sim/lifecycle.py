@@ -130,14 +130,17 @@ def finish(rep: Replica, i: int, t: float, kv_tokens: int) -> None:
         rep._on_done(i, t)
 
 
+@cython.locals(ds="DecodeSet", c="Cohort")
 def leave_decode(rep: Replica, i: int) -> int:
-    kv_tokens, gen, last, window = rep._decoders.leave(i)
-    fold(rep, i, gen, last, window)
+    ds = rep._decoders
+    c = ds.where[i]
+    kv_tokens, gen, last, lo, hi = ds.leave(i)
+    fold(rep, i, gen, last, c, lo, hi)
     return kv_tokens
 
 
 def move(rep: Replica, i: int, src: Cohort, dst: Cohort) -> None:
     """Move a decoder between cohorts (a decode selection split or merged them)."""
-    kv_tokens, gen, last, window = src.leave(i)
-    fold(rep, i, gen, last, window)
+    kv_tokens, gen, last, lo, hi = src.leave(i)
+    fold(rep, i, gen, last, src, lo, hi)
     dst.join(i, kv_tokens, gen, rep.reqs.output[i], last)

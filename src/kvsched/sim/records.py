@@ -20,22 +20,23 @@ if TYPE_CHECKING:
     from kvsched.sim.replica import Replica
 
 
-@cython.locals(r="RequestTable")
-def fold(rep: Replica, i: int, gen: int, last: float, window: np.ndarray) -> None:
-    """Record what a request did in a cohort it leaves: its gaps' maximum and SLO misses,
-    and with tiers the window's gaps (one per decode step after the first in the cohort,
-    the gaps `batch.decode_step` counted for it as the cohort's) into its tier's histogram."""
+@cython.locals(r="RequestTable", m=cython.double)
+def fold(rep: Replica, i: int, gen: int, last: float, c: Cohort, lo: int, hi: int) -> None:
+    """Record what a request did in the cohort `c` it left (`Cohort.leave`): the maximum and
+    SLO misses of its gaps `c._gaps[lo:hi]`, and with tiers those gaps (one per decode step
+    after the first in the cohort, the gaps `batch.decode_step` counted for it as the
+    cohort's) into its tier's histogram."""
     r = rep.reqs
     r.gen[i] = gen
     r.last_tok[i] = last
-    if len(window):
-        m = window_max(window)
+    if hi > lo:
+        m = c.gap_max(lo, hi)
         if m > r.itl_max_c[i]:
             r.itl_max_c[i] = m
         if m > r.tbt[i]:
-            r.viol[i] += int(np.count_nonzero(window > r.tbt[i]))
+            r.viol[i] += int(np.count_nonzero(c._gaps[lo:hi] > r.tbt[i]))
         if rep.tier_itl is not None and r.tier[i] >= 0:
-            rep.tier_itl[r.tier[i]].add_many(window)
+            rep.tier_itl[r.tier[i]].add_many(c._gaps[lo:hi])
 
 
 @cython.locals(itl="GapHistogram", r="RequestTable", itl_max=cython.double[:])
@@ -71,21 +72,6 @@ def spill_logs(rep: Replica) -> None:
     for log in (rep.timeline, rep.batches):
         if log is not None:
             log.check()
-
-
-@cython.locals(w=cython.double[:], k=cython.Py_ssize_t, m=cython.double)
-def window_max(window: np.ndarray) -> float:
-    """The largest gap of a non-empty window of a cohort's gaps (finite floats). Compiled, a loop
-    over its buffer; as Python, numpy's reduction: the same float either way (a maximum of
-    finite floats), each the fast way of its build."""
-    if not cython.compiled:
-        return float(np.maximum.reduce(window))
-    w = window
-    m = w[0]
-    for k in range(1, w.shape[0]):
-        if w[k] > m:
-            m = w[k]
-    return m
 
 
 def merged_tiers(replicas: list[Replica]) -> list[GapHistogram]:
