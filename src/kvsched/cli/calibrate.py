@@ -6,9 +6,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
-from rich.console import Group
-from rich.table import Table
-from rich.text import Text
 
 from kvsched.cli.common import JsonOpt, app, emit, guard
 from kvsched.cli.names import CALIBRATION_MODELS
@@ -16,6 +13,8 @@ from kvsched.errors import KvschedError
 from kvsched.files import check_writable
 
 if TYPE_CHECKING:       # the engine is imported when the command runs (fast `kvsched --help`)
+    from rich.console import Group
+    from rich.table import Table
     from kvsched.cost.calibrate import Calibration
 
 KIND_LABELS = {"prefill": "prefill-only", "decode": "decode-only", "mixed": "mixed", "all": "all steps"}
@@ -93,6 +92,8 @@ def _chosen(cal: Calibration, use: Optional[str]) -> str:
 
 
 def _render(s: dict) -> Group:
+    from rich.console import Group
+    from rich.text import Text
     fitted = {k: m for k, m in s["models"].items() if "params" in m}
     parts: list = [_error_table(s, fitted), _param_table(fitted)]
     for name, m in s["models"].items():
@@ -107,6 +108,8 @@ def _render(s: dict) -> Group:
 
 
 def _error_table(s: dict, fitted: dict) -> Table:
+    from rich.table import Table
+    from rich.text import Text
     skipped = f", first {s['skipped_steps']} skipped" if s["skipped_steps"] else ""
     t = Table(title=Text(f"relative error |predicted - measured| / measured, median / p90: {s['source']}, "
                          f"{s['steps']} steps{skipped}"), title_justify="left")
@@ -131,6 +134,7 @@ def _cell(e: dict) -> str:
 
 
 def _param_table(fitted: dict) -> Table:
+    from rich.table import Table
     t = Table(title="parameters", title_justify="left")
     for c in ("model", "parameter", "value", "from"):
         t.add_column(c, justify="right" if c == "value" else "left")

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import typer
-from rich.table import Table
 
 from kvsched.cli.common import (ClusterOptions, HardwareOptions, JsonOpt, Progress, app, cluster_flags, emit, guard,
                                 hardware_flags, workload_flags)
@@ -17,6 +16,7 @@ from kvsched.errors import KvschedError
 from kvsched.limits import MAX_JOBS, MAX_SEEDS, check_count
 
 if TYPE_CHECKING:       # the engine is imported when the command runs (fast `kvsched --help`)
+    from rich.table import Table
     from kvsched.workload.source import WorkloadOptions
 
 
@@ -146,6 +146,7 @@ def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], 
 
 def _tables(p: dict[str, Any]) -> Table:
     """One column per policy (as `compare`), so several fit a terminal."""
+    from rich.table import Table
     slos = ", ".join(f"{s['metric']} {s['stat']} <= {s['ms']:g} ms" for s in p["slos"])
     if p["attainment"]:
         slos += (", " if slos else "") + f"goodput attainment >= {p['attainment']['target']:g}"

@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import typer
 from typer.core import TyperGroup
-from rich.console import Console
 
-# Only typer, rich and tiny modules at import time, so `kvsched --help` stays fast: the engine
-# (numpy, kvsched.run, .sim, .workload, .cost) is imported by the code that runs a command.
+# Only typer and tiny modules at import time, so `kvsched --help` stays fast: the engine (numpy,
+# kvsched.run, .sim, .workload, .cost) and rich (tables) are imported by the code that uses them.
 from kvsched.cli.names import COST_MODELS, DEFAULT_LENGTH, DEFAULT_RATE, DEFAULT_STALL_BATCHES, FORMATS, ROUTERS
 from kvsched.errors import KvschedError
 
@@ -49,9 +48,6 @@ class OneLineErrors(TyperGroup):
 
 app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Simulate LLM serving under KV-cache limits and compare schedulers.")
-err = Console(stderr=True)
-
-
 def say(kind: str, message: str) -> None:
     """One unwrapped line on stderr (a terminal console would wrap it)."""
     sys.stderr.write(f"kvsched: {kind}: {' '.join(str(message).split())}\n")
@@ -68,6 +64,7 @@ def emit(payload, as_json: bool, render: Callable[[], object]) -> None:
         from kvsched.run import jsonable
         typer.echo(json.dumps(jsonable(payload), allow_nan=False, default=str))
     else:
+        from rich.console import Console
         Console().print(render())
 
 
@@ -99,8 +96,9 @@ class Progress:
         if not self.enabled or time.perf_counter() - self.start < 1.0:
             return
         if self.bar is None:
+            from rich.console import Console
             from rich.progress import Progress
-            self.bar = Progress(console=err, transient=True)
+            self.bar = Progress(console=Console(stderr=True), transient=True)
             self.bar.start()
             self.task = self.bar.add_task(self.label, total=total)
         self.bar.update(self.task, completed=done)

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
-from rich.table import Table
 
 from kvsched.cli.common import JsonOpt, app, emit, guard, workload_flags
 from kvsched.errors import KvschedError
 
 if TYPE_CHECKING:       # the engine is imported when the command runs (fast `kvsched --help`)
+    from rich.table import Table
     from kvsched.workload.source import WorkloadOptions
 
 
@@ -80,6 +80,7 @@ def _write(folder: Path, summary: dict, rows: list[dict]) -> None:
 
 
 def _table(s: dict) -> Table:
+    from rich.table import Table
     t = Table(title=f"replay: {s['policy']} against {s['engine']}'s scheduler", title_justify="left")
     t.add_column("quantity")
     t.add_column("value", justify="right")

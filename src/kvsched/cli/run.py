@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from kvsched.cli.common import (ClusterOptions, HardwareOptions, MemUtil, OutputOptions, Progress, app, cluster_flags,
                                 emit, guard, hardware_flags, output_flags, workload_flags)
@@ -146,6 +144,8 @@ def _emit(results: list[Result], as_json: bool, keyed: bool) -> None:
 @app.command("policies")
 def policies_cmd() -> None:
     """List the scheduling policies with their parameters, defaults and sources."""
+    from rich.console import Console
+    from rich.table import Table
     from kvsched.hardware import GPUS
     from kvsched.params import describe
     from kvsched.policies import POLICIES, SOURCES, engine_defaults
@@ -175,6 +175,8 @@ def info_cmd(model: Optional[str] = typer.Option(None, "--model"), gpu: Optional
              memory_utilization: float = MemUtil) -> None:
     """The GPU and model catalogue; with --model and --gpu, the KV capacity they give."""
     def body() -> None:
+        from rich.console import Console
+        from rich.table import Table
         from kvsched.hardware import GPUS, MODELS, get_gpu, get_model, kv_capacity_tokens, usable_kv_tokens
         console = Console()
         gpus = [get_gpu(gpu)] if gpu else list(GPUS.values())

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import typer
-from rich.table import Table
 
 from kvsched.cli.common import (CLUSTER_FLAGS, HARDWARE_FLAGS, OUTPUT_FLAGS, WORKLOAD_FLAGS, ClusterOptions,
                                 HardwareOptions, JsonOpt, Progress, app, cluster_flags, emit, guard,
@@ -17,6 +16,7 @@ from kvsched.errors import KvschedError
 from kvsched.limits import MAX_JOBS, check_count
 
 if TYPE_CHECKING:       # the engine is imported when the command runs (fast `kvsched --help`)
+    from rich.table import Table
     from kvsched.sweep import Grid, Store, Task
     from kvsched.workload.source import WorkloadOptions
 
@@ -119,6 +119,7 @@ def _run(grid: Grid, tasks: list[Task], store: Store, json_: bool, retry_failed:
 
 
 def _summary_table(summary: dict[str, Any]) -> Table:
+    from rich.table import Table
     t = Table(show_header=False, box=None)
     for name, value in (("points", summary["points"]), ("run now", summary["done"]),
                         ("already done", summary["skipped"]), ("failed", summary["failed"]),

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
-from rich.table import Table
 
 from kvsched.cli.common import HardwareOptions, JsonOpt, app, emit, guard, hardware_flags, workload_flags
 from kvsched.errors import KvschedError
 
 if TYPE_CHECKING:       # the engine and the closed forms are imported when a command runs (fast `kvsched --help`)
+    from rich.table import Table
     from kvsched.theory.fluid import FluidType
     from kvsched.workload.source import WorkloadOptions
 
@@ -27,6 +27,7 @@ def _emit(values: dict, as_json: bool, title: str) -> None:
 
 
 def _quantities(values: dict, title: str) -> Table:
+    from rich.table import Table
     t = Table(title=title, title_justify="left")
     t.add_column("quantity")
     t.add_column("value", justify="right")

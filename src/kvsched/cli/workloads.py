@@ -5,8 +5,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from kvsched.cli.common import JsonOpt, app, emit, guard, say, workload_flags
 from kvsched.errors import KvschedError
@@ -21,6 +19,8 @@ app.add_typer(workload_app, name="workload")
 @app.command("workloads")
 def workloads_cmd() -> None:
     """List the workload presets with their sources."""
+    from rich.console import Console
+    from rich.table import Table
     from kvsched.workload.presets import PRESETS
     t = Table(title="Workload presets (use with --workload NAME)", title_justify="left")
     for c in ("name", "source", "what"):
