@@ -28,9 +28,13 @@ if TYPE_CHECKING:
     from kvsched.sim.replica import Replica
 
 
-@cython.locals(ds="DecodeSet", c0="Cohort", co="Cohort", kv="PagedKV")
+@cython.locals(ds="DecodeSet", c0="Cohort", co="Cohort", kv="PagedKV", bs=cython.longlong, nd=cython.longlong,
+               dnew=cython.longlong, dctx=cython.longlong, new_blocks=cython.longlong, pt=cython.longlong,
+               pctx=cython.longlong, held=cython.longlong, kind=cython.int, switch=cython.bint,
+               dt=cython.double, start=cython.double, end=cython.double)
 def execute(rep: Replica, plan: Plan) -> bool:
-    """Check and run one plan, phase by phase; False if it is empty."""
+    """Check and run one plan, phase by phase; False if it is empty. (Compiled, its counts are
+    C integers: each is bounded by the KV capacity, kvcache.py's `TOKEN_LIMIT`.)"""
     victims, admitted, chunks, d = check_plan(plan, rep._face, rep.name, rep._plan_hooks)
     preempted = rep.preemptions
     for i in victims:                       # preempt
@@ -78,15 +82,15 @@ def execute(rep: Replica, plan: Plan) -> bool:
     switch = kind != rep._last_kind and rep._last_kind != 0
     rep._last_kind = kind
     try:
-        dt = rep.cost.time(BatchShape(pt, len(shape_chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
+        dt_o = rep.cost.time(BatchShape(pt, len(shape_chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
     except KvschedError:
         raise
     except PASS_THROUGH:
         raise
     except BaseException as exc:
         raise rep._cost_failed(exc) from exc
-    if type(dt) is not float:               # an int or numpy scalar: the clock holds Python floats
-        dt = seconds(dt)
+    # an int or numpy scalar: the clock holds Python floats
+    dt = dt_o if type(dt_o) is float else seconds(dt_o)
     start = rep.now                         # advance the clock
     end = start + dt
     if not start < end < INF:
@@ -130,6 +134,8 @@ def execute(rep: Replica, plan: Plan) -> bool:
     return True
 
 
+@cython.locals(bs=cython.longlong, new_blocks=cython.longlong, pt=cython.longlong, pctx=cython.longlong,
+               p=cython.longlong, c=cython.longlong, n=cython.longlong, in_turn=cython.bint, inert=cython.bint)
 def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0) -> tuple[int, int, float, int, list[tuple[int, int]]]:
     """The checked plan's chunks (sim/plan_check.py): (new KV blocks, tokens, query-key
     pairs, KV touched, per chunk).

@@ -266,7 +266,9 @@ class Cluster:
             return self._run(progress)
 
     @cython.locals(reqs=RequestTable, single=Replica, rep=Replica, r=Replica, nxt=cython.Py_ssize_t,
-                   n=cython.Py_ssize_t, k=cython.Py_ssize_t, steps=cython.longlong)
+                   n=cython.Py_ssize_t, k=cython.Py_ssize_t, steps=cython.longlong, t_arr=cython.double,
+                   t_rep=cython.double, t_other=cython.double, t=cython.double, t_ev=cython.double,
+                   until=cython.double)
     def _run(self, progress: Callable[[int, int], None] | None) -> RunRecords:
         wall0 = _time.perf_counter()
         reqs, reps, events = self.reqs, self.replicas, self._events
@@ -291,7 +293,7 @@ class Cluster:
         check = invariants.enabled()            # KVSCHED_CHECK=1: the invariants after every step
         for r in reps:                          # replicas whose steady batches may run ahead
             r.runs_ahead = chain and r._steady
-        nxt, steps, checked = 0, 0, [0] * len(reps)
+        nxt, steps, checked, t_other = 0, 0, [0] * len(reps), INF
         ready, version = self._ready, self._version
         scan, heap = single is None and not self._heap, single is None and self._heap
         while reqs.done < reqs.remaining:

@@ -10,7 +10,7 @@ from kvsched.sim.records cimport first_gaps, spill_logs
 from kvsched.sim.replica cimport Replica
 
 cpdef idle_fits(Replica rep)
-cpdef decode_run(Replica rep, until)
+cpdef decode_run(Replica rep, double until)
 cpdef plain_decodes(Replica rep, Cohort c, double until)
 cpdef end_run(Replica rep, k0, k, kv_integral, busy, peak, now)
 cpdef write_back(Replica rep, Cohort c, clock, ctx, now, allocated, used)

@@ -30,5 +30,5 @@ cdef class Replica:
     cpdef next_event_time(self)
     cpdef accept(self, i, t)
     cpdef _arrived(self, t, prefill_tokens)
-    cpdef step(self, until=*)
+    cpdef step(self, double until=*)
     cpdef _call(self, fn, where, i)

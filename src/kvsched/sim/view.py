@@ -34,10 +34,9 @@ from kvsched.errors import KvschedError, PlanError
 from kvsched.sim.requests import DECODE, DONE
 
 # view attribute -> the replica attribute path it reads
-_SCALARS = {"now": "now", "num_decoding": "_decoders.n", "kv_used_blocks": "kv.used",
-            "mean_batch_time": "mean_batch_time", "iterations": "iterations",
-            "arrivals_pending": "_arrivals.pending", "next_arrival": "_arrivals.next_time",
-            "outstanding": "outstanding", "prefill_backlog": "prefill_backlog", "num_waiting": "num_waiting",
+# (the hottest, read by most policies every batch, are properties of ReplicaView itself)
+_SCALARS = {"mean_batch_time": "mean_batch_time", "arrivals_pending": "_arrivals.pending",
+            "next_arrival": "_arrivals.next_time", "num_waiting": "num_waiting",
             "issued": "reqs.issued", "in_flight": "reqs.in_flight", "prefix_hit_rate": "prefix_hit_rate"}
 _FIXED = ("index", "role", "block_size", "kv_capacity_blocks", "waiting", "running",
           "prefilling", "decoding", "recent_batch_times", "recent_finished", "_output", "_admitted", "declared_types",
@@ -183,6 +182,42 @@ class ReplicaView:
     # the hottest reads
     @property
     @cython.locals(r="Replica")
+    def now(self) -> float:
+        r = _R(self)
+        return r.now
+
+    @property
+    @cython.locals(r="Replica")
+    def num_decoding(self) -> int:
+        r = _R(self)
+        return r._decoders.n
+
+    @property
+    @cython.locals(r="Replica")
+    def kv_used_blocks(self) -> int:
+        r = _R(self)
+        return r.kv.used
+
+    @property
+    @cython.locals(r="Replica")
+    def iterations(self) -> int:
+        r = _R(self)
+        return r.iterations
+
+    @property
+    @cython.locals(r="Replica")
+    def outstanding(self) -> int:
+        r = _R(self)
+        return r.outstanding
+
+    @property
+    @cython.locals(r="Replica")
+    def prefill_backlog(self) -> int:
+        r = _R(self)
+        return r.prefill_backlog
+
+    @property
+    @cython.locals(r="Replica")
     def kv_free_blocks(self) -> int:
         r = _R(self)
         return r.kv.capacity_blocks - r.kv.used
@@ -239,7 +274,7 @@ class ReplicaView:
         r = _R(self)
         return r._computed[i]
 
-    @cython.locals(r="Replica")
+    @cython.locals(r="Replica", c="Cohort")
     def generated(self, i: int) -> int:
         r = _R(self)
         c = r._where.get(i)
@@ -247,7 +282,7 @@ class ReplicaView:
             return c.progress(i)[1]
         return r.reqs.gen[i] if r._status[i] != DECODE else self._remote(i)
 
-    @cython.locals(r="Replica")
+    @cython.locals(r="Replica", c="Cohort")
     def kv_tokens(self, i: int) -> int:
         r = _R(self)
         c = r._where.get(i)
@@ -266,7 +301,7 @@ class ReplicaView:
         r = _R(self)
         return i in r._where
 
-    @cython.locals(r="Replica")
+    @cython.locals(r="Replica", c="Cohort")
     def needs_block(self, i: int) -> bool:
         r = _R(self)
         c = r._where.get(i)
@@ -283,7 +318,7 @@ class ReplicaView:
         r = _R(self)
         return r.reqs.tbt[i]
 
-    @cython.locals(r="Replica")
+    @cython.locals(r="Replica", c="Cohort")
     def last_token_time(self, i: int) -> float | None:
         """When its last output token came out (None before the first)."""
         r = _R(self)
