@@ -9,9 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+try:
+    import cython
+except ModuleNotFoundError:                 # run as Python without Cython installed
+    from kvsched import cython_shim as cython
+
 from kvsched.policies.base import Plan, ServerView, noop_hook
 
 
+# Compiled (kvsched/compiled.py), the counts below are C integers: blocks and tokens, bounded by
+# the KV capacity (kvcache.py's TOKEN_LIMIT) and the workload's lengths.
+@cython.locals(free=cython.longlong, need=cython.longlong, nd=cython.longlong)
 def make_room(v: ServerView, reserve: int = 0,
               release: Callable[[int], int] | None = None) -> tuple[list[int], int, int]:
     """Preempt newest-first until one decode step of every remaining decoder fits.
@@ -66,6 +74,9 @@ def prefill_order(v: ServerView, order: str, user_priority: bool = False, aging:
     return queue
 
 
+@cython.locals(free=cython.longlong, budget=cython.longlong, seats=cython.longlong, keep=cython.longlong,
+               target=cython.longlong, hit=cython.longlong, taken=cython.longlong, need=cython.longlong,
+               c=cython.longlong)
 def admit_reserving(v: ServerView, queue: Iterable[int], free: int, budget: int, seats: int,
                     watermark: float, hits=None) -> tuple[list[int], list[tuple[int, int]], int, int]:
     """Admission as the vLLM-v0 block manager under Sarathi-Serve (and SLAI): in `queue` order,
@@ -138,6 +149,9 @@ class VllmV1(_Base):
 
     prefix_caching_default = True           # vLLM v1 turns automatic prefix caching on
 
+    @cython.locals(free=cython.longlong, nd=cython.longlong, budget=cython.longlong, done=cython.longlong,
+                   c=cython.longlong, need=cython.longlong, seqs=cython.longlong, target=cython.longlong,
+                   hit=cython.longlong, taken=cython.longlong)
     def schedule(self, v: ServerView) -> Plan:
         hits = v.prefix_planner()
         release = hits.preempt if hits is not None else v.kv_blocks
@@ -151,7 +165,9 @@ class VllmV1(_Base):
             if i in gone:
                 break                       # reached the preempted tail of the running list
             done = v.prefill_done(i)
-            c = min(budget, v.prefill_target(i) - done, cap or budget)
+            c = min(budget, v.prefill_target(i) - done)
+            if cap is not None and cap < c:
+                c = cap
             if c <= 0:
                 break
             need = v.blocks_for(done + c) - v.blocks_for(done)
@@ -182,7 +198,9 @@ class VllmV1(_Base):
                     break
                 target = v.prefill_target(i)
                 hit, taken = hits.lookup(i) if hits is not None else (0, 0)
-                c = min(budget, target - hit, cap or budget)
+                c = min(budget, target - hit)
+                if cap is not None and cap < c:
+                    c = cap
                 # the hit's blocks are shared, and those now free leave the free pool (vLLM's allocate_slots)
                 need = v.blocks_for(hit + c) - v.blocks_for(hit) + taken
                 if need > free or self.reserve_full_prompt and v.blocks_for(target) - v.blocks_for(hit) + taken > free:
@@ -219,9 +237,12 @@ class Sarathi(_Base):
         if self.order not in ORDERS:
             raise ValueError(f"order must be fcfs or spf, got {self.order!r}")
 
+    @cython.locals(reserve=cython.longlong, budget=cython.longlong, c=cython.longlong)
     def schedule(self, v: ServerView) -> Plan:
         blocks, target = v.blocks_for, v.prefill_target
-        reserve = sum(blocks(target(i)) - v.kv_blocks(i) for i in v.prefilling) if v.prefilling else 0
+        reserve = 0                             # the running prefills' remaining blocks
+        for i in v.prefilling:
+            reserve += blocks(target(i)) - v.kv_blocks(i)
 
         def release(i: int) -> int:
             return blocks(target(i)) if not v.is_decoding(i) else v.kv_blocks(i)

@@ -31,4 +31,6 @@ cdef class Replica:
     cpdef accept(self, i, t)
     cpdef _arrived(self, t, prefill_tokens)
     cpdef step(self, double until=*)
+    cpdef prefix_planner(self)
+    cpdef bint awaits_hit(self, i)
     cpdef _call(self, fn, where, i)
