@@ -308,7 +308,7 @@ def test_kvsched_pure_python_imports_every_py_without_a_warning(tmp_path):
 
 
 EDITS = {   # a cost model's formula and a built-in policy's budget, changed in place after the build
-    "cost/roofline.py": ("return self.overhead + ", "return 2 * self.overhead + ", 2),     # time and DenseDecode
+    "cost/roofline.py": ("return self.overhead + ", "return 2 * self.overhead + ", 2),     # time and DenseTime
     "policies/baselines.py": ("budget = self.max_num_batched_tokens - nd", "budget = self.max_num_batched_tokens // 16 - nd", 2),
 }
 

@@ -84,8 +84,8 @@ def test_roofline_decode_time_is_time_bit_for_bit():
             assert c.decode_time(n, ctx) == c.time(BatchShape(0, 0, 0, 0, n, ctx, (), False))
 
 
-def test_dense_decode_is_time_bit_for_bit_at_the_edges():
-    """DenseDecode (C numbers when compiled) at integer weights, past 2**53 tokens, and past
+def test_dense_time_is_time_bit_for_bit_at_the_edges():
+    """DenseTime (C numbers when compiled) at integer weights, past 2**53 tokens, and past
     its `ctx_limit` (where decode_time falls back to `time`); None for an MoE model."""
     import dataclasses
 
@@ -96,7 +96,7 @@ def test_dense_decode_is_time_bit_for_bit_at_the_edges():
     m = get_model("llama-2-7b")
     for model in (m, dataclasses.replace(m, params=6_738_415_616)):     # float and int weight bytes
         c = RooflineCost(model, gpu)
-        d = c.dense_decode
+        d = c.dense_time
         assert d is not None and d.int_weights == (type(model.weight_bytes) is int)
         for n, ctx in ((1, 1), (7, 2**53 + 1), (3, 3**33), (5, d.ctx_limit), (5, d.ctx_limit + 1),
                        (2, 10**19), (np.int64(4), 5000)):
@@ -105,4 +105,29 @@ def test_dense_decode_is_time_bit_for_bit_at_the_edges():
         with pytest.raises(ValueError, match="ctx_limit|needs"):
             d.seconds(7, d.ctx_limit + 1)
     moe = next(get_model(k) for k in MODELS if get_model(k).active_params is not None)
-    assert RooflineCost(moe, gpu).dense_decode is None
+    assert RooflineCost(moe, gpu).dense_time is None
+
+
+def test_dense_time_of_mixed_batches_is_time_bit_for_bit():
+    """DenseTime.batch from a shape's aggregates, as the replica calls it (sim/batch.py), equals
+    `time` of that BatchShape for random prefill chunks and decodes, and a lone decode step."""
+    import random
+
+    from kvsched.cost.roofline import RooflineCost
+    from kvsched.cost.shape import BatchShape
+    from kvsched.hardware import MODELS, get_gpu, get_model
+    rng = random.Random(1)
+    for name in MODELS:
+        c = RooflineCost(get_model(name), get_gpu("a100-80gb"))
+        d = c.dense_time
+        if d is None:
+            continue
+        for _ in range(300):
+            chunks = [(rng.randint(0, 50_000), rng.randint(1, 8192)) for _ in range(rng.randint(0, 6))]
+            pt = sum(k for _, k in chunks)
+            pattn = sum(k * (p + (k + 1) / 2) for p, k in chunks) if chunks else 0
+            pctx = sum(p + k for p, k in chunks)
+            nd = rng.randint(0 if chunks else 1, 512)
+            dctx = rng.randint(nd, 4_000_000) if nd else 0
+            shape = BatchShape(pt, len(chunks), pattn, pctx, nd, dctx, chunks, False)
+            assert d.batch(pt + nd, pattn + dctx, pctx + dctx) == c.time(shape), shape

@@ -1,12 +1,13 @@
-# Cython's declarations for cost/roofline.py (see sim/replica.pxd): DenseDecode's terms as C
-# numbers, so a decode run's batch time is a C call.
+# Cython's declarations for cost/roofline.py (see sim/replica.pxd): DenseTime's terms as C
+# numbers, so a batch's time is a C call.
 cimport cython
 
 
 @cython.final
-cdef class DenseDecode:
+cdef class DenseTime:
     cdef public double gemm, attn, flop_rate, weights, byte_rate, overhead
     cdef public long long kv_bytes, weights_int, ctx_limit
     cdef public bint int_weights
 
     cpdef double seconds(self, long long n, long long ctx)
+    cpdef double batch(self, long long tokens, double pairs, long long ctx)

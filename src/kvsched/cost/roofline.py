@@ -44,9 +44,9 @@ class RooflineCost:
         object.__setattr__(self, "_gemm_flops", 2.0 * m.active)     # per computed token
         object.__setattr__(self, "_dense", m.active_params is None)
         object.__setattr__(self, "_weights", m.weight_bytes)
-        # what `decode_time` reads (it runs for every decode-only batch): None when `time`'s
-        # numbers are not those DenseDecode computes in (MoE, a float KV size or efficiency)
-        object.__setattr__(self, "dense_decode", DenseDecode.of(self))
+        # `time` of the engine's batches in C numbers (the replica calls it for every batch):
+        # None when `time`'s numbers are not those DenseTime computes in (MoE, a float KV size)
+        object.__setattr__(self, "dense_time", DenseTime.of(self))
 
     def time(self, shape: BatchShape):
         tokens = shape.prefill_tokens + shape.decode_seqs
@@ -67,21 +67,22 @@ class RooflineCost:
         """A decode-only batch of n requests over ctx KV tokens: `time` of that BatchShape, bit
         for bit (the same operations in the same order; tests/test_cost.py checks it), without
         building it (the replica's decode fast path)."""
-        d = self.dense_decode
+        d = self.dense_time
         if d is None or type(n) is not int or type(ctx) is not int or not 0 <= n <= ctx <= d.ctx_limit:
             return self.time(BatchShape(0, 0, 0, 0, n, ctx, (), phase_switch))
         return d.seconds(n, ctx)
 
 
 
-class DenseDecode:
-    """`RooflineCost.time` of a decode-only batch of a dense model (n requests over ctx KV
-    tokens), bit for bit: the same operations in the same order, on the same numbers. Its
-    terms are C doubles and integers when compiled (kvsched/compiled.py), so the replica's
-    decode runs (sim/decode_run.py) call it without a Python number; `of` builds one only
-    when that holds: the float terms are Python floats, the KV bytes per token an int (its
-    product with ctx is then an exact integer in both, up to `ctx_limit`), and the weights'
-    bytes a float or an int (kept an exact integer then, as Python's sum is)."""
+class DenseTime:
+    """`RooflineCost.time` of one batch of a dense model from its aggregates, bit for bit: the
+    same operations in the same order, on the same numbers. Its terms are C doubles and
+    integers when compiled (kvsched/compiled.py), so the replica's batches (sim/batch.py) and
+    decode runs (sim/decode_run.py) call it without a Python number or a BatchShape; `of`
+    builds one only when that holds: the float terms are Python floats, the KV bytes per
+    token an int (its product with the KV tokens is then an exact integer in both, up to
+    `ctx_limit`), and the weights' bytes a float or an int (kept an exact integer then, as
+    Python's sum is). tests/test_cost.py compares it with `time`."""
 
     def __init__(self, gemm: float, attn: float, flop_rate: float, weights: float | int, kv_bytes: int,
                  byte_rate: float, overhead: float) -> None:
@@ -94,7 +95,7 @@ class DenseDecode:
         self.ctx_limit = ((1 << 63) - 1 - self.weights_int) // max(kv_bytes, 1)
 
     @staticmethod
-    def of(cost: RooflineCost) -> DenseDecode | None:
+    def of(cost: RooflineCost) -> DenseTime | None:
         terms = (cost._gemm_flops, cost._attn_flops, cost._flop_rate, cost._weights, cost._kv_bytes,
                  cost._byte_rate, cost.overhead)
         floats, weights, kv_bytes = terms[:3] + terms[5:], terms[3], terms[4]
@@ -102,16 +103,24 @@ class DenseDecode:
                 or not 0 <= kv_bytes < 1 << 62 or type(weights) not in (int, float)
                 or type(weights) is int and not 0 <= weights < 1 << 62):
             return None
-        return DenseDecode(*terms)
+        return DenseTime(*terms)
+
+    def seconds(self, n: int, ctx: int) -> float:
+        """A decode-only batch: n requests over ctx KV tokens (0 <= n <= ctx <= `ctx_limit`)."""
+        if not 0 <= n <= ctx:
+            raise ValueError(f"DenseTime.seconds({n}, {ctx}): needs 0 <= n <= ctx")
+        return self.batch(n, ctx, ctx)
 
     @cython.locals(compute=cython.double, memory=cython.double)
-    def seconds(self, n: int, ctx: int) -> float:
-        """The batch's time, for 0 <= n <= ctx <= `ctx_limit` (`decode_time` checks)."""
-        if not 0 <= n <= ctx <= self.ctx_limit:
-            raise ValueError(f"DenseDecode.seconds({n}, {ctx}): needs 0 <= n <= ctx <= {self.ctx_limit}")
-        compute = (self.gemm * n + self.attn * ctx) / self.flop_rate
+    def batch(self, tokens: int, pairs: float, ctx: int) -> float:
+        """A batch of BatchShape `s`: tokens = s.prefill_tokens + s.decode_seqs, pairs =
+        s.prefill_attn + s.decode_ctx (as Python adds them), ctx = s.prefill_ctx + s.decode_ctx,
+        for 0 <= tokens and 0 <= ctx <= `ctx_limit`."""
+        if not (0 <= tokens <= self.ctx_limit and 0 <= ctx <= self.ctx_limit):
+            raise ValueError(f"DenseTime.batch({tokens}, {pairs}, {ctx}): needs 0 <= tokens, ctx <= {self.ctx_limit}")
+        compute = (self.gemm * tokens + self.attn * pairs) / self.flop_rate
         if self.int_weights:                # Python's exact integer sum, then the division
-            memory = (self.weights_int + 0 * n + self.kv_bytes * ctx) / self.byte_rate
+            memory = (self.weights_int + 0 * tokens + self.kv_bytes * ctx) / self.byte_rate
         else:
-            memory = (self.weights + 0 * n + self.kv_bytes * ctx) / self.byte_rate
+            memory = (self.weights + 0 * tokens + self.kv_bytes * ctx) / self.byte_rate
         return self.overhead + (compute + memory + abs(compute - memory)) / 2

@@ -1,4 +1,5 @@
 # Cython's declarations for batch.py (see replica.pxd).
+from kvsched.cost.roofline cimport DenseTime
 from kvsched.kvcache cimport PagedKV
 from kvsched.metrics cimport GapHistogram
 from kvsched.sim.decode_set cimport Cohort, DecodeSet

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 @cython.locals(ds="DecodeSet", c0="Cohort", co="Cohort", kv="PagedKV", bs=cython.longlong, nd=cython.longlong,
                dnew=cython.longlong, dctx=cython.longlong, new_blocks=cython.longlong, pt=cython.longlong,
                pctx=cython.longlong, held=cython.longlong, kind=cython.int, switch=cython.bint,
-               dt=cython.double, start=cython.double, end=cython.double)
+               dt=cython.double, start=cython.double, end=cython.double, dense="DenseTime")
 def execute(rep: Replica, plan: Plan) -> bool:
     """Check and run one plan, phase by phase; False if it is empty. (Compiled, its counts are
     C integers: each is bounded by the KV capacity, kvcache.py's `TOKEN_LIMIT`.)"""
@@ -81,16 +81,20 @@ def execute(rep: Replica, plan: Plan) -> bool:
     kind = (pt > 0) + 2 * (nd > 0)          # shape and time: 1 prefill-only, 2 decode-only, 3 mixed
     switch = kind != rep._last_kind and rep._last_kind != 0
     rep._last_kind = kind
-    try:
-        dt_o = rep.cost.time(BatchShape(pt, len(shape_chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
-    except KvschedError:
-        raise
-    except PASS_THROUGH:
-        raise
-    except BaseException as exc:
-        raise rep._cost_failed(exc) from exc
-    # an int or numpy scalar: the clock holds Python floats
-    dt = dt_o if type(dt_o) is float else seconds(dt_o)
+    dense = rep._dense_time
+    if dense is not None and pctx + dctx + nd <= dense.ctx_limit:   # the roofline's time of this shape, in C
+        dt = dense.batch(pt + nd, pattn + (dctx + nd), pctx + (dctx + nd))
+    else:
+        try:
+            dt_o = rep.cost.time(BatchShape(pt, len(shape_chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
+        except KvschedError:
+            raise
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:
+            raise rep._cost_failed(exc) from exc
+        # an int or numpy scalar: the clock holds Python floats
+        dt = dt_o if type(dt_o) is float else seconds(dt_o)
     start = rep.now                         # advance the clock
     end = start + dt
     if not start < end < INF:

@@ -1,5 +1,5 @@
 # Cython's declarations for decode_run.py (see replica.pxd).
-from kvsched.cost.roofline cimport DenseDecode
+from kvsched.cost.roofline cimport DenseTime
 from kvsched.kvcache cimport PagedKV
 from kvsched.metrics cimport GapHistogram
 from kvsched.sim.batch cimport batch_end, execute

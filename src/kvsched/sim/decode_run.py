@@ -12,7 +12,7 @@ try:
 except ModuleNotFoundError:                 # run as Python without Cython installed
     from kvsched import cython_shim as cython
 
-from kvsched.cost.roofline import DenseDecode, RooflineCost
+from kvsched.cost.roofline import DenseTime, RooflineCost
 from kvsched.cost.shape import BatchShape
 from kvsched.policies.base import Plan, defined_in
 from kvsched.sim.batch import batch_end, execute, seconds
@@ -67,7 +67,7 @@ def decode_run(rep: Replica, until: float) -> None:
                allocated=cython.longlong, track=cython.bint, hooks=cython.bint, nf=cython.Py_ssize_t,
                dnew=cython.longlong, held=cython.longlong, nb=cython.longlong,
                dt=cython.double, start=cython.double, gap=cython.double,
-               residue=list, heap=list, kv="PagedKV", itl="GapHistogram", dense="DenseDecode")
+               residue=list, heap=list, kv="PagedKV", itl="GapHistogram", dense="DenseTime")
 def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
     """`decode_run`'s batches inlined (the bulk of a run): what `decode_step` and
     `batch.execute` does, in the same order of float operations. The batch's figures are kept in
@@ -78,7 +78,7 @@ def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
     residue, fresh, heap = c.residue, c.fresh, c._heap
     n, clock, ctx, used = c.n, c.clock, c.ctx, kv.used
     f = heap[0][0] if heap else 1 << 62    # the next finish (maybe stale: due() sorts it out)
-    decode_time, dense = rep._decode_time, rep._dense_decode
+    decode_time, dense = rep._decode_time, rep._dense_time
     last_kind = rep._last_kind
     switch = last_kind != 2 and last_kind != 0
     now, last = rep.now, c.last_time
@@ -177,11 +177,12 @@ def write_back(rep: Replica, c: Cohort, clock: int, ctx: int, now: float, alloca
     take(rep, allocated)                    # kv.used becomes `used`
 
 
-def dense_decode(cost) -> DenseDecode | None:
-    """The cost model's `DenseDecode` (cost/roofline.py) when `decode_clock` gives its
-    `decode_time` and that method is RooflineCost's own: its decode-only batch times in C."""
-    d = getattr(cost, "dense_decode", None)
-    if type(d) is not DenseDecode or defined_in(type(cost), "decode_time") is not RooflineCost:
+def dense_time(cost) -> DenseTime | None:
+    """The cost model's `DenseTime` (cost/roofline.py) when `decode_clock` gives its
+    `decode_time` and that method is RooflineCost's own (then so is `time`: `decode_clock`
+    takes `decode_time` only from a subclass of the class defining `time`): its batch times in C."""
+    d = getattr(cost, "dense_time", None)
+    if type(d) is not DenseTime or defined_in(type(cost), "decode_time") is not RooflineCost:
         return None
     return d if getattr(decode_clock(cost), "__func__", None) is RooflineCost.decode_time else None
 

@@ -34,7 +34,7 @@ from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram
 from kvsched.policies.base import NOOP_HOOKS, decodes_when_idle
 from kvsched.sim.batch import execute
-from kvsched.sim.decode_run import decode_clock, decode_run, dense_decode, idle_fits
+from kvsched.sim.decode_run import decode_clock, decode_run, dense_time, idle_fits
 from kvsched.sim.decode_set import DecodeSet
 from kvsched.sim.kv_blocks import free, take
 from kvsched.sim.lifecycle import land_ready, move
@@ -125,7 +125,7 @@ class Replica:
         # decoders fit (policies/base.py, `decodes_when_idle`): such batches skip `schedule`
         self._steady = decodes_when_idle(policy)
         self.runs_ahead = False                 # the cluster loop lets steady batches run to its next event
-        self._decode_time, self._dense_decode = decode_clock(cost), dense_decode(cost)
+        self._decode_time, self._dense_time = decode_clock(cost), dense_time(cost)
         self._face = PlanFace(self)
         self.view = view_of(self, share, prefix_caching)
 
