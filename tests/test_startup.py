@@ -2,6 +2,7 @@
 only; the engine loads when a command runs (timings: benchmarks/bench_startup.py)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -54,3 +55,16 @@ def test_names_equal_the_registries():
     assert names.FORMATS == tuple(FORMATS)
     assert (names.DEFAULT_RATE, names.DEFAULT_LENGTH) == (DEFAULT_RATE, DEFAULT_LENGTH)
     assert names.DEFAULT_STALL_BATCHES == DEFAULT_STALL_BATCHES
+
+
+def test_a_json_run_of_the_adaptive_policies_loads_neither_rich_nor_scipy():
+    """A `--json` simulate renders no table (rich loads for tables only), and EB(k*)/EB+
+    find theta0 and erfcx without scipy (theory/roots.py, theory.eb.erfcx): each cost a run
+    0.05-0.4 s of imports."""
+    code = ("import sys\nfrom kvsched.cli import app\n"
+            "try:\n    app(['simulate', '--policy', 'eb-adaptive', '--num-requests', '400', '--rate', '20', '--json',"
+            " '--set', 'min_samples=30', '--set', 'update_every=20'])\nexcept SystemExit:\n    pass\n"
+            "print(' '.join(m for m in ('rich', 'scipy') if m in sys.modules), file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(p.stdout)["completed"] == 400      # 19 updates of k* ran
+    assert p.stderr.split() == []

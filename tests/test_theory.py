@@ -254,3 +254,37 @@ def test_hazard_fit_recovers_p0_and_eta():
     coef = np.polyfit(t, h, 1, w=np.sqrt(at_risk))
     assert fit["eta"] > 0 and fit["eta"] == pytest.approx(coef[0], rel=0.1)
     assert fit["p0"] == pytest.approx(coef[1], rel=0.1, abs=2e-4)
+
+
+def test_erfcx_matches_scipy_without_importing_it():
+    """theory.eb.erfcx (no scipy import at run time) against scipy.special.erfcx, across the
+    product form and the asymptotic series (ERFCX_SERIES_FROM), to 1e-12 relative."""
+    import math
+
+    import numpy as np
+    from scipy.special import erfcx as reference
+
+    from kvsched.theory.eb import ERFCX_SERIES_FROM, erfcx
+    xs = np.concatenate([np.linspace(0, 40, 4001), np.logspace(-10, 10, 2001),
+                         [np.nextafter(ERFCX_SERIES_FROM, 0), ERFCX_SERIES_FROM]])
+    for x in xs.tolist():
+        assert math.isclose(erfcx(x), float(reference(x)), rel_tol=1e-12, abs_tol=0), x
+    assert erfcx(0.0) == 1.0 and erfcx(math.inf) == 0.0
+    for bad in (-1e-300, -1.0, math.nan):
+        with pytest.raises(KvschedError, match="erfcx needs x >= 0"):
+            erfcx(bad)
+
+
+def test_bracketed_root_is_exact_to_adjacent_floats():
+    """The bisection ends on adjacent floats around the root (or the root itself) and refuses
+    an interval without a sign change."""
+    import math
+
+    from kvsched.theory.roots import bracketed_root
+    for target in (1e-300, 1e-12, 0.3, 2.0, 1e6):
+        r = bracketed_root(lambda x: x * x - target, 0.0, max(2.0, target))
+        assert abs(r * r - target) <= 4 * math.ulp(target) or math.nextafter(r, math.inf) ** 2 >= target >= math.nextafter(r, 0) ** 2
+    assert bracketed_root(lambda x: x - 0.5, 0.0, 1.0) == 0.5
+    for lo, hi in ((1.0, 2.0), (2.0, 1.0), (0.0, 0.0)):
+        with pytest.raises(KvschedError, match="no sign change"):
+            bracketed_root(lambda x: x - 0.5, lo, hi)

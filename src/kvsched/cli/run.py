@@ -135,10 +135,13 @@ def _scoped_params(params: dict[str, str], names: list[str]) -> dict[str, dict[s
 
 
 def _emit(results: list[Result], as_json: bool, keyed: bool) -> None:
-    from kvsched.report.table import comparison_table, summary_table
     summaries = [r.summary for r in results]
     payload = {r.policy: r.summary for r in results} if keyed else summaries[0]
-    emit(payload, as_json, lambda: comparison_table(summaries) if keyed else summary_table(summaries[0]))
+
+    def render():                           # rich is imported only for a table
+        from kvsched.report.table import comparison_table, summary_table
+        return comparison_table(summaries) if keyed else summary_table(summaries[0])
+    emit(payload, as_json, render)
 
 
 @app.command("policies")
