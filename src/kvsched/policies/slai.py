@@ -38,6 +38,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+try:
+    import cython
+except ModuleNotFoundError:                 # run as Python without Cython installed
+    from kvsched import cython_shim as cython
+
 from kvsched.policies.base import Plan, ServerView
 from kvsched.policies.baselines import ORDERS, _Base, _check_limits, admit_reserving, prefill_order
 
@@ -110,11 +115,17 @@ class Slai(_Base):
             plan = self._batch(v, min(c for _, c in (self._lst[i] for i in v.decoding)))   # as at the earliest C
         return plan
 
+    # compiled (kvsched/compiled.py): the counts as C integers (blocks and tokens, bounded by the
+    # KV capacity, kvcache.py's TOKEN_LIMIT)
+    @cython.locals(reserve=cython.longlong, free=cython.longlong, budget=cython.longlong, need=cython.longlong,
+                   k=cython.Py_ssize_t, c=cython.longlong)
     def _batch(self, v: ServerView, now: float) -> Plan:
         """Steps 1-4 with decodes critical when C <= now."""
         blocks, target = v.blocks_for, v.prefill_target
         partial = list(v.prefilling)
-        reserve = sum(blocks(target(i)) - v.kv_blocks(i) for i in partial)
+        reserve = 0
+        for i in partial:
+            reserve += blocks(target(i)) - v.kv_blocks(i)
         deadline = self._deadlines(v, self.offset_now(v, reserve))
         by_deadline = sorted(deadline, key=deadline.__getitem__)
         beta = self.max_decodes

@@ -12,6 +12,7 @@ cdef class Cohort:
     cdef public dict members, fresh, _finish
 
     cpdef progress(self, i)
+    cpdef long long kv_tokens(self, i)
     cpdef last_token(self, i)
     cpdef join(self, i, kv, gen, output, time)
     cpdef step(self, end)

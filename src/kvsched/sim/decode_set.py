@@ -63,6 +63,11 @@ class Cohort:
         steps = self.clock - c0
         return k0 + steps, g0 + steps
 
+    def kv_tokens(self, i: int) -> int:
+        """Member i's KV tokens now (`progress(i)[0]`, without the pair)."""
+        c0, k0, _, _ = self.members[i]
+        return k0 + self.clock - c0
+
     def last_token(self, i: int) -> float:
         c0, _, _, t0 = self.members[i]
         return self.last_time if self.clock > c0 else t0

@@ -287,7 +287,7 @@ class ReplicaView:
         r = _R(self)
         c = r._where.get(i)
         if c is not None:
-            return c.progress(i)[0]
+            return c.kv_tokens(i)
         return r._computed[i] if r._status[i] != DECODE else self._remote(i)
 
     def _remote(self, i: int):
@@ -305,7 +305,7 @@ class ReplicaView:
     def needs_block(self, i: int) -> bool:
         r = _R(self)
         c = r._where.get(i)
-        return c is not None and c.progress(i)[0] % self.block_size == 0
+        return c is not None and c.kv_tokens(i) % r.block_size == 0
 
     @cython.locals(r="Replica")
     def tier_priority(self, i: int) -> int:
