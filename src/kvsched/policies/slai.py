@@ -94,17 +94,20 @@ class Slai(_Base):
         used = (v.kv_used_blocks + reserved) / v.kv_capacity_blocks
         return self.offset_low if used < self.memory_limit else self.offset_high
 
+    @cython.locals(t_bar=cython.double, delta=cython.double, e=cython.double, slo=cython.double,
+                   default=cython.double, freeze=cython.bint)
     def _deadlines(self, v: ServerView, delta: float) -> dict[int, float]:
         """C for every decode-phase request (eq. 8), computed once per produced token."""
         t_bar = v.mean_batch_time or 0.0
         lst = self._lst
+        default, freeze = self.default_tbt, self.freeze
         out = {}
         for i in v.decoding:
             e = v.last_token_time(i)
             known = lst.get(i)
-            if known is None or known[0] != e or not self.freeze:
+            if known is None or known[0] != e or not freeze:
                 slo = v.tbt_slo(i)
-                known = (e, e + (self.default_tbt if math.isinf(slo) else slo) - delta * t_bar)
+                known = (e, e + (default if math.isinf(slo) else slo) - delta * t_bar)
                 lst[i] = known
             out[i] = known[1]
         return out
