@@ -107,3 +107,16 @@ def test_illegal_plans_name_the_policy(policy, needle):
     w = Workload.build(np.zeros(6), [50] * 6, [20] * 6)
     with pytest.raises(PlanError, match=needle):
         Server(w, policy, ConstantCost(0.1), PagedKV(200, 1)).run()
+
+
+def test_budgets_above_the_whole_number_limit_are_refused_through_the_api_too():
+    """The command line caps whole numbers at MAX_TOKENS; a policy built in Python is held to
+    the same (its counts are C integers in the compiled build)."""
+    from kvsched.policies.baselines import Orca, Sarathi, VllmV1
+    from kvsched.workload.lengths import MAX_TOKENS
+    for make in (lambda: VllmV1(max_num_batched_tokens=MAX_TOKENS + 1, max_num_seqs=4),
+                 lambda: Sarathi(chunk_size=512, max_num_seqs=MAX_TOKENS + 1),
+                 lambda: Orca(max_num_seqs=MAX_TOKENS + 1)):
+        with pytest.raises(ValueError, match="at most|must be in"):
+            make()
+    assert VllmV1(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=4).max_num_batched_tokens == MAX_TOKENS

@@ -15,6 +15,7 @@ except ModuleNotFoundError:                 # run as Python without Cython insta
     from kvsched import cython_shim as cython
 
 from kvsched.policies.base import Plan, ServerView, noop_hook
+from kvsched.workload.lengths import MAX_TOKENS
 
 
 # Compiled (kvsched/compiled.py), the counts below are C integers: blocks and tokens, bounded by
@@ -48,6 +49,8 @@ def make_room(v: ServerView, reserve: int = 0,
 def _check_limits(name: str, tokens: int, seqs: int) -> None:
     if tokens < 1 or seqs < 1:
         raise ValueError(f"{name}: token budget and max_num_seqs must be >= 1")
+    if tokens > MAX_TOKENS or seqs > MAX_TOKENS:     # the command line's limit on whole numbers too
+        raise ValueError(f"{name}: token budget and max_num_seqs must be at most {MAX_TOKENS:,}")
     if seqs > tokens:
         raise ValueError(f"max_num_seqs ({seqs}) exceeds the token budget ({tokens}): every "
                          "decode takes one token of the budget (vLLM rejects this too)")
@@ -307,6 +310,9 @@ class VllmV0(_Base):
         return Plan([], [], nd > 0, victims)
 
 
+@cython.locals(free=cython.longlong, budget=cython.longlong, seats=cython.longlong, keep_free=cython.longlong,
+               hit=cython.longlong, taken=cython.longlong, target=cython.longlong, t=cython.longlong,
+               need=cython.longlong)
 def admit_whole_prompts(v: ServerView, free: int, budget: int, seats: int, keep_free: int = 0,
                         alone_ok: bool = True, hits=None) -> tuple[list[int], list[tuple[int, int]]]:
     """FCFS admission of whole prompts (no chunking) while tokens, seats and KV allow.
@@ -349,6 +355,8 @@ class Orca(_Base):
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens:
             _check_limits(self.name, self.max_num_batched_tokens, self.max_num_seqs)
+        elif self.max_num_seqs is not None and not 1 <= self.max_num_seqs <= MAX_TOKENS:
+            raise ValueError(f"{self.name}: max_num_seqs must be in [1, {MAX_TOKENS:,}]")
 
     def schedule(self, v: ServerView) -> Plan:
         hits = v.prefix_planner()
