@@ -4,4 +4,4 @@ cimport cython
 
 @cython.final
 cdef class PagedKV:
-    cdef public object block_size, capacity_blocks, used
+    cdef public long long block_size, capacity_blocks, used     # below TOKEN_LIMIT (checked)

@@ -125,13 +125,17 @@ class Cohort:
         return kv, g0 + steps, last, c0 + 2 - self._base, self.clock + 1 - self._base
 
     @cython.locals(w=cython.double[:], k=cython.Py_ssize_t, m=cython.double)
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
     def gap_max(self, lo: int, hi: int) -> float:
-        """The largest of `_gaps[lo:hi]` (lo < hi; finite floats). Compiled, a loop over the
-        buffer; as Python, numpy's reduction: the same float either way (a maximum of finite
-        floats), each the fast way of its build."""
+        """The largest of `_gaps[lo:hi]` (0 <= lo < hi <= the buffer's length, checked once;
+        finite floats). Compiled, a loop over the buffer; as Python, numpy's reduction: the
+        same float either way (a maximum of finite floats), each the fast way of its build."""
+        w = self._gaps_c
+        if not 0 <= lo < hi <= w.shape[0]:
+            raise IndexError(f"gap window [{lo}, {hi}) outside the cohort's buffer of {w.shape[0]}")
         if not cython.compiled:
             return float(np.maximum.reduce(self._gaps[lo:hi]))
-        w = self._gaps_c
         m = w[lo]
         for k in range(lo + 1, hi):
             if w[k] > m:
