@@ -69,43 +69,51 @@ def test_bad_parameters(name, params):
 
 
 def test_roofline_decode_time_is_time_bit_for_bit():
-    """The decode fast path's batch time (a closure for dense models) equals `time` exactly."""
+    """The decode runs' batch time (DenseTime.seconds, C numbers when compiled) equals `time`
+    of that decode-only shape exactly, for every catalogue model it applies to."""
     import random
 
-    from kvsched.cost.roofline import RooflineCost
+    from kvsched.cost.roofline import DenseTime, RooflineCost
     from kvsched.cost.shape import BatchShape
     from kvsched.hardware import MODELS, get_gpu, get_model
     rng = random.Random(0)
     for name in MODELS:
         c = RooflineCost(get_model(name), get_gpu("h100-sxm"))
+        d = DenseTime.of(c)
         for _ in range(300):
             n = rng.randint(1, 2048)
             ctx = rng.randint(n, 8_000_000)
-            assert c.decode_time(n, ctx) == c.time(BatchShape(0, 0, 0, 0, n, ctx, (), False))
+            shape_time = c.time(BatchShape(0, 0, 0, 0, n, ctx, (), False))
+            assert c.decode_time(n, ctx) == shape_time
+            assert d is None or d.seconds(n, ctx) == shape_time
 
 
 def test_dense_time_is_time_bit_for_bit_at_the_edges():
-    """DenseTime (C numbers when compiled) at integer weights, past 2**53 tokens, and past
-    its `ctx_limit` (where decode_time falls back to `time`); None for an MoE model."""
+    """DenseTime at integer weights and at its `ctx_limit`; it refuses what it cannot compute
+    as `time` does (floats, numpy integers, beyond the limit: ValueError, in both builds);
+    None for an MoE model or a GPU with a zero rate (`time` then raises for itself)."""
     import dataclasses
 
-    from kvsched.cost.roofline import RooflineCost
+    from kvsched.cost.roofline import DenseTime, RooflineCost
     from kvsched.cost.shape import BatchShape
-    from kvsched.hardware import MODELS, get_gpu, get_model
+    from kvsched.hardware import GPU, MODELS, get_gpu, get_model
     gpu = get_gpu("h100-sxm")
     m = get_model("llama-2-7b")
     for model in (m, dataclasses.replace(m, params=6_738_415_616)):     # float and int weight bytes
         c = RooflineCost(model, gpu)
-        d = c.dense_time
+        d = DenseTime.of(c)
         assert d is not None and d.int_weights == (type(model.weight_bytes) is int)
-        for n, ctx in ((1, 1), (7, 2**53 + 1), (3, 3**33), (5, d.ctx_limit), (5, d.ctx_limit + 1),
-                       (2, 10**19), (np.int64(4), 5000)):
-            assert c.decode_time(n, ctx) == c.time(BatchShape(0, 0, 0, 0, n, ctx, (), False)), (n, ctx)
-        assert d.seconds(7, d.ctx_limit) == c.time(BatchShape(0, 0, 0, 0, 7, d.ctx_limit, (), False))
-        with pytest.raises(ValueError, match="ctx_limit|needs"):
-            d.seconds(7, d.ctx_limit + 1)
+        for n, ctx in ((1, 1), (0, 0), (7, 3**20), (5, d.ctx_limit)):
+            assert d.seconds(n, ctx) == c.time(BatchShape(0, 0, 0, 0, n, ctx, (), False)), (n, ctx)
+        for bad in ((7, d.ctx_limit + 1), (5000.9, 6000), (np.int64(4), 5000), (3, 2), (-1, 5), (2, 2**64)):
+            with pytest.raises(ValueError, match="DenseTime.seconds"):
+                d.seconds(*bad)
+        with pytest.raises(ValueError, match="DenseTime.batch"):
+            d.batch(3, 10.5, 10.5)
+        assert c.decode_time(2, 10**19) == c.time(BatchShape(0, 0, 0, 0, 2, 10**19, (), False))   # beyond: Python
     moe = next(get_model(k) for k in MODELS if get_model(k).active_params is not None)
-    assert RooflineCost(moe, gpu).dense_time is None
+    assert DenseTime.of(RooflineCost(moe, gpu)) is None
+    assert DenseTime.of(RooflineCost(m, GPU("no-flops", 80.0, 2e12, 0.0))) is None
 
 
 def test_dense_time_of_mixed_batches_is_time_bit_for_bit():
@@ -113,13 +121,13 @@ def test_dense_time_of_mixed_batches_is_time_bit_for_bit():
     `time` of that BatchShape for random prefill chunks and decodes, and a lone decode step."""
     import random
 
-    from kvsched.cost.roofline import RooflineCost
+    from kvsched.cost.roofline import DenseTime, RooflineCost
     from kvsched.cost.shape import BatchShape
     from kvsched.hardware import MODELS, get_gpu, get_model
     rng = random.Random(1)
     for name in MODELS:
         c = RooflineCost(get_model(name), get_gpu("a100-80gb"))
-        d = c.dense_time
+        d = DenseTime.of(c)
         if d is None:
             continue
         for _ in range(300):

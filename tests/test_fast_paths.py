@@ -318,3 +318,35 @@ def test_a_batch_s_finished_requests_free_in_admission_order():
     free_finished(rep)
     assert freed == [8, 5, 3]
     assert rep._finishing == [] and rep._order == {}
+
+
+def test_a_roofline_subclass_is_timed_with_its_own_terms_and_errors():
+    """The replica's C batch times (DenseTime) are made from the cost's terms when the replica
+    starts, so a subclass that changes them in its __post_init__ (FP8 KV here) is timed with
+    its own terms, as its Python `time` would; a GPU with a zero rate leaves `time` to raise,
+    and the error names the cost model (found by the independent review)."""
+    from kvsched.cost.roofline import RooflineCost
+    from kvsched.errors import KvschedError
+    from kvsched.hardware import GPU, get_model
+    from kvsched.kvcache import PagedKV
+    from kvsched.sim.server import Server
+
+    class Fp8Kv(RooflineCost):
+        def __post_init__(self):
+            super().__post_init__()
+            object.__setattr__(self, "_kv_bytes", self._kv_bytes // 2)
+
+    class Fp8KvPython(Fp8Kv):
+        def time(self, shape):                  # its own time: the engine calls the Python formula
+            return super().time(shape)
+
+    def run(cost):
+        w = workload(120, 8.0, 3)
+        rec = Server(w, make_policy("sarathi", {}, get_gpu("a100-80gb")), cost, PagedKV(60_000, 16)).run()
+        return rec.first_token.tolist(), rec.finished.tolist()
+
+    model, gpu = get_model("llama-2-7b"), get_gpu("a100-80gb")
+    fp8 = run(Fp8Kv(model, gpu))
+    assert fp8 == run(Fp8KvPython(model, gpu)) and fp8 != run(RooflineCost(model, gpu))
+    with pytest.raises(KvschedError, match="cost model RooflineCost raised ZeroDivisionError"):
+        run(RooflineCost(model, GPU("no-flops", 80.0, 2e12, 0.0)))

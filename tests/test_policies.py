@@ -112,11 +112,22 @@ def test_illegal_plans_name_the_policy(policy, needle):
 def test_budgets_above_the_whole_number_limit_are_refused_through_the_api_too():
     """The command line caps whole numbers at MAX_TOKENS; a policy built in Python is held to
     the same (its counts are C integers in the compiled build)."""
-    from kvsched.policies.baselines import Orca, Sarathi, VllmV1
+    from kvsched.policies.baselines import Orca, RequestLevel, Sarathi, VllmV1
+    from kvsched.policies.slai import Slai
     from kvsched.workload.lengths import MAX_TOKENS
     for make in (lambda: VllmV1(max_num_batched_tokens=MAX_TOKENS + 1, max_num_seqs=4),
                  lambda: Sarathi(chunk_size=512, max_num_seqs=MAX_TOKENS + 1),
-                 lambda: Orca(max_num_seqs=MAX_TOKENS + 1)):
-        with pytest.raises(ValueError, match="at most|must be in"):
+                 lambda: Orca(max_num_seqs=MAX_TOKENS + 1), lambda: RequestLevel(b=2 ** 63)):
+        with pytest.raises(ValueError, match=r"must be in \[1, "):
             make()
+    # fractional counts (found by the independent review: the compiled build truncated them)
+    for make in (lambda: VllmV1(2048, 256, long_prefill_token_threshold=100.5), lambda: Sarathi(chunk_size=300.7),
+                 lambda: Sarathi(max_num_seqs=3.5), lambda: Orca(max_num_seqs=4.5), lambda: Slai(token_budget=300.5),
+                 lambda: Slai(max_decodes=2.5)):
+        with pytest.raises(ValueError, match="must be a whole number"):
+            make()
+    for tbt in (None, 0, -1.0, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="default_tbt must be a positive finite number"):
+            Slai(default_tbt=tbt)
+    assert Slai(default_tbt=np.float64(0.1)).default_tbt == 0.1 and VllmV1(2048, 256, np.int64(64))
     assert VllmV1(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=4).max_num_batched_tokens == MAX_TOKENS

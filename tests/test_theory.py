@@ -270,6 +270,7 @@ def test_erfcx_matches_scipy_without_importing_it():
     for x in xs.tolist():
         assert math.isclose(erfcx(x), float(reference(x)), rel_tol=1e-12, abs_tol=0), x
     assert erfcx(0.0) == 1.0 and erfcx(math.inf) == 0.0
+    assert math.isclose(erfcx(1.01e308), float(reference(1.01e308)), rel_tol=1e-6)     # a subnormal, not 0
     for bad in (-1e-300, -1.0, math.nan):
         with pytest.raises(KvschedError, match="erfcx needs x >= 0"):
             erfcx(bad)
@@ -288,3 +289,16 @@ def test_bracketed_root_is_exact_to_adjacent_floats():
     for lo, hi in ((1.0, 2.0), (2.0, 1.0), (0.0, 0.0)):
         with pytest.raises(KvschedError, match="no sign change"):
             bracketed_root(lambda x: x - 0.5, lo, hi)
+
+
+def test_theta0_of_tiny_ratios_is_its_series_root():
+    """Eq. (3)'s left side cancels to theta^2 / 2 for small theta: summed as its series there,
+    theta0 of a tiny p0 alpha_p / alpha_d is sqrt(2 x ratio) to rounding, not a root of the
+    cancellation's noise (found by the independent review: 5.6e-17 for a ratio of 1e-40)."""
+    import math
+    for ratio in (1e-300, 1e-100, 1e-40, 1e-20, 1e-12):
+        th = eb.theta0(ratio, 1.0, 1.0)
+        assert math.isclose(th, math.sqrt(2 * ratio) * (1 - (2 / 3) * math.sqrt(2 * ratio)), rel_tol=1e-9), ratio
+    for ratio in (0.05, 0.3, 3.0):        # either side of SERIES_BELOW: eq. (3) holds to rounding
+        th = eb.theta0(ratio, 1.0, 1.0)
+        assert math.isclose(th / (1 - th) + math.log1p(-th), ratio, rel_tol=1e-12)

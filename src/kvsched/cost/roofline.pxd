@@ -9,5 +9,4 @@ cdef class DenseTime:
     cdef public long long kv_bytes, weights_int, ctx_limit
     cdef public bint int_weights
 
-    cpdef double seconds(self, long long n, long long ctx)
-    cpdef double batch(self, long long tokens, double pairs, long long ctx)
+    cdef double _batch(self, long long tokens, double pairs, long long ctx)

@@ -44,9 +44,6 @@ class RooflineCost:
         object.__setattr__(self, "_gemm_flops", 2.0 * m.active)     # per computed token
         object.__setattr__(self, "_dense", m.active_params is None)
         object.__setattr__(self, "_weights", m.weight_bytes)
-        # `time` of the engine's batches in C numbers (the replica calls it for every batch):
-        # None when `time`'s numbers are not those DenseTime computes in (MoE, a float KV size)
-        object.__setattr__(self, "dense_time", DenseTime.of(self))
 
     def time(self, shape: BatchShape):
         tokens = shape.prefill_tokens + shape.decode_seqs
@@ -64,14 +61,10 @@ class RooflineCost:
         return self.overhead + (compute + memory + abs(compute - memory)) / 2
 
     def decode_time(self, n: int, ctx: int, phase_switch: bool = False) -> float:
-        """A decode-only batch of n requests over ctx KV tokens: `time` of that BatchShape, bit
-        for bit (the same operations in the same order; tests/test_cost.py checks it), without
-        building it (the replica's decode fast path)."""
-        d = self.dense_time
-        if d is None or type(n) is not int or type(ctx) is not int or not 0 <= n <= ctx <= d.ctx_limit:
-            return self.time(BatchShape(0, 0, 0, 0, n, ctx, (), phase_switch))
-        return d.seconds(n, ctx)
-
+        """A decode-only batch of n requests over ctx KV tokens: `time` of that BatchShape. (The
+        replica times the roofline's batches with `DenseTime`, made from these terms when it
+        starts: sim/decode_run.py, `dense_time`.)"""
+        return self.time(BatchShape(0, 0, 0, 0, n, ctx, (), phase_switch))
 
 
 class DenseTime:
@@ -82,7 +75,9 @@ class DenseTime:
     builds one only when that holds: the float terms are Python floats, the KV bytes per
     token an int (its product with the KV tokens is then an exact integer in both, up to
     `ctx_limit`), and the weights' bytes a float or an int (kept an exact integer then, as
-    Python's sum is). tests/test_cost.py compares it with `time`."""
+    Python's sum is), and the rates are nonzero (no division raises, in C or in Python).
+    `seconds` and `batch` check their arguments; the engine calls `_batch` (a C call when
+    compiled) with numbers it has checked. tests/test_cost.py compares it with `time`."""
 
     def __init__(self, gemm: float, attn: float, flop_rate: float, weights: float | int, kv_bytes: int,
                  byte_rate: float, overhead: float) -> None:
@@ -101,23 +96,32 @@ class DenseTime:
         floats, weights, kv_bytes = terms[:3] + terms[5:], terms[3], terms[4]
         if (not cost._dense or any(type(x) is not float for x in floats) or type(kv_bytes) is not int
                 or not 0 <= kv_bytes < 1 << 62 or type(weights) not in (int, float)
-                or type(weights) is int and not 0 <= weights < 1 << 62):
+                or type(weights) is int and not 0 <= weights < 1 << 62
+                or cost._flop_rate == 0 or cost._byte_rate == 0):
             return None
         return DenseTime(*terms)
 
     def seconds(self, n: int, ctx: int) -> float:
-        """A decode-only batch: n requests over ctx KV tokens (0 <= n <= ctx <= `ctx_limit`)."""
-        if not 0 <= n <= ctx:
-            raise ValueError(f"DenseTime.seconds({n}, {ctx}): needs 0 <= n <= ctx")
-        return self.batch(n, ctx, ctx)
+        """A decode-only batch: n requests over ctx KV tokens (ints, 0 <= n <= ctx <= `ctx_limit`)."""
+        if type(n) is not int or type(ctx) is not int or not 0 <= n <= ctx <= self.ctx_limit:
+            raise ValueError(f"DenseTime.seconds({n!r}, {ctx!r}): needs ints 0 <= n <= ctx <= {self.ctx_limit}")
+        return self._batch(n, ctx, ctx)
 
-    @cython.locals(compute=cython.double, memory=cython.double)
     def batch(self, tokens: int, pairs: float, ctx: int) -> float:
         """A batch of BatchShape `s`: tokens = s.prefill_tokens + s.decode_seqs, pairs =
-        s.prefill_attn + s.decode_ctx (as Python adds them), ctx = s.prefill_ctx + s.decode_ctx,
-        for 0 <= tokens and 0 <= ctx <= `ctx_limit`."""
-        if not (0 <= tokens <= self.ctx_limit and 0 <= ctx <= self.ctx_limit):
-            raise ValueError(f"DenseTime.batch({tokens}, {pairs}, {ctx}): needs 0 <= tokens, ctx <= {self.ctx_limit}")
+        s.prefill_attn + s.decode_ctx (as Python adds them: an int or a float), ctx =
+        s.prefill_ctx + s.decode_ctx; tokens and ctx ints in [0, `ctx_limit`]."""
+        if (type(tokens) is not int or type(ctx) is not int or type(pairs) not in (int, float)
+                or not (0 <= tokens <= self.ctx_limit and 0 <= ctx <= self.ctx_limit)):
+            raise ValueError(f"DenseTime.batch({tokens!r}, {pairs!r}, {ctx!r}): needs ints tokens, ctx in "
+                             f"[0, {self.ctx_limit}] and a number of pairs")
+        return self._batch(tokens, pairs, ctx)
+
+    @cython.cfunc
+    @cython.locals(compute=cython.double, memory=cython.double)
+    def _batch(self, tokens: int, pairs: float, ctx: int) -> float:
+        """`batch` unchecked: the engine's call (sim/batch.py, sim/decode_run.py), a C call when
+        compiled, with tokens and ctx it keeps in [0, `ctx_limit`]."""
         compute = (self.gemm * tokens + self.attn * pairs) / self.flop_rate
         if self.int_weights:                # Python's exact integer sum, then the division
             memory = (self.weights_int + 0 * tokens + self.kv_bytes * ctx) / self.byte_rate

@@ -6,6 +6,7 @@ Both rules are vLLM's own (vllm/v1/core/sched/scheduler.py), not simplifications
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -46,11 +47,23 @@ def make_room(v: ServerView, reserve: int = 0,
     return victims, free - need, nd
 
 
+def whole_count(name: str, what: str, value, low: int = 1) -> None:
+    """A policy's count parameter is an integer in [low, MAX_TOKENS] (the command line's limit
+    on whole numbers; compiled, the counts it feeds are C integers, which a float or a larger
+    number would not be as Python: kvsched/compiled.py)."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}: {what} must be a whole number, got {value!r}") from None
+    if not low <= value <= MAX_TOKENS:
+        raise ValueError(f"{name}: {what} must be in [{low}, {MAX_TOKENS:,}], got {value}")
+
+
 def _check_limits(name: str, tokens: int, seqs: int) -> None:
+    whole_count(name, "the token budget", tokens)
+    whole_count(name, "max_num_seqs", seqs)
     if tokens < 1 or seqs < 1:
         raise ValueError(f"{name}: token budget and max_num_seqs must be >= 1")
-    if tokens > MAX_TOKENS or seqs > MAX_TOKENS:     # the command line's limit on whole numbers too
-        raise ValueError(f"{name}: token budget and max_num_seqs must be at most {MAX_TOKENS:,}")
     if seqs > tokens:
         raise ValueError(f"max_num_seqs ({seqs}) exceeds the token budget ({tokens}): every "
                          "decode takes one token of the budget (vLLM rejects this too)")
@@ -146,8 +159,7 @@ class VllmV1(_Base):
 
     def __post_init__(self) -> None:
         _check_limits(self.name, self.max_num_batched_tokens, self.max_num_seqs)
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0 (0 = no cap)")
+        whole_count(self.name, "long_prefill_token_threshold (0 = no cap)", self.long_prefill_token_threshold, 0)
         self._cap = self.long_prefill_token_threshold or None
 
     prefix_caching_default = True           # vLLM v1 turns automatic prefix caching on
@@ -355,8 +367,8 @@ class Orca(_Base):
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens:
             _check_limits(self.name, self.max_num_batched_tokens, self.max_num_seqs)
-        elif self.max_num_seqs is not None and not 1 <= self.max_num_seqs <= MAX_TOKENS:
-            raise ValueError(f"{self.name}: max_num_seqs must be in [1, {MAX_TOKENS:,}]")
+        elif self.max_num_seqs is not None:
+            whole_count(self.name, "max_num_seqs", self.max_num_seqs)
 
     def schedule(self, v: ServerView) -> Plan:
         hits = v.prefix_planner()
@@ -382,8 +394,7 @@ class RequestLevel(_Base):
     decodes_when_idle = True                # nothing waits or prefills: decode everyone (base.py)
 
     def __post_init__(self) -> None:
-        if self.b < 1:
-            raise ValueError(f"b must be >= 1, got {self.b}")
+        whole_count(self.name, "b", self.b)
 
     def schedule(self, v: ServerView) -> Plan:
         hits = v.prefix_planner()

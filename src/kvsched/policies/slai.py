@@ -44,7 +44,7 @@ except ModuleNotFoundError:                 # run as Python without Cython insta
     from kvsched import cython_shim as cython
 
 from kvsched.policies.base import Plan, ServerView
-from kvsched.policies.baselines import ORDERS, _Base, _check_limits, admit_reserving, prefill_order
+from kvsched.policies.baselines import ORDERS, _Base, _check_limits, admit_reserving, prefill_order, whole_count
 
 
 @dataclass
@@ -67,6 +67,10 @@ class Slai(_Base):
 
     def __post_init__(self) -> None:
         _check_limits(self.name, self.token_budget, self.max_num_seqs)
+        whole_count(self.name, "max_decodes", self.max_decodes)
+        tbt = self.default_tbt
+        if isinstance(tbt, bool) or not isinstance(tbt, (int, float)) or not 0 < tbt < math.inf:
+            raise ValueError(f"{self.name}: default_tbt must be a positive finite number of seconds, got {tbt!r}")
         if self.order not in ORDERS:
             raise ValueError(f"order must be spf or fcfs, got {self.order!r}")
         dynamic_set = [k for k in ("offset_low", "offset_high", "memory_limit") if getattr(self, k) is not None]

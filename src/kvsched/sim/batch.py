@@ -32,9 +32,12 @@ if TYPE_CHECKING:
                dnew=cython.longlong, dctx=cython.longlong, new_blocks=cython.longlong, pt=cython.longlong,
                pctx=cython.longlong, held=cython.longlong, kind=cython.int, switch=cython.bint,
                dt=cython.double, start=cython.double, end=cython.double, dense="DenseTime")
+@cython.overflowcheck(True)
 def execute(rep: Replica, plan: Plan) -> bool:
     """Check and run one plan, phase by phase; False if it is empty. (Compiled, its counts are
-    C integers: each is bounded by the KV capacity, kvcache.py's `TOKEN_LIMIT`.)"""
+    C integers, checked for overflow: blocks are bounded by the KV capacity, kvcache.py's
+    `TOKEN_LIMIT`, and token sums by the requests' lengths, MAX_TOKENS each; with prefix
+    caching a shared prefix counts once per request.)"""
     victims, admitted, chunks, d = check_plan(plan, rep._face, rep.name, rep._plan_hooks)
     preempted = rep.preemptions
     for i in victims:                       # preempt
@@ -83,7 +86,7 @@ def execute(rep: Replica, plan: Plan) -> bool:
     rep._last_kind = kind
     dense = rep._dense_time
     if dense is not None and pctx + dctx + nd <= dense.ctx_limit:   # the roofline's time of this shape, in C
-        dt = dense.batch(pt + nd, pattn + (dctx + nd), pctx + (dctx + nd))
+        dt = dense._batch(pt + nd, pattn + (dctx + nd), pctx + (dctx + nd))
     else:
         try:
             dt_o = rep.cost.time(BatchShape(pt, len(shape_chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
@@ -140,6 +143,7 @@ def execute(rep: Replica, plan: Plan) -> bool:
 
 @cython.locals(bs=cython.longlong, new_blocks=cython.longlong, pt=cython.longlong, pctx=cython.longlong,
                p=cython.longlong, c=cython.longlong, n=cython.longlong, in_turn=cython.bint, inert=cython.bint)
+@cython.overflowcheck(True)
 def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0) -> tuple[int, int, float, int, list[tuple[int, int]]]:
     """The checked plan's chunks (sim/plan_check.py): (new KV blocks, tokens, query-key
     pairs, KV touched, per chunk).

@@ -68,6 +68,7 @@ def decode_run(rep: Replica, until: float) -> None:
                dnew=cython.longlong, held=cython.longlong, nb=cython.longlong,
                dt=cython.double, start=cython.double, gap=cython.double,
                residue=list, heap=list, kv="PagedKV", itl="GapHistogram", dense="DenseTime")
+@cython.overflowcheck(True)
 def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
     """`decode_run`'s batches inlined (the bulk of a run): what `decode_step` and
     `batch.execute` does, in the same order of float operations. The batch's figures are kept in
@@ -102,7 +103,7 @@ def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
         if track:                           # the router summary at the batch's start
             rep._snap = (rep.outstanding, held, rep.prefill_backlog)
         if dense is not None and ctx + n <= dense.ctx_limit:
-            dt = dense.seconds(n, ctx + n)
+            dt = dense._batch(n, ctx + n, ctx + n)
         else:
             dt_o = decode_time(n, ctx + n, switch)
             dt = dt_o if type(dt_o) is float else seconds(dt_o)
@@ -178,13 +179,13 @@ def write_back(rep: Replica, c: Cohort, clock: int, ctx: int, now: float, alloca
 
 
 def dense_time(cost) -> DenseTime | None:
-    """The cost model's `DenseTime` (cost/roofline.py) when `decode_clock` gives its
-    `decode_time` and that method is RooflineCost's own (then so is `time`: `decode_clock`
-    takes `decode_time` only from a subclass of the class defining `time`): its batch times in C."""
-    d = getattr(cost, "dense_time", None)
-    if type(d) is not DenseTime or defined_in(type(cost), "decode_time") is not RooflineCost:
+    """The cost model's batch times in C (cost/roofline.py, `DenseTime`), made from its terms
+    now (a subclass may have changed them in its own __post_init__), when it is a
+    RooflineCost whose `time` and `decode_time` are RooflineCost's own; else None."""
+    kind = type(cost)
+    if defined_in(kind, "time") is not RooflineCost or defined_in(kind, "decode_time") is not RooflineCost:
         return None
-    return d if getattr(decode_clock(cost), "__func__", None) is RooflineCost.decode_time else None
+    return DenseTime.of(cost)
 
 
 def decode_clock(cost) -> Callable[[int, int, bool], float]:

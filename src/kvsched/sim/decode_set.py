@@ -83,6 +83,7 @@ class Cohort:
         self._finish[i] = f
         heapq.heappush(self._heap, (f, i))
 
+    @cython.overflowcheck(True)
     def step(self, end: float) -> float:
         """One decode step ending at `end`; returns its gap for members that decoded the
         step before (the fresh ones have their own first gap: end - their last token)."""

@@ -52,7 +52,7 @@ def theta0(p0: float, alpha_p: float, alpha_d: float) -> float:
                    p0=p0, alpha_p=alpha_p, alpha_d=alpha_d)
 
     def f(x: float) -> float:
-        return x / (1 - x) + math.log1p(-x) - rhs
+        return _cfr_lhs(x) - rhs
     hi = 1 - 1e-16
     if f(hi) < 0:                        # only for astronomically large ratios
         raise KvschedError(f"p0 alpha_p / alpha_d = {rhs:.4g} is too large: theta0 rounds to 1")
@@ -60,6 +60,26 @@ def theta0(p0: float, alpha_p: float, alpha_d: float) -> float:
     if th <= 0:
         raise KvschedError(f"p0 alpha_p / alpha_d = {rhs:.4g} is too small: theta0 rounds to 0")
     return th
+
+
+SERIES_BELOW = 0.1       # _cfr_lhs sums its series below this theta (about 17 terms at most)
+
+
+def _cfr_lhs(x: float) -> float:
+    """theta / (1 - theta) + ln(1 - theta), eq. (3)'s left side. Below SERIES_BELOW, where its
+    two terms cancel to about theta^2 / 2 (and rounding would leave noise that a root search
+    takes for a root), as its Taylor series sum_{k>=2} (1 - 1/k) theta^k, summed while a term
+    adds to the sum."""
+    if x >= SERIES_BELOW:
+        return x / (1 - x) + math.log1p(-x)
+    power, total, k = x * x, 0.0, 2
+    while True:
+        term = power * (k - 1) / k
+        if total + term == total:
+            return total
+        total += term
+        power *= x
+        k += 1
 
 
 def zeta(theta: float) -> float:
@@ -135,7 +155,7 @@ def erfcx(x: float) -> float:
         term *= -(2 * k - 1) * u
         total += term
         k += 1
-    return total / (x * math.sqrt(math.pi))
+    return total / x / math.sqrt(math.pi)      # in that order: x * sqrt(pi) overflows near the largest float
 
 
 def batch_sizes(kv_capacity: float, p0: float, mu_l: float, theta: float, eps: float) -> dict[str, int | float]:

@@ -20,6 +20,8 @@ def bracketed_root(f: Callable[[float], float], lo: float, hi: float) -> float:
         if not lo < mid < hi:
             return lo if abs(flo) <= abs(fhi) else hi
         fm = f(mid)
+        if fm != fm:
+            raise KvschedError(f"the function is NaN at {mid!r}: no root can be bracketed there")
         if fm < 0:
             lo, flo = mid, fm
         else:

@@ -16,7 +16,6 @@ import numpy as np
 from kvsched.errors import KvschedError
 from kvsched.theory.checks import in_range, probability
 from kvsched.theory.fluid import FluidType, check_costs, load as fluid_load
-from kvsched.theory.roots import bracketed_root
 
 
 def _counts(n: Sequence[float], m: int) -> np.ndarray:
@@ -204,7 +203,8 @@ def theta(n_prev: float, n_k: float, p_k: float) -> float:
         hi *= 2
     if g(lo) >= 0:                       # the bound is tight to rounding
         return lo
-    return bracketed_root(g, lo, hi)
+    from scipy.optimize import brentq    # here, not at the top: importing it costs 0.35 s of start-up
+    return float(brentq(g, lo, hi, xtol=1e-14, rtol=1e-12))
 
 
 def check_horizon(batches: float, delta: float) -> None:
