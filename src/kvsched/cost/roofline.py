@@ -117,7 +117,6 @@ class DenseTime:
                              f"[0, {self.ctx_limit}] and a number of pairs")
         return self._batch(tokens, pairs, ctx)
 
-    @cython.cfunc
     @cython.locals(compute=cython.double, memory=cython.double)
     def _batch(self, tokens: int, pairs: float, ctx: int) -> float:
         """`batch` unchecked: the engine's call (sim/batch.py, sim/decode_run.py), a C call when
