@@ -9,4 +9,4 @@ cdef class DenseTime:
     cdef public long long kv_bytes, weights_int, ctx_limit
     cdef public bint int_weights
 
-    cdef double _batch(self, long long tokens, double pairs, long long ctx)
+    cpdef double _batch(self, long long tokens, double pairs, long long ctx)    # cpdef: an interpreted engine module calls it too

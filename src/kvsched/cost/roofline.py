@@ -120,7 +120,8 @@ class DenseTime:
     @cython.locals(compute=cython.double, memory=cython.double)
     def _batch(self, tokens: int, pairs: float, ctx: int) -> float:
         """`batch` unchecked: the engine's call (sim/batch.py, sim/decode_run.py), a C call when
-        compiled, with tokens and ctx it keeps in [0, `ctx_limit`]."""
+        both are compiled, with ints tokens and ctx it keeps in [0, `ctx_limit`] (compiled, a
+        float would be truncated here: other callers use `batch` or `seconds`)."""
         compute = (self.gemm * tokens + self.attn * pairs) / self.flop_rate
         if self.int_weights:                # Python's exact integer sum, then the division
             memory = (self.weights_int + 0 * tokens + self.kv_bytes * ctx) / self.byte_rate
