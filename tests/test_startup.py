@@ -1,5 +1,5 @@
-"""`kvsched --help` stays fast: the command-line layer imports typer, rich and tiny modules
-only; the engine loads when a command runs (timings: benchmarks/bench_startup.py)."""
+"""`kvsched --help` stays fast: the command-line layer imports typer and tiny modules only
+(rich for a table); the engine loads when a command runs (timings: benchmarks/bench_startup.py)."""
 from __future__ import annotations
 
 import json

@@ -48,6 +48,8 @@ class OneLineErrors(TyperGroup):
 
 app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Simulate LLM serving under KV-cache limits and compare schedulers.")
+
+
 def say(kind: str, message: str) -> None:
     """One unwrapped line on stderr (a terminal console would wrap it)."""
     sys.stderr.write(f"kvsched: {kind}: {' '.join(str(message).split())}\n")

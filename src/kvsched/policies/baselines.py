@@ -47,6 +47,16 @@ def make_room(v: ServerView, reserve: int = 0,
     return victims, free - need, nd
 
 
+@cython.locals(total=cython.longlong)
+def reserved_blocks(v: ServerView, prefilling: Iterable[int]) -> int:
+    """Blocks the running prefills still need for their whole prompts (promised to them: the
+    vLLM-v0 block manager's reservation, under Sarathi-Serve and SLAI)."""
+    total = 0
+    for i in prefilling:
+        total += v.blocks_for(v.prefill_target(i)) - v.kv_blocks(i)
+    return total
+
+
 def whole_count(name: str, what: str, value, low: int = 1) -> None:
     """A policy's count parameter is an integer in [low, MAX_TOKENS] (the command line's limit
     on whole numbers; compiled, the counts it feeds are C integers, which a float or a larger
@@ -62,8 +72,6 @@ def whole_count(name: str, what: str, value, low: int = 1) -> None:
 def _check_limits(name: str, tokens: int, seqs: int) -> None:
     whole_count(name, "the token budget", tokens)
     whole_count(name, "max_num_seqs", seqs)
-    if tokens < 1 or seqs < 1:
-        raise ValueError(f"{name}: token budget and max_num_seqs must be >= 1")
     if seqs > tokens:
         raise ValueError(f"max_num_seqs ({seqs}) exceeds the token budget ({tokens}): every "
                          "decode takes one token of the budget (vLLM rejects this too)")
@@ -255,9 +263,7 @@ class Sarathi(_Base):
     @cython.locals(reserve=cython.longlong, budget=cython.longlong, c=cython.longlong)
     def schedule(self, v: ServerView) -> Plan:
         blocks, target = v.blocks_for, v.prefill_target
-        reserve = 0                             # the running prefills' remaining blocks
-        for i in v.prefilling:
-            reserve += blocks(target(i)) - v.kv_blocks(i)
+        reserve = reserved_blocks(v, v.prefilling)
 
         def release(i: int) -> int:
             return blocks(target(i)) if not v.is_decoding(i) else v.kv_blocks(i)

@@ -44,7 +44,8 @@ except ModuleNotFoundError:                 # run as Python without Cython insta
     from kvsched import cython_shim as cython
 
 from kvsched.policies.base import Plan, ServerView
-from kvsched.policies.baselines import ORDERS, _Base, _check_limits, admit_reserving, prefill_order, whole_count
+from kvsched.policies.baselines import (ORDERS, _Base, _check_limits, admit_reserving, prefill_order, reserved_blocks,
+                                        whole_count)
 
 
 @dataclass
@@ -130,9 +131,7 @@ class Slai(_Base):
         """Steps 1-4 with decodes critical when C <= now."""
         blocks, target = v.blocks_for, v.prefill_target
         partial = list(v.prefilling)
-        reserve = 0
-        for i in partial:
-            reserve += blocks(target(i)) - v.kv_blocks(i)
+        reserve = reserved_blocks(v, partial)
         deadline = self._deadlines(v, self.offset_now(v, reserve))
         by_deadline = sorted(deadline, key=deadline.__getitem__)
         beta = self.max_decodes

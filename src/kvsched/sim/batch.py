@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 @cython.locals(ds="DecodeSet", c0="Cohort", co="Cohort", kv="PagedKV", bs=cython.longlong, nd=cython.longlong,
                dnew=cython.longlong, dctx=cython.longlong, new_blocks=cython.longlong, pt=cython.longlong,
-               pctx=cython.longlong, held=cython.longlong, kind=cython.int, switch=cython.bint,
+               pctx=cython.longlong, touched=cython.longlong, held=cython.longlong, kind=cython.int, switch=cython.bint,
                dt=cython.double, start=cython.double, end=cython.double, dense="DenseTime")
 @cython.overflowcheck(True)
 def execute(rep: Replica, plan: Plan) -> bool:
@@ -85,8 +85,9 @@ def execute(rep: Replica, plan: Plan) -> bool:
     switch = kind != rep._last_kind and rep._last_kind != 0
     rep._last_kind = kind
     dense = rep._dense_time
-    if dense is not None and pctx + dctx + nd <= dense.ctx_limit:   # the roofline's time of this shape, in C
-        dt = dense._batch(pt + nd, pattn + (dctx + nd), pctx + (dctx + nd))
+    touched = pctx + (dctx + nd)            # the shape's prefill_ctx + decode_ctx
+    if dense is not None and touched <= dense.ctx_limit:     # the roofline's time of this shape, in C
+        dt = dense._batch(pt + nd, pattn + (dctx + nd), touched)
     else:
         try:
             dt_o = rep.cost.time(BatchShape(pt, len(shape_chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))

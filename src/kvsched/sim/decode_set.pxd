@@ -18,6 +18,7 @@ cdef class Cohort:
     cpdef step(self, end)
     cpdef list due(self)
     cpdef leave(self, i)
+    cdef tuple _bounds(self, long long c0)
     cpdef double gap_max(self, Py_ssize_t lo, Py_ssize_t hi)
     cpdef window(self, i)
     cpdef _trim(self)

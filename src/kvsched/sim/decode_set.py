@@ -123,7 +123,13 @@ class Cohort:
         if steps == 0:
             del self.fresh[i]
         last = self.last_time if steps else t0
-        return kv, g0 + steps, last, c0 + 2 - self._base, self.clock + 1 - self._base
+        lo, hi = self._bounds(c0)
+        return kv, g0 + steps, last, lo, hi
+
+    def _bounds(self, c0: int) -> tuple[int, int]:
+        """(lo, hi): `_gaps[lo:hi]` are the gaps, after its first decode step here, of a member
+        that joined at clock c0 (empty when lo >= hi)."""
+        return c0 + 2 - self._base, self.clock + 1 - self._base
 
     @cython.locals(w=cython.double[:], k=cython.Py_ssize_t, m=cython.double)
     @cython.boundscheck(False)
@@ -146,8 +152,8 @@ class Cohort:
     def window(self, i: int) -> np.ndarray:
         """The gaps member i has had so far after its first decode step here (what `leave`
         would return for it), without removing it."""
-        c0 = self.members[i][0]
-        return self._gaps[c0 + 2 - self._base:self.clock + 1 - self._base]
+        lo, hi = self._bounds(self.members[i][0])
+        return self._gaps[lo:hi]
 
     def _trim(self) -> None:
         """Drop gaps older than every member's window; grow if still more than half full."""

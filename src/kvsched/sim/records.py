@@ -33,10 +33,13 @@ def fold(rep: Replica, i: int, gen: int, last: float, c: Cohort, lo: int, hi: in
         m = c.gap_max(lo, hi)
         if m > r.itl_max_c[i]:
             r.itl_max_c[i] = m
-        if m > r.tbt[i]:
-            r.viol[i] += int(np.count_nonzero(c._gaps[lo:hi] > r.tbt[i]))
-        if rep.tier_itl is not None and r.tier[i] >= 0:
-            rep.tier_itl[r.tier[i]].add_many(c._gaps[lo:hi])
+        tiered = rep.tier_itl is not None and r.tier[i] >= 0
+        if m > r.tbt[i] or tiered:              # the rare cases that read the gaps themselves
+            window = c._gaps[lo:hi]
+            if m > r.tbt[i]:
+                r.viol[i] += int(np.count_nonzero(window > r.tbt[i]))
+            if tiered:
+                rep.tier_itl[r.tier[i]].add_many(window)
 
 
 @cython.locals(itl="GapHistogram", r="RequestTable", itl_max=cython.double[:])
