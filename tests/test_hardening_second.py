@@ -2,7 +2,9 @@
 without bound, let a policy write the engine or fail late; now a one-line error (exit 2) or
 the correct result."""
 import collections
+import copy
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -126,6 +128,35 @@ def test_view_private_slots_and_bound_methods_lead_nowhere():
     b = simulate(Scenario(w), "vllm-v1").summary
     assert a["completed"] == b["completed"] == 20
     assert a["duration"] == b["duration"]          # the policy's cost copy was emptied, not the engine's
+
+
+def test_view_copies_and_pickles_lead_nowhere():
+    """Compiled, the view is a C type whose replica is a C field (sim/view.pxd): no pickling
+    or copying protocol hands it out, and a view made without the engine reads nothing."""
+    from kvsched.sim.view import ReplicaView
+    seen = {}
+
+    class Copier:
+        name = "copier"
+
+        def schedule(self, v):
+            if not seen:
+                seen["reduced"] = _reachable(v.__reduce_ex__(2))
+                for make in (lambda: pickle.dumps(v), lambda: copy.copy(v), lambda: copy.deepcopy(v)):
+                    with pytest.raises((TypeError, AttributeError, PlanError)):
+                        make()
+            return _BASE.schedule(v)
+
+    w = Workload.build(np.arange(10) * 0.05, [200] * 10, [10] * 10)
+    assert simulate(Scenario(w), Copier()).summary["completed"] == 10
+    from kvsched.sim.decode_set import Cohort, DecodeSet
+    from kvsched.sim.requests import RequestTable
+    engine = (replica_mod.Replica, Cohort, DecodeSet, RequestTable)
+    assert not [type(o).__name__ for o in seen["reduced"] if isinstance(o, engine)]
+    bare = ReplicaView.__new__(ReplicaView)
+    for read in (lambda: bare.now, lambda: bare.prompt_len(0), lambda: bare.num_waiting, lambda: bare.cost_model):
+        with pytest.raises(AttributeError):
+            read()
 
 
 # ---- writers never replace what is not a regular file ------------------------------------

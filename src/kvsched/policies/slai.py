@@ -118,22 +118,26 @@ class Slai(_Base):
         return out
 
     def schedule(self, v: ServerView) -> Plan:
-        plan = self._batch(v, v.now)
-        if not (plan.decode or plan.chunks or plan.preempt) and v.num_decoding:
-            plan = self._batch(v, min(c for _, c in (self._lst[i] for i in v.decoding)))   # as at the earliest C
+        partial = list(v.prefilling)
+        reserve = reserved_blocks(v, partial)
+        deadline = self._deadlines(v, self.offset_now(v, reserve))
+        by_deadline = sorted(deadline, key=deadline.__getitem__)
+        plan = self._batch(v, v.now, list(partial), reserve, deadline, by_deadline)
+        if not (plan.decode or plan.chunks or plan.preempt) and by_deadline:
+            # as at the earliest C (the same C: nothing above changed the view)
+            plan = self._batch(v, deadline[by_deadline[0]], partial, reserve, deadline, by_deadline)
         return plan
 
     # compiled (kvsched/compiled.py): the counts as C integers (blocks and tokens, bounded by the
     # KV capacity, kvcache.py's TOKEN_LIMIT)
     @cython.locals(reserve=cython.longlong, free=cython.longlong, budget=cython.longlong, need=cython.longlong,
                    k=cython.Py_ssize_t, c=cython.longlong)
-    def _batch(self, v: ServerView, now: float) -> Plan:
-        """Steps 1-4 with decodes critical when C <= now."""
+    def _batch(self, v: ServerView, now: float, partial: list[int], reserve: int, deadline: dict[int, float],
+               by_deadline: list[int]) -> Plan:
+        """Steps 1-4 with decodes critical when C <= now: `partial` the running prefills (this
+        pops the victims from it), `reserve` their reserved blocks, `deadline` C per decoder,
+        `by_deadline` the decoders by C."""
         blocks, target = v.blocks_for, v.prefill_target
-        partial = list(v.prefilling)
-        reserve = reserved_blocks(v, partial)
-        deadline = self._deadlines(v, self.offset_now(v, reserve))
-        by_deadline = sorted(deadline, key=deadline.__getitem__)
         beta = self.max_decodes
         free = v.kv_free_blocks - reserve
         budget = self.token_budget

@@ -13,7 +13,7 @@ cdef class Cohort:
 
     cpdef progress(self, i)
     cpdef long long kv_tokens(self, i)
-    cpdef last_token(self, i)
+    cpdef double last_token(self, i)
     cpdef join(self, i, kv, gen, output, time)
     cpdef step(self, end)
     cpdef list due(self)

@@ -68,6 +68,7 @@ class Cohort:
         c0, k0, _, _ = self.members[i]
         return k0 + self.clock - c0
 
+    @cython.locals(c0=cython.longlong, t0=cython.double)
     def last_token(self, i: int) -> float:
         c0, _, _, t0 = self.members[i]
         return self.last_time if self.clock > c0 else t0

@@ -1,4 +1,22 @@
-# Cython's declarations for view.py (the compiled build, kvsched/compiled.py): the type of the
-# replica its reads hold (`@cython.locals(r="Replica")`), so they read its fields directly.
+# Cython's declarations for view.py (the compiled build, kvsched/compiled.py): the view as a C
+# type whose replica (typed, so its reads take the replica's fields directly) and cost-model
+# copy are C fields no Python code reaches.
+cimport cython
+
 from kvsched.sim.decode_set cimport Cohort
 from kvsched.sim.replica cimport Replica
+
+
+@cython.final
+cdef class ReplicaView:
+    cdef Replica _r
+    cdef object _cost
+    cdef public object _policy_name, index, role, block_size, kv_capacity_blocks, waiting, running, prefilling
+    cdef public object decoding, recent_batch_times, recent_finished, _output, _admitted, declared_types
+    cdef public object prefix_caching
+
+
+cpdef Replica _R(ReplicaView v)
+cdef void _SET_R(ReplicaView v, Replica r)
+cdef object _COST(ReplicaView v)
+cdef void _SET_COST(ReplicaView v, object cost)

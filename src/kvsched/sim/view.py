@@ -1,3 +1,5 @@
+# cython: auto_pickle=False
+# (compiled, pickling the view would hand out its C fields: the replica)
 """The read-only view of a replica that policies and routers receive (policies/base.py,
 `ServerView`, documents every field).
 
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence, Set
-from operator import attrgetter
 
 import numpy as np
 
@@ -33,11 +34,6 @@ except ModuleNotFoundError:                 # run as Python without Cython insta
 from kvsched.errors import KvschedError, PlanError
 from kvsched.sim.requests import DECODE, DONE
 
-# view attribute -> the replica attribute path it reads
-# (the hottest, read by most policies every batch, are properties of ReplicaView itself)
-_SCALARS = {"mean_batch_time": "mean_batch_time", "arrivals_pending": "_arrivals.pending",
-            "next_arrival": "_arrivals.next_time", "num_waiting": "num_waiting",
-            "issued": "reqs.issued", "in_flight": "reqs.in_flight", "prefix_hit_rate": "prefix_hit_rate"}
 _FIXED = ("index", "role", "block_size", "kv_capacity_blocks", "waiting", "running",
           "prefilling", "decoding", "recent_batch_times", "recent_finished", "_output", "_admitted", "declared_types",
           "prefix_caching")
@@ -162,15 +158,43 @@ class PlannerFace:
 _P, _SET_P = _sealed(PlannerFace, "_p")
 
 
+if cython.compiled:     # a field's own setter, past the view's __setattr__ (object.__setattr__ refuses a C type's)
+    from cython.cimports.cpython.object import PyObject_GenericSetAttr as _put
+else:
+    _put = object.__setattr__
+
+
+def _R(v: ReplicaView) -> Replica:
+    """The replica behind view v. Compiled (view.pxd), v's C field, out of Python's reach; as
+    Python, the getter of v's sealed slot replaces this function (below the class)."""
+    if v is None or v._r is None:       # a view not made by the engine (ReplicaView.__new__)
+        raise AttributeError("this view has no replica")
+    return v._r
+
+
+def _SET_R(v: ReplicaView, r: Replica) -> None:
+    v._r = r
+
+
+def _COST(v: ReplicaView):
+    return v._cost
+
+
+def _SET_COST(v: ReplicaView, cost) -> None:
+    v._cost = cost
+
+
 class ReplicaView:
+    """The view. Compiled, a C type (view.pxd) whose replica and cost-model copy are C fields:
+    a per-request read is one C call and a field read, no slot getter's Python call."""
     __slots__ = ("_r", "_cost", "_policy_name") + _FIXED
 
     def __init__(self, replica, fixed: dict) -> None:
         _SET_R(self, replica)
-        put = object.__setattr__
-        put(self, "_policy_name", getattr(replica.policy, "name", type(replica.policy).__name__))
+        _SET_COST(self, None)
+        _put(self, "_policy_name", getattr(replica.policy, "name", type(replica.policy).__name__))
         for name in _FIXED:
-            put(self, name, fixed[name])
+            _put(self, name, fixed[name])
 
     def __setattr__(self, name: str, value) -> None:
         raise PlanError(f"policy {self._policy_name} assigned view.{name}: the view is read-only "
@@ -179,7 +203,7 @@ class ReplicaView:
     def __delattr__(self, name: str) -> None:
         self.__setattr__(name, None)
 
-    # the hottest reads
+    # the replica's state now
     @property
     @cython.locals(r="Replica")
     def now(self) -> float:
@@ -230,13 +254,44 @@ class ReplicaView:
         return r._decoders.new_blocks
 
     @property
+    def num_waiting(self) -> int:
+        return _R(self).num_waiting
+
+    @property
+    def mean_batch_time(self) -> float | None:
+        return _R(self).mean_batch_time
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        return _R(self).prefix_hit_rate
+
+    @property
+    def arrivals_pending(self) -> bool:
+        return _R(self)._arrivals.pending
+
+    @property
+    def next_arrival(self) -> float | None:
+        return _R(self)._arrivals.next_time
+
+    @property
+    @cython.locals(r="Replica")
+    def issued(self) -> int:
+        r = _R(self)
+        return r.reqs.issued
+
+    @property
+    @cython.locals(r="Replica")
+    def in_flight(self) -> int:
+        r = _R(self)
+        return r.reqs.in_flight
+
+    @property
     def cost_model(self):
         """The batch-time model: the policy's own deep copy (made at its first read), so
         nothing a policy does to it changes the engine's timing."""
-        try:
-            return _COST(self)
-        except AttributeError:
-            pass
+        cost = _COST(self)
+        if cost is not None:
+            return cost
         try:
             cost = copy.deepcopy(_R(self).cost)
         except Exception as exc:
@@ -344,17 +399,9 @@ class ReplicaView:
         return f"<view of replica {self.index} at t={self.now:.6g}>"
 
 
-_R, _SET_R = _sealed(ReplicaView, "_r")
-_COST, _SET_COST = _sealed(ReplicaView, "_cost")
-
-
-def _scalar(path: str) -> property:
-    read = attrgetter(path)
-    return property(lambda self: read(_R(self)))
-
-
-for _name, _path in _SCALARS.items():
-    setattr(ReplicaView, _name, _scalar(_path))
+if not cython.compiled:     # as Python, the slots' descriptors go (compiled, the fields are C's)
+    _R, _SET_R = _sealed(ReplicaView, "_r")
+    _COST, _SET_COST = _sealed(ReplicaView, "_cost")
 
 
 def view_of(replica, share: float, prefix_caching: bool) -> ReplicaView:
