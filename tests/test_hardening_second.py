@@ -159,6 +159,69 @@ def test_view_copies_and_pickles_lead_nowhere():
             read()
 
 
+_FOREIGN_SELF = r"""
+import numpy as np
+from kvsched.hardware import get_gpu
+from kvsched.policies import make_policy
+from kvsched.run import Scenario, simulate
+from kvsched.workload import Workload
+base, out = make_policy("vllm-v1", {}, get_gpu("a100-80gb")), []
+
+class Foreign:
+    name = "foreign"
+
+    def schedule(self, v):
+        if not out:
+            kind = type(v)
+            for name in sorted(n for n in dir(kind) if not n.startswith("__")):
+                attr = getattr(kind, name)
+                calls = [lambda: attr.__get__(object())] if hasattr(attr, "__set__") else []
+                if callable(attr):
+                    calls += [lambda: attr(object(), 0), lambda: attr(object()), lambda: attr(1, 16)]
+                for call in calls:
+                    try:
+                        call()
+                        out.append(name)
+                    except (TypeError, AttributeError):     # as Python, the body may fail first
+                        pass
+            out.append("-")
+        return base.schedule(v)
+
+simulate(Scenario(Workload.build(np.arange(4) * 0.05, [50] * 4, [5] * 4)), Foreign())
+print(",".join(out))
+"""
+
+
+def test_view_methods_refuse_a_foreign_self():
+    """A policy calling the view's own methods or properties on another object
+    (`type(v).prompt_len(object(), 0)`) gets an error, compiled a TypeError (methods of a C type
+    that check their `self`: view.py is compiled with binding=False), not a read of
+    whatever memory lies where the replica would be. In a child process: a crash fails this
+    test instead of the run."""
+    for pure in ("0", "1"):
+        env = {**os.environ, "KVSCHED_PURE_PYTHON": pure}
+        r = subprocess.run([sys.executable, "-c", _FOREIGN_SELF], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, (pure, r.returncode, r.stderr[-500:])
+        assert r.stdout.strip() == "-", (pure, r.stdout)     # no call on a foreign object went through
+
+
+def test_the_view_is_made_once():
+    seen = {}
+
+    class Remaker:
+        name = "remaker"
+
+        def schedule(self, v):
+            if not seen:
+                with pytest.raises(PlanError, match="remaker called view.__init__: the view is read-only"):
+                    v.__init__(None, {})
+                seen["now"] = v.now              # the view still reads its replica
+            return _BASE.schedule(v)
+
+    w = Workload.build(np.arange(5) * 0.05, [100] * 5, [5] * 5)
+    assert simulate(Scenario(w), Remaker()).summary["completed"] == 5 and seen["now"] >= 0
+
+
 # ---- writers never replace what is not a regular file ------------------------------------
 
 def _targets(tmp_path):

@@ -88,9 +88,12 @@ def _both(w, make, cost, cap_tokens, bs):
         try:
             run()
             errors.append(None)
-        except PlanError as exc:
+        except Exception as exc:            # the engine names a policy's error (PlanError); the reference lets it through
             errors.append(exc)
     assert (errors[0] is None) == (errors[1] is None), errors
+    if errors[0] is not None:
+        assert isinstance(errors[0], PlanError), errors
+        assert isinstance(errors[1], PlanError) or f"raised {type(errors[1]).__name__} " in str(errors[0]), errors
     return (engine, ref) if errors[0] is None else (None, None)
 
 

@@ -2,6 +2,7 @@
 first-token-zero TBT option, per-tier gap histograms kept by the replicas and merged by clusters."""
 from __future__ import annotations
 
+import gc
 import json
 import math
 
@@ -14,7 +15,6 @@ from kvsched.hardware import get_gpu
 from kvsched.metrics import GapHistogram, summarize
 from kvsched.policies import make_policy
 from kvsched.sim.records import merged_tiers
-from kvsched.sim.view import _R
 from kvsched.report.table import comparison_table, summary_table
 from kvsched.run import Scenario, simulate
 from kvsched.workload.request import Tier, Workload
@@ -41,6 +41,13 @@ def two_tiers(n: int = 400, seed: int = 0, tiered: bool = True, untiered: float 
     return Workload.build(arrival, prompt, output, tier_index=tier, tiers=[GOLD, FREE])
 
 
+def _replica_behind(v):
+    """The replica behind a view (test-only access, through the interpreter's introspection:
+    nothing of the view leads to it)."""
+    from kvsched.sim.replica import Replica
+    return next(o for o in gc.get_referents(v) if isinstance(o, Replica))
+
+
 class TokenTimes(Forwarding):
     """Wraps a policy and writes down when each request's every output token came out."""
 
@@ -64,7 +71,7 @@ class TokenTimes(Forwarding):
         for i in list(v.running):
             self._seen(i, v)
         self._pass("on_batch_end", v)
-        self.replica = _R(v)                    # the replica behind the view (test-only access)
+        self.replica = _replica_behind(v)
         self.batches += 1
         if self.replica.tier_itl is not None and self.batches % 40 == 0:
             # gaps so far, with those of requests still decoding: every tiered gap is in a tier

@@ -10,6 +10,11 @@ from typing import TYPE_CHECKING, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+try:
+    import cython
+except ModuleNotFoundError:                 # run as Python without Cython installed
+    from kvsched import cython_shim as cython
+
 if TYPE_CHECKING:
     from kvsched.csvtext import Column
 
@@ -44,55 +49,98 @@ def layout(kinds: str) -> np.dtype:
     return np.dtype([(f"c{k}", np.float64 if c == "f" else np.int64) for k, c in enumerate(kinds)])
 
 
-class RowLog(Sequence):
-    """Append-only rows of a fixed column layout (`kinds`: 'f' float64 or 'i' int64): in
-    memory as Python's appends (`_rows`, oldest first), whole chunks of the oldest spilled to
-    a temporary file (memory stays flat)."""
+class RowLog:
+    """Append-only rows of a fixed column layout (`kinds`: 'f' float64 or 'i' int64), in
+    flat memory: rows are written into a chunk of the layout (`_buf`, CHUNK rows; compiled,
+    through typed views of its memory), and each full chunk goes to a temporary file. A row
+    the chunk could not give back as the same Python values (a value not of its column's
+    exact type, e.g. an int in a float column, or not a tuple of one value per column) is kept
+    as given in `_rows`, and so is every row after it until a chunk boundary empties `_rows`;
+    numpy converts those when their chunk goes to the file, as it converts any spilled row."""
 
     def __init__(self, kinds: str) -> None:
         self.dtype = layout(kinds)
-        self._rows: list[tuple] = []
+        self._width = len(kinds)
+        if not self._width:
+            raise ValueError("a row log needs at least one column")
+        self._floats = [kind == "f" for kind in kinds]
+        self._cap = CHUNK                             # read now: tests shrink CHUNK
+        self._buf = np.empty(self._cap, self.dtype)   # untouched pages cost no memory until written
+        self._f = self._buf.view(np.float64).reshape(self._cap, self._width)
+        self._q = self._buf.view(np.int64).reshape(self._cap, self._width)
+        self._n = 0                                   # rows in _buf
+        self._rows: list = []                         # rows after _buf's, kept as given
         self._file = None
         self._spilled = 0
-        self.append = self._rows.append           # the hot path: a list append
 
-    def _parts(self, snapshot: bool = True) -> list[list[tuple]]:
-        """The rows in memory: a snapshot (later appends change none of it), or the list itself
-        (for a read at once)."""
-        if not self._rows:
-            return []
-        return [list(self._rows) if snapshot else self._rows]
+    @cython.locals(n=cython.Py_ssize_t, c=cython.Py_ssize_t)
+    def append(self, row) -> None:
+        """Add a row: one value per column (the hot path: written into the chunk)."""
+        n = self._n
+        if not self._rows and type(row) is tuple and len(row) == self._width:
+            try:
+                for c in range(self._width):
+                    v = row[c]
+                    if self._floats[c]:
+                        if type(v) is not float:
+                            break
+                        self._f[n, c] = v
+                    elif type(v) is int:
+                        self._q[n, c] = v       # OverflowError beyond int64
+                    else:
+                        break
+                else:
+                    self._n = n + 1
+                    if n + 1 == self._cap:
+                        self._spill()
+                    return
+            except OverflowError:
+                pass                            # row n is not counted: what was written is dropped
+        self._rows.append(row)
 
     def __len__(self) -> int:
         self._spill_if_full()
-        return self._spilled + len(self._rows)
+        return self._spilled + self._n + len(self._rows)
 
     def _spill_if_full(self) -> None:
-        if len(self._rows) >= CHUNK:
+        while self._n + len(self._rows) >= self._cap:
             self._spill()
 
     def _spill(self) -> None:
-        """Whole chunks of the oldest rows go to the file (the same rows whenever it is
-        called); the rest stay."""
+        """The oldest chunk of rows goes to the file (a whole chunk: what the file holds does
+        not depend on when this is called)."""
         if self._file is None:
             self._file = tempfile.TemporaryFile()
             weakref.finalize(self, self._file.close)     # closed with the log: no ResourceWarning at exit
         self._file.seek(0, 2)
-        k = len(self._rows) // CHUNK * CHUNK
-        np.array(self._rows[:k], dtype=self.dtype).tofile(self._file)
-        self._spilled += k
-        del self._rows[:k]                        # in place: `append` stays bound to it
+        if self._rows:                          # the chunk's rows, then the first ones kept as given
+            k = self._cap - self._n
+            rows = self._buf[:self._n].tolist() + self._rows[:k]
+            chunk = exact_chunk(rows, self.dtype)
+            if chunk is None:                   # other types: numpy converts them
+                chunk = np.array(rows, dtype=self.dtype)
+            del self._rows[:k]
+        else:
+            chunk = self._buf
+        chunk.tofile(self._file)
+        self._spilled += self._cap
+        self._n = 0
 
     def check(self) -> None:
-        """Move full chunks to disk (the replica calls it every few thousand batches)."""
+        """Move full chunks of rows kept as given to disk (the replica calls it every few
+        thousand batches; a full chunk of written rows goes at once)."""
         self._spill_if_full()
 
+    def _in_memory(self) -> tuple[np.ndarray, list]:
+        """The rows in memory now: a copy of the chunk's, and a snapshot of those kept as given."""
+        return self._buf[:self._n].copy(), list(self._rows)
+
     def __iter__(self) -> Iterator[tuple]:
-        total, parts = self._spilled, self._parts()     # the rows now: a spill meanwhile changes neither
+        total, (head, rest) = self._spilled, self._in_memory()     # a spill meanwhile changes neither
         for block in self.spilled_chunks(total):
             yield from block.tolist()
-        for part in parts:
-            yield from part
+        yield from head.tolist()
+        yield from rest
 
     def spilled_chunks(self, total: int) -> Iterator[np.ndarray]:
         """The first `total` rows on disk, a chunk (a structured array) at a time (later
@@ -100,7 +148,7 @@ class RowLog(Sequence):
         done = 0                             # own position: several iterators may share the file
         while done < total:
             self._file.seek(done * self.dtype.itemsize)
-            block = np.fromfile(self._file, dtype=self.dtype, count=min(CHUNK, total - done))
+            block = np.fromfile(self._file, dtype=self.dtype, count=min(self._cap, total - done))
             if not len(block):
                 raise OSError(f"row log file ended after {done} of {total} rows")
             done += len(block)
@@ -118,11 +166,12 @@ class RowLog(Sequence):
             self._file.seek(k * self.dtype.itemsize)
             return np.fromfile(self._file, dtype=self.dtype, count=1).tolist()[0]
         k -= self._spilled
-        for part in self._parts(snapshot=False):
-            if k < len(part):
-                return part[k]
-            k -= len(part)
-        raise IndexError(k)
+        if k < self._n:
+            return self._buf[k].tolist()
+        return self._rows[k - self._n]
+
+
+Sequence.register(RowLog)                   # compiled, a C type: it cannot subclass Sequence
 
 
 class MergedRows(Sequence):
@@ -182,25 +231,56 @@ def _chunks(log: RowLog, tail: tuple[int, list[np.ndarray]]) -> Iterator[np.ndar
 
 def _exact_tail(log: RowLog) -> tuple[int, list[np.ndarray]] | None:
     """(rows on disk, the rows in memory as chunks of its dtype), both now (a later spill
-    changes neither), or None if a value in memory would not come back from a chunk as the
+    changes neither), or None if a row kept as given would not come back from a chunk as the
     same Python value (written the same)."""
-    spilled, chunks = log._spilled, []
-    for part in log._parts():
-        chunks += [_exact_chunk(part[lo:lo + PIECE], log.dtype) for lo in range(0, len(part), PIECE)]
+    spilled, (head, rest) = log._spilled, log._in_memory()
+    chunks = ([head] if len(head) else []) + [exact_chunk(rest[lo:lo + PIECE], log.dtype) for lo in range(0, len(rest), PIECE)]
     return None if any(chunk is None for chunk in chunks) else (spilled, chunks)
 
 
-def _exact_chunk(rows: list[tuple], dtype: np.dtype) -> np.ndarray | None:
-    if any(len(row) != len(dtype.names) for row in rows):
+@cython.locals(n=cython.Py_ssize_t, m=cython.Py_ssize_t, j=cython.Py_ssize_t, c=cython.Py_ssize_t,
+               f=cython.double[:, ::1], q=cython.longlong[:, ::1])
+def exact_chunk(rows: list[tuple], dtype: np.dtype) -> np.ndarray | None:
+    """`rows` as a chunk of `dtype` (a `layout`: 8-byte fields), or None unless every row has
+    a value per column and every value is its column's exact type (float in a float column,
+    an int within int64 in an int column): what a chunk gives back as the same Python values.
+    Compiled, one typed pass writing the chunk's memory (through float64 and int64 views of
+    it); as Python, numpy's column assignments: the same chunk either way, each the fast way
+    of its build."""
+    names = dtype.names
+    n, m = len(rows), len(names)
+    chunk = np.empty(n, dtype)
+    if not cython.compiled or dtype.itemsize != 8 * m:
+        if any(len(row) != len(names) for row in rows):
+            return None
+        for name, values in zip(names, zip(*rows)):
+            if set(map(type, values)) != {float if dtype[name].kind == "f" else int}:
+                return None
+            try:
+                chunk[name] = values
+            except OverflowError:               # an int beyond int64
+                return None
+        return chunk
+    floats = [dtype[name].kind == "f" for name in names]
+    f = chunk.view(np.float64).reshape(n, m)
+    q = chunk.view(np.int64).reshape(n, m)
+    try:
+        for j in range(n):
+            row = rows[j]
+            if len(row) != m:
+                return None
+            for c in range(m):
+                v = row[c]
+                if floats[c]:
+                    if type(v) is not float:
+                        return None
+                    f[j, c] = v
+                else:
+                    if type(v) is not int:
+                        return None
+                    q[j, c] = v
+    except OverflowError:                       # an int beyond int64
         return None
-    chunk = np.empty(len(rows), dtype)
-    for name, values in zip(dtype.names, zip(*rows)):
-        if set(map(type, values)) != {float if dtype[name].kind == "f" else int}:
-            return None
-        try:
-            chunk[name] = values
-        except OverflowError:                   # an int beyond int64
-            return None
     return chunk
 
 

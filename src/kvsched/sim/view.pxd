@@ -1,6 +1,7 @@
 # Cython's declarations for view.py (the compiled build, kvsched/compiled.py): the view as a C
 # type whose replica (typed, so its reads take the replica's fields directly) and cost-model
-# copy are C fields no Python code reaches.
+# copy are C fields, read and written by C functions only (no Python code reaches them). A
+# field fixed for the run (`_FIXED` in view.py) is declared here too.
 cimport cython
 
 from kvsched.sim.decode_set cimport Cohort
@@ -16,7 +17,7 @@ cdef class ReplicaView:
     cdef public object prefix_caching
 
 
-cpdef Replica _R(ReplicaView v)
+cdef Replica _R(ReplicaView v)
 cdef void _SET_R(ReplicaView v, Replica r)
 cdef object _COST(ReplicaView v)
 cdef void _SET_COST(ReplicaView v, object cost)

@@ -1,23 +1,28 @@
-# cython: auto_pickle=False
-# (compiled, pickling the view would hand out its C fields: the replica)
+# cython: auto_pickle=False, binding=False
+# (compiled: no pickling, which would hand out the C fields; methods that check their `self`,
+# which Cython's binding methods of a C type do not: `ReplicaView.now(object())` would read
+# whatever memory lies where the replica field would be)
 """The read-only view of a replica that policies and routers receive (policies/base.py,
 `ServerView`, documents every field).
 
 Read-only in fact, not by convention:
-- assigning any attribute raises a `PlanError` naming the policy;
-- no attribute of the view, nor of anything it hands out, leads to an engine object: the
-  replica is held in slots whose descriptors are removed from the classes (`_sealed`), the
-  per-request reads are the view's own methods, defined here only (a bound method's
-  `__self__` is the view),
-  collections come as faces that hide what they wrap, `cost_model` is the policy's own copy
-  and `prefix_planner()` returns a face of the planner.
+- assigning any attribute raises a `PlanError` naming the policy, and so does making the
+  view again (`view.__init__`);
+- no attribute of the view, nor of anything it hands out, leads to an engine object:
+  compiled, the view is a C type (view.pxd) whose replica and cost-model copy are C fields,
+  read through C functions (`_R`, `_COST`) that Python cannot call; as Python, they sit in
+  slots whose descriptors are removed from the class (`_sealed`) and `_R` is the slot's
+  getter; the per-request reads are the view's own methods, defined here only (a bound
+  method's `__self__` is the view); collections come as faces that hide what they wrap,
+  `cost_model` is the policy's own copy and `prefix_planner()` returns a face of the planner.
 What is left is introspection of the interpreter itself, which no Python object can close:
-`gc.get_referents`, the globals of this module's functions (`fn.__globals__`), and frames
-(`sys._getframe().f_back`, or an exception's `__traceback__`, reach the replica's own
-frames). The compiled engine of "One engine, one source" (frames without Python locals) is
-the place to close those.
+`gc.get_referents`, and frames (`sys._getframe().f_back`, or an exception's
+`__traceback__`, reach the replica's own frames); as Python, also the globals of this
+module's functions (`fn.__globals__`, which hold `_R`). A policy can still change its own
+view's fields through their descriptors (`type(v).__dict__["index"].__set__`): nothing of
+the engine.
 
-A per-request read is one Python call, as it was when the view bound the replica's methods.
+A per-request read is one Python call: compiled, a C method and a field read.
 """
 from __future__ import annotations
 
@@ -165,8 +170,8 @@ else:
 
 
 def _R(v: ReplicaView) -> Replica:
-    """The replica behind view v. Compiled (view.pxd), v's C field, out of Python's reach; as
-    Python, the getter of v's sealed slot replaces this function (below the class)."""
+    """The replica behind view v. Compiled, a C function (view.pxd) reading v's C field, which
+    Python cannot call; as Python, the getter of v's sealed slot replaces it (below the class)."""
     if v is None or v._r is None:       # a view not made by the engine (ReplicaView.__new__)
         raise AttributeError("this view has no replica")
     return v._r
@@ -190,6 +195,12 @@ class ReplicaView:
     __slots__ = ("_r", "_cost", "_policy_name") + _FIXED
 
     def __init__(self, replica, fixed: dict) -> None:
+        try:
+            _R(self)
+        except AttributeError:                  # a new view: no replica yet
+            pass
+        else:
+            raise PlanError(f"policy {self._policy_name} called view.__init__: the view is read-only")
         _SET_R(self, replica)
         _SET_COST(self, None)
         _put(self, "_policy_name", getattr(replica.policy, "name", type(replica.policy).__name__))
