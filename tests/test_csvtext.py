@@ -362,3 +362,30 @@ def test_row_log_gives_back_each_row(rows, checks, monkeypatch):
     typed = lambda rs: [[(type(v), v) for v in r] for r in rs]      # noqa: E731 (3 and 3.0 differ here)
     assert typed(got) == typed(want)
     assert typed([log[k] for k in range(len(log))]) == typed(want)
+
+
+def test_row_log_pickles_and_copies_as_its_rows(monkeypatch):
+    """A run's result pickles (joblib, multiprocessing) and copies: a log is rebuilt from its
+    layout and rows as they read, with its own chunk and file."""
+    import copy
+    import pickle
+    from kvsched.sim import rowlog
+    monkeypatch.setattr(rowlog, "CHUNK", 4)
+    log = rowlog.RowLog("fi")
+    rows = [(k + 0.5, k) for k in range(9)] + [(3, 1), (2.5, 2)]
+    for row in rows:
+        log.append(row)
+    typed = lambda rs: [[(type(v), v) for v in r] for r in rs]      # noqa: E731
+    for other in (pickle.loads(pickle.dumps(log)), copy.deepcopy(log), copy.copy(log)):
+        assert typed(other) == typed(log) and len(other) == len(log) == 11
+        other.append((99.5, 99))
+        assert len(log) == 11 and list(log)[-1] == (2.5, 2) and list(other)[-1] == (99.5, 99)
+
+
+def test_a_row_that_is_not_a_sequence_spills_as_numpy_converts_it(monkeypatch):
+    from kvsched.sim import rowlog
+    monkeypatch.setattr(rowlog, "CHUNK", 2)
+    log = rowlog.RowLog("fi")
+    log.append((1, 2))
+    log.append(5)
+    assert len(log) == 2 and list(log) == np.array([(1, 2), 5], dtype=log.dtype).tolist()

@@ -93,7 +93,8 @@ def _both(w, make, cost, cap_tokens, bs):
     assert (errors[0] is None) == (errors[1] is None), errors
     if errors[0] is not None:
         assert isinstance(errors[0], PlanError), errors
-        assert isinstance(errors[1], PlanError) or f"raised {type(errors[1]).__name__} " in str(errors[0]), errors
+        assert isinstance(errors[1], PlanError) or (f"raised {type(errors[1]).__name__} " in str(errors[0])
+                                                    and str(errors[0]).endswith(f": {errors[1]}")), errors
     return (engine, ref) if errors[0] is None else (None, None)
 
 

@@ -49,6 +49,10 @@ def locals(**_: Any) -> Callable[[Callable], Callable]:      # noqa: A001
     return _same
 
 
+def returns(_type: Any) -> Callable[[Callable], Callable]:
+    return _same
+
+
 def declare(_type: Any, value: Any = None, **__: Any) -> Any:
     return value
 

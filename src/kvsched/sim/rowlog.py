@@ -60,6 +60,7 @@ class RowLog:
 
     def __init__(self, kinds: str) -> None:
         self.dtype = layout(kinds)
+        self._kinds = kinds
         self._width = len(kinds)
         if not self._width:
             raise ValueError("a row log needs at least one column")
@@ -101,6 +102,11 @@ class RowLog:
     def __len__(self) -> int:
         self._spill_if_full()
         return self._spilled + self._n + len(self._rows)
+
+    def __reduce__(self):
+        """Pickled (or copied) as its layout and its rows as they read now: a new log, with
+        its own chunk and file (a run's result pickles, as it did when rows were a list)."""
+        return _rebuilt, (self._kinds, list(self))
 
     def _spill_if_full(self) -> None:
         while self._n + len(self._rows) >= self._cap:
@@ -172,6 +178,13 @@ class RowLog:
 
 
 Sequence.register(RowLog)                   # compiled, a C type: it cannot subclass Sequence
+
+
+def _rebuilt(kinds: str, rows: list) -> RowLog:
+    log = RowLog(kinds)
+    for row in rows:
+        log.append(row)
+    return log
 
 
 class MergedRows(Sequence):
@@ -249,10 +262,14 @@ def exact_chunk(rows: list[tuple], dtype: np.dtype) -> np.ndarray | None:
     of its build."""
     names = dtype.names
     n, m = len(rows), len(names)
+    for row in rows:                            # every row first, in either build
+        try:
+            if len(row) != m:
+                return None
+        except TypeError:                       # not a sequence (numpy converts it at a spill)
+            return None
     chunk = np.empty(n, dtype)
     if not cython.compiled or dtype.itemsize != 8 * m:
-        if any(len(row) != len(names) for row in rows):
-            return None
         for name, values in zip(names, zip(*rows)):
             if set(map(type, values)) != {float if dtype[name].kind == "f" else int}:
                 return None
@@ -267,8 +284,6 @@ def exact_chunk(rows: list[tuple], dtype: np.dtype) -> np.ndarray | None:
     try:
         for j in range(n):
             row = rows[j]
-            if len(row) != m:
-                return None
             for c in range(m):
                 v = row[c]
                 if floats[c]:
@@ -279,7 +294,7 @@ def exact_chunk(rows: list[tuple], dtype: np.dtype) -> np.ndarray | None:
                     if type(v) is not int:
                         return None
                     q[j, c] = v
-    except OverflowError:                       # an int beyond int64
+    except (OverflowError, TypeError):          # an int beyond int64; a row that is not indexable
         return None
     return chunk
 

@@ -1,7 +1,8 @@
 # Cython's declarations for view.py (the compiled build, kvsched/compiled.py): the view as a C
 # type whose replica (typed, so its reads take the replica's fields directly) and cost-model
-# copy are C fields, read and written by C functions only (no Python code reaches them). A
-# field fixed for the run (`_FIXED` in view.py) is declared here too.
+# copy are C fields, read and written by view.py's own C functions (`@cython.cfunc`, not
+# declared here: a function declared here is exported). A field fixed for the run (`_FIXED`
+# in view.py) is declared here too.
 cimport cython
 
 from kvsched.sim.decode_set cimport Cohort
@@ -16,8 +17,3 @@ cdef class ReplicaView:
     cdef public object decoding, recent_batch_times, recent_finished, _output, _admitted, declared_types
     cdef public object prefix_caching
 
-
-cdef Replica _R(ReplicaView v)
-cdef void _SET_R(ReplicaView v, Replica r)
-cdef object _COST(ReplicaView v)
-cdef void _SET_COST(ReplicaView v, object cost)

@@ -10,7 +10,8 @@ Read-only in fact, not by convention:
   view again (`view.__init__`);
 - no attribute of the view, nor of anything it hands out, leads to an engine object:
   compiled, the view is a C type (view.pxd) whose replica and cost-model copy are C fields,
-  read through C functions (`_R`, `_COST`) that Python cannot call; as Python, they sit in
+  read through C functions (`_R`, `_COST`) that this module does not export (no
+  `__pyx_capi__` entry: ctypes finds none either); as Python, they sit in
   slots whose descriptors are removed from the class (`_sealed`) and `_R` is the slot's
   getter; the per-request reads are the view's own methods, defined here only (a bound
   method's `__self__` is the view); collections come as faces that hide what they wrap,
@@ -169,22 +170,33 @@ else:
     _put = object.__setattr__
 
 
+# Compiled, C functions of this module only (not exported: Python, ctypes included, finds no
+# entry to them); as Python, the getters and setters of the sealed slots replace them (below
+# the class).
+@cython.cfunc
+@cython.locals(v="ReplicaView")
+@cython.returns("Replica")
 def _R(v: ReplicaView) -> Replica:
-    """The replica behind view v. Compiled, a C function (view.pxd) reading v's C field, which
-    Python cannot call; as Python, the getter of v's sealed slot replaces it (below the class)."""
+    """The replica behind view v."""
     if v is None or v._r is None:       # a view not made by the engine (ReplicaView.__new__)
         raise AttributeError("this view has no replica")
     return v._r
 
 
+@cython.cfunc
+@cython.locals(v="ReplicaView", r="Replica")
 def _SET_R(v: ReplicaView, r: Replica) -> None:
     v._r = r
 
 
+@cython.cfunc
+@cython.locals(v="ReplicaView")
 def _COST(v: ReplicaView):
     return v._cost
 
 
+@cython.cfunc
+@cython.locals(v="ReplicaView")
 def _SET_COST(v: ReplicaView, cost) -> None:
     v._cost = cost
 
