@@ -205,3 +205,19 @@ def test_random_selection_matches_brute_force(n, max_out, seed, p):
         assert rec.itl_max[i] == pytest.approx(np.diff(t).max() if len(t) > 1 else 0.0, abs=1e-9)
     assert rec.itl.n == int((out - 1).sum())
     assert rec.itl.total == pytest.approx(sum(times[i][-1] - b for i in range(n)), abs=1e-6)
+
+
+@settings(deadline=None, max_examples=200)
+@given(gaps=st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=40), data=st.data())
+def test_gap_max_is_the_windows_maximum(gaps, data):
+    """Cohort.gap_max (compiled: four running maxima, then the rest one by one) is numpy's
+    maximum of the window, for every window length (the unrolled loop's remainders) and
+    ties; out-of-range windows are refused."""
+    from kvsched.sim.decode_set import Cohort
+    c = Cohort(16)
+    c._gaps[:len(gaps)] = gaps
+    lo = data.draw(st.integers(0, len(gaps) - 1))
+    hi = data.draw(st.integers(lo + 1, len(gaps)))
+    assert c.gap_max(lo, hi) == float(np.max(np.array(gaps[lo:hi])))
+    with pytest.raises(IndexError):
+        c.gap_max(hi, hi)

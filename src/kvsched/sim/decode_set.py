@@ -132,23 +132,41 @@ class Cohort:
         that joined at clock c0 (empty when lo >= hi)."""
         return c0 + 2 - self._base, self.clock + 1 - self._base
 
-    @cython.locals(w=cython.double[:], k=cython.Py_ssize_t, m=cython.double)
+    @cython.locals(w=cython.double[:], k=cython.Py_ssize_t, m=cython.double, m1=cython.double,
+                   m2=cython.double, m3=cython.double, x=cython.double)
     @cython.boundscheck(False)
     @cython.wraparound(False)
     def gap_max(self, lo: int, hi: int) -> float:
         """The largest of `_gaps[lo:hi]` (0 <= lo < hi <= the buffer's length, checked once;
-        finite floats). Compiled, a loop over the buffer; as Python, numpy's reduction: the
-        same float either way (a maximum of finite floats), each the fast way of its build."""
+        finite floats, none of them -0.0: a gap is a later time minus an earlier one).
+        Compiled, a loop over the buffer with four running maxima (branch-free selects, four
+        independent chains: the maximum of finite floats without -0.0 is the same value in
+        any order); as Python, numpy's reduction: the same float either way, each the fast
+        way of its build."""
         w = self._gaps_c
         if not 0 <= lo < hi <= w.shape[0]:
             raise IndexError(f"gap window [{lo}, {hi}) outside the cohort's buffer of {w.shape[0]}")
         if not cython.compiled:
             return float(np.maximum.reduce(self._gaps[lo:hi]))
-        m = w[lo]
-        for k in range(lo + 1, hi):
-            if w[k] > m:
-                m = w[k]
-        return m
+        m = m1 = m2 = m3 = w[lo]
+        k = lo + 1
+        while k + 4 <= hi:
+            x = w[k]
+            m = x if x > m else m
+            x = w[k + 1]
+            m1 = x if x > m1 else m1
+            x = w[k + 2]
+            m2 = x if x > m2 else m2
+            x = w[k + 3]
+            m3 = x if x > m3 else m3
+            k += 4
+        while k < hi:
+            x = w[k]
+            m = x if x > m else m
+            k += 1
+        m = m1 if m1 > m else m
+        m2 = m3 if m3 > m2 else m2
+        return m2 if m2 > m else m
 
     def window(self, i: int) -> np.ndarray:
         """The gaps member i has had so far after its first decode step here (what `leave`
