@@ -382,10 +382,26 @@ def test_row_log_pickles_and_copies_as_its_rows(monkeypatch):
         assert len(log) == 11 and list(log)[-1] == (2.5, 2) and list(other)[-1] == (99.5, 99)
 
 
-def test_a_row_that_is_not_a_sequence_spills_as_numpy_converts_it(monkeypatch):
+def test_a_row_that_is_not_a_tuple_or_list_spills_as_numpy_converts_it(monkeypatch):
+    """Either build: a scalar, a dict or a set row is not packed by the typed pass (numpy
+    converts the chunk, as it always did); a list row is, as a tuple would be."""
     from kvsched.sim import rowlog
     monkeypatch.setattr(rowlog, "CHUNK", 2)
     log = rowlog.RowLog("fi")
     log.append((1, 2))
     log.append(5)
     assert len(log) == 2 and list(log) == np.array([(1, 2), 5], dtype=log.dtype).tolist()
+    for odd in ({0: 1.5, 1: 2}, {1.5, 2}, 5):
+        assert rowlog.exact_chunk([(0.5, 1), odd], log.dtype) is None
+    assert rowlog.exact_chunk([[0.5, 1]], log.dtype).tolist() == [(0.5, 1)]
+
+
+def test_a_pickled_log_keeps_its_chunk_size(monkeypatch):
+    import pickle
+    from kvsched.sim import rowlog
+    log = rowlog.RowLog("fi")
+    for row in [(0.5, 1), (3, 2)]:               # an int in the float column: kept as given
+        log.append(row)
+    monkeypatch.setattr(rowlog, "CHUNK", 1)
+    again = pickle.loads(pickle.dumps(log))
+    assert list(again) == list(log) and type(list(again)[1][0]) is int and again._cap == log._cap

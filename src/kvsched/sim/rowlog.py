@@ -58,14 +58,15 @@ class RowLog:
     as given in `_rows`, and so is every row after it until a chunk boundary empties `_rows`;
     numpy converts those when their chunk goes to the file, as it converts any spilled row."""
 
-    def __init__(self, kinds: str) -> None:
+    def __init__(self, kinds: str, chunk: int | None = None) -> None:
+        """`chunk`: rows per chunk (default CHUNK, read now: tests shrink it)."""
         self.dtype = layout(kinds)
         self._kinds = kinds
         self._width = len(kinds)
         if not self._width:
             raise ValueError("a row log needs at least one column")
         self._floats = [kind == "f" for kind in kinds]
-        self._cap = CHUNK                             # read now: tests shrink CHUNK
+        self._cap = CHUNK if chunk is None else chunk
         self._buf = np.empty(self._cap, self.dtype)   # untouched pages cost no memory until written
         self._f = self._buf.view(np.float64).reshape(self._cap, self._width)
         self._q = self._buf.view(np.int64).reshape(self._cap, self._width)
@@ -106,7 +107,7 @@ class RowLog:
     def __reduce__(self):
         """Pickled (or copied) as its layout and its rows as they read now: a new log, with
         its own chunk and file (a run's result pickles, as it did when rows were a list)."""
-        return _rebuilt, (self._kinds, list(self))
+        return _rebuilt, (self._kinds, list(self), self._cap)
 
     def _spill_if_full(self) -> None:
         while self._n + len(self._rows) >= self._cap:
@@ -180,8 +181,8 @@ class RowLog:
 Sequence.register(RowLog)                   # compiled, a C type: it cannot subclass Sequence
 
 
-def _rebuilt(kinds: str, rows: list) -> RowLog:
-    log = RowLog(kinds)
+def _rebuilt(kinds: str, rows: list, chunk: int) -> RowLog:
+    log = RowLog(kinds, chunk)
     for row in rows:
         log.append(row)
     return log
@@ -262,12 +263,9 @@ def exact_chunk(rows: list[tuple], dtype: np.dtype) -> np.ndarray | None:
     of its build."""
     names = dtype.names
     n, m = len(rows), len(names)
-    for row in rows:                            # every row first, in either build
-        try:
-            if len(row) != m:
-                return None
-        except TypeError:                       # not a sequence (numpy converts it at a spill)
-            return None
+    for row in rows:                            # every row first, in either build: a tuple or list
+        if type(row) is not tuple and type(row) is not list or len(row) != m:    # of one value per column
+            return None                         # (numpy converts other rows at a spill)
     chunk = np.empty(n, dtype)
     if not cython.compiled or dtype.itemsize != 8 * m:
         for name, values in zip(names, zip(*rows)):
@@ -294,7 +292,7 @@ def exact_chunk(rows: list[tuple], dtype: np.dtype) -> np.ndarray | None:
                     if type(v) is not int:
                         return None
                     q[j, c] = v
-    except (OverflowError, TypeError):          # an int beyond int64; a row that is not indexable
+    except OverflowError:                       # an int beyond int64
         return None
     return chunk
 

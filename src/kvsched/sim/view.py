@@ -16,10 +16,11 @@ Read-only in fact, not by convention:
   getter; the per-request reads are the view's own methods, defined here only (a bound
   method's `__self__` is the view); collections come as faces that hide what they wrap,
   `cost_model` is the policy's own copy and `prefix_planner()` returns a face of the planner.
-What is left is introspection of the interpreter itself, which no Python object can close:
-`gc.get_referents`, and frames (`sys._getframe().f_back`, or an exception's
-`__traceback__`, reach the replica's own frames); as Python, also the globals of this
-module's functions (`fn.__globals__`, which hold `_R`). A policy can still change its own
+What is left is what any Python code can do outside the view object: introspect the
+interpreter (`gc.get_referents`; frames: `sys._getframe().f_back`, or an exception's
+`__traceback__`, reach the replica's own frames), or import this module and call the
+getters of the faces' sealed slots (`_Q`, `_D`, `_P`, `_IT`, module globals in either
+build; as Python `_R` too). A policy can still change its own
 view's fields through their descriptors (`type(v).__dict__["index"].__set__`): nothing of
 the engine.
 
