@@ -229,40 +229,28 @@ class ReplicaView:
 
     # the replica's state now
     @property
-    @cython.locals(r="Replica")
     def now(self) -> float:
-        r = _R(self)
-        return r.now
+        return _R(self).now
 
     @property
-    @cython.locals(r="Replica")
     def num_decoding(self) -> int:
-        r = _R(self)
-        return r._decoders.n
+        return _R(self)._decoders.n
 
     @property
-    @cython.locals(r="Replica")
     def kv_used_blocks(self) -> int:
-        r = _R(self)
-        return r.kv.used
+        return _R(self).kv.used
 
     @property
-    @cython.locals(r="Replica")
     def iterations(self) -> int:
-        r = _R(self)
-        return r.iterations
+        return _R(self).iterations
 
     @property
-    @cython.locals(r="Replica")
     def outstanding(self) -> int:
-        r = _R(self)
-        return r.outstanding
+        return _R(self).outstanding
 
     @property
-    @cython.locals(r="Replica")
     def prefill_backlog(self) -> int:
-        r = _R(self)
-        return r.prefill_backlog
+        return _R(self).prefill_backlog
 
     @property
     @cython.locals(r="Replica")
@@ -271,11 +259,9 @@ class ReplicaView:
         return r.kv.capacity_blocks - r.kv.used
 
     @property
-    @cython.locals(r="Replica")
     def decode_new_blocks(self) -> int:
         """Blocks one decode step of every decoder needs."""
-        r = _R(self)
-        return r._decoders.new_blocks
+        return _R(self)._decoders.new_blocks
 
     @property
     def num_waiting(self) -> int:
@@ -298,16 +284,12 @@ class ReplicaView:
         return _R(self)._arrivals.next_time
 
     @property
-    @cython.locals(r="Replica")
     def issued(self) -> int:
-        r = _R(self)
-        return r.reqs.issued
+        return _R(self).reqs.issued
 
     @property
-    @cython.locals(r="Replica")
     def in_flight(self) -> int:
-        r = _R(self)
-        return r.reqs.in_flight
+        return _R(self).reqs.in_flight
 
     @property
     def cost_model(self):
@@ -328,30 +310,22 @@ class ReplicaView:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    @cython.locals(r="Replica")
     def arrival(self, i: int) -> float:
-        r = _R(self)
-        return r._arrival[i]
+        return _R(self)._arrival[i]
 
-    @cython.locals(r="Replica")
     def prompt_len(self, i: int) -> int:
-        r = _R(self)
-        return r._prompt[i]
+        return _R(self)._prompt[i]
 
     @cython.locals(r="Replica")
     def output_len(self, i: int) -> int | None:
         r = _R(self)
         return r._output[i] if r._known[i] else None
 
-    @cython.locals(r="Replica")
     def prefill_target(self, i: int) -> int:
-        r = _R(self)
-        return r._target[i]
+        return _R(self)._target[i]
 
-    @cython.locals(r="Replica")
     def prefill_done(self, i: int) -> int:
-        r = _R(self)
-        return r._computed[i]
+        return _R(self)._computed[i]
 
     @cython.locals(r="Replica", c="Cohort")
     def generated(self, i: int) -> int:
@@ -375,10 +349,8 @@ class ReplicaView:
     def kv_blocks(self, i: int) -> int:
         return -(-self.kv_tokens(i) // self.block_size)
 
-    @cython.locals(r="Replica")
     def is_decoding(self, i: int) -> bool:
-        r = _R(self)
-        return i in r._where
+        return i in _R(self)._where
 
     @cython.locals(r="Replica", c="Cohort")
     def needs_block(self, i: int) -> bool:
@@ -386,16 +358,12 @@ class ReplicaView:
         c = r._where.get(i)
         return c is not None and c.kv_tokens(i) % r.block_size == 0
 
-    @cython.locals(r="Replica")
     def tier_priority(self, i: int) -> int:
-        r = _R(self)
-        return r.reqs.priority[i]
+        return _R(self).reqs.priority[i]
 
-    @cython.locals(r="Replica")
     def tbt_slo(self, i: int) -> float:
         """The request's time-between-tokens SLO in seconds (infinity when its tier has none)."""
-        r = _R(self)
-        return r.reqs.tbt[i]
+        return _R(self).reqs.tbt[i]
 
     @cython.locals(r="Replica", c="Cohort")
     def last_token_time(self, i: int) -> float | None:
