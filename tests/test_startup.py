@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -68,3 +69,34 @@ def test_a_json_run_of_the_adaptive_policies_loads_neither_rich_nor_scipy():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(p.stdout)["completed"] == 400      # 19 updates of k* ran
     assert p.stderr.split() == []
+
+
+def test_the_command_builds_only_the_command_it_runs():
+    """`kvsched NAME ...` builds the click command of NAME alone (`cli.only`); a sub-app, an
+    unknown name or none builds the whole app, whose errors and help are then click's."""
+    from kvsched.cli import app, only
+    one = only("simulate")
+    assert [c.name for c in one.registered_commands] == ["simulate"] and not one.registered_groups
+    assert len(app.registered_commands) > 1 and app.registered_groups       # the app is untouched
+    for name in ("theory", "workload", "simulat", None, "--help"):
+        assert only(name) is app
+
+
+def test_the_command_line_runs_as_the_app_and_freezes_what_is_left_at_exit(tmp_path):
+    """`main` (the console script and `python -m kvsched`) gives what `app` gives, output and
+    exit code, for a command, a command's usage error, a sub-app and an unknown command; the
+    objects alive at its end are frozen out of the interpreter's last collection."""
+    cases = [["simulate", "--num-requests", "5", "--json"], ["simulate", "--bogus"], ["theory", "stability", "--help"],
+             ["simulat"], ["info"]]
+    for args in cases:
+        runs = []
+        for entry in ("main(args)", "app(args, prog_name='kvsched')"):
+            code = (f"import gc, sys\nfrom kvsched.cli import app, main\nargs = {args!r}\n"
+                    f"try:\n    {entry}\nexcept SystemExit as e:\n    code = e.code\n"
+                    "print('frozen', gc.get_freeze_count() > 0, 'exit', code, file=sys.stderr)")
+            p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+            out = re.sub(r'"wall_seconds": [0-9.e-]+', "", p.stdout)        # the one figure that varies
+            runs.append((out, p.stderr.splitlines()[:-1], p.stderr.splitlines()[-1].split()[-1]))
+            frozen = p.stderr.splitlines()[-1].split()[1]
+            assert frozen == ("True" if entry.startswith("main") else "False"), (args, p.stderr)
+        assert runs[0] == runs[1], args

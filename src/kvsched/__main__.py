@@ -1,3 +1,3 @@
-from kvsched.cli import app
+from kvsched.cli import main
 
-app(prog_name="kvsched")
+main()

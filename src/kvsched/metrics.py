@@ -199,11 +199,43 @@ class RunRecords:
     tier_itl: list[GapHistogram] | None = None
 
 
+def percentiles(values: np.ndarray, qs: tuple[float, ...]) -> list[float]:
+    """`np.percentile(values, qs)` of a non-empty 1-d array, bit for bit: numpy's default method
+    'linear' (Hyndman and Fan's type 7, the one vLLM's benchmark_serving.py reports) as numpy
+    computes it (numpy/lib/_function_base_impl.py: `_quantile`, `_get_indexes`, `_lerp`): the
+    virtual index v = (n - 1) q / 100, the order statistics a, b at floor(v) and floor(v) + 1
+    (both the last at v >= n - 1, where numpy's index is -1 and gamma v + 1), gamma = v - floor(v),
+    and a + (b - a) gamma, or b - (b - a)(1 - gamma) where gamma >= 0.5.
+
+    Not numpy's own because its path imports numpy.ma on first use (np.unique's masked-array
+    check): about 10 ms of every run's start-up. An array holding NaN or an infinity goes to
+    numpy itself (its NaN rule and inf - inf are its own); so does a q outside 0..100."""
+    x = np.asarray(values, dtype=np.float64)
+    n = len(x)
+    if x.ndim != 1 or n == 0 or not all(0 <= q <= 100 for q in qs) or not np.isfinite(x).all():
+        return [float(p) for p in np.atleast_1d(np.percentile(x, qs))]
+    spots = []
+    for q in qs:
+        v = (n - 1) * (q / 100)
+        if v >= n - 1:
+            spots.append((n - 1, n - 1, v + 1))
+        else:
+            lo = math.floor(v)
+            spots.append((lo, lo + 1, v - lo))
+    order = np.partition(x, sorted({k for lo, hi, _ in spots for k in (lo, hi)}))
+    out = []
+    for lo, hi, t in spots:
+        a, b = float(order[lo]), float(order[hi])
+        d = b - a
+        out.append(b - d * (1 - t) if t >= 0.5 else a + d * t)
+    return out
+
+
 def _stats(name: str, values_s: np.ndarray) -> dict[str, float]:
     ms = values_s * 1000.0
     if len(ms) == 0:
         return {f"{k}_{name}_ms": math.nan for k in ("mean", "median", "std", "p90", "p99")}
-    p = np.percentile(ms, [50, 90, 99])
+    p = percentiles(ms, (50, 90, 99))
     return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(p[0]),
             f"std_{name}_ms": float(ms.std()), f"p90_{name}_ms": float(p[1]),
             f"p99_{name}_ms": float(p[2])}
@@ -364,7 +396,7 @@ def cluster_summary(rec: RunRecords, in_window: np.ndarray, duration: float) -> 
             "request_throughput": int((here & in_window).sum()) / duration if duration > 0 else math.nan,
             "first_tokens": int(firsts.sum()),
             "mean_ttft_ms": float(ttft.mean()) if len(ttft) else math.nan,
-            "p99_ttft_ms": float(np.percentile(ttft, 99)) if len(ttft) else math.nan,
+            "p99_ttft_ms": percentiles(ttft, (99,))[0] if len(ttft) else math.nan,
             "iterations": st["iterations"], "preemptions": st["preemptions"],
             "busy_fraction": busy / span if span > 0 else math.nan,
             "mean_kv_usage": st["kv_time_integral"] / busy / cap if busy > 0 else 0.0,
@@ -373,7 +405,7 @@ def cluster_summary(rec: RunRecords, in_window: np.ndarray, duration: float) -> 
     if rec.transfer is not None:
         x = rec.transfer[np.isfinite(rec.transfer)] * 1000
         out["mean_transfer_ms"] = float(x.mean()) if len(x) else math.nan
-        out["p99_transfer_ms"] = float(np.percentile(x, 99)) if len(x) else math.nan
+        out["p99_transfer_ms"] = percentiles(x, (99,))[0] if len(x) else math.nan
         for role in ("prefill", "decode"):
             stats = [st for st in rec.replica_stats if st["role"] == role]
             busy = sum(st["busy_time"] for st in stats)
