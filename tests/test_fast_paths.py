@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvsched.hardware import get_gpu
 from kvsched.policies import make_policy
 from kvsched.run import Scenario, simulate
+from kvsched.sim.routers import RandomRouter, RoundRobin
 from kvsched.workload.request import Tier, Workload
 
 STEADY = ("vllm-v1", "sarathi", "vllm-v0", "orca", "request-level")
@@ -95,43 +96,70 @@ def test_a_light_load_skips_most_plans(name):
     assert calls < iters / 3
 
 
+class LocalFast(Fast):
+    replica_local = True        # a user's policy may promise it (policies/base.py): it then runs ahead
+
+
+class LocalHooked(Hooked):
+    replica_local = True
+
+
+class UserRoundRobin(RoundRobin):
+    """round-robin, as a user's router: routed at each arrival, not ahead of the run."""
+
+
+class UserRandom(RandomRouter):
+    """random, as a user's router."""
+
+
 @pytest.mark.parametrize("router,replicas", [("round-robin", 3), ("round-robin", 10), ("random", 4),
                                              ("least-outstanding", 3), ("least-kv", 3)])
 def test_fast_path_in_a_cluster(router, replicas):
-    """Behind a router that reads no state a replica's idle decode batches run to its own next
-    arrival (`Cluster._routed_ahead`), past other replicas' arrivals; 10 replicas take the
-    loop's heap. The runs are the general path's, bit for bit."""
+    """Behind a built-in router that reads no state the routes are made before the run, and a
+    `replica_local` policy's replica runs its idle decode batches to its own next arrival
+    (`sim/routed_ahead.py`), past other replicas' arrivals; 10 replicas take the loop's heap.
+    The runs are those of a policy planning every batch, routed at each arrival (the same
+    router as a user's), bit for bit."""
     w = workload(600, 60.0, 2)
-    kw = dict(replicas=replicas, router=router, kv_capacity=15_000)
-    assert fingerprint(w, "vllm-v1", True, **kw)[0] == fingerprint(w, "vllm-v1", False, **kw)[0]
-    assert fingerprint(w, "vllm-v1", True, hook=True, **kw)[0] == fingerprint(w, "vllm-v1", False, **kw)[0]
+    kw = dict(replicas=replicas, kv_capacity=15_000, router_seed=4)
+    user = {"round-robin": UserRoundRobin, "random": UserRandom}.get(router)
+    base = fingerprint(w, "vllm-v1", False, router=user(4) if user else router, **kw)[0]
+    for policy in (LocalFast, LocalHooked, Fast, Hooked):
+        digest, _ = policy_fingerprint(w, policy("vllm-v1"), router=router, **kw)
+        assert digest == base, policy.__name__
 
 
 def test_routed_ahead_routes_as_the_loop_and_chains_each_replica_s_arrivals():
     from kvsched.kvcache import PagedKV
     from kvsched.cost.constant import ConstantCost
     from kvsched.sim.cluster import Cluster
+    from kvsched.sim.routed_ahead import routed_ahead
     g = np.random.default_rng(9)
     n = 40
     w = Workload.build(np.sort(g.uniform(0, 5, n)), g.integers(1, 200, n), g.integers(1, 50, n))
 
-    def cluster(policies, **kw):
-        return Cluster(w, policies, ConstantCost(0.01), PagedKV(50_000, 16), **kw)
+    def cluster(policies, cost=ConstantCost(0.01), **kw):
+        return Cluster(w, policies, cost, PagedKV(50_000, 16), **kw)
 
-    c = cluster([Fast("vllm-v1"), Hooked("vllm-v1"), Fast("vllm-v1")], router="random", router_seed=5)
+    c = cluster([LocalHooked("vllm-v1"), Fast("vllm-v1"), LocalFast("vllm-v1")], router="random", router_seed=5)
     for r in c.replicas:
         r.runs_ahead = True
-    route, next_same, upcoming, alone = c._routed_ahead(True)
+    route, next_same, upcoming, alone = routed_ahead(c, True)
     twin = cluster([Fast("vllm-v1")] * 3, router="random", router_seed=5).router
     assert route == [twin.route(i, float(w.arrival[i]), 3) for i in range(n)]     # the same calls, in order
     for k in range(3):
         mine = [i for i in range(n) if route[i] == k] + [n]
         assert upcoming[k] == mine[0]
         assert [next_same[i] for i in mine[:-1]] == mine[1:]
-    assert alone == [True, False, True]                 # a hooked policy runs to the next arrival anywhere
-    assert c._routed_ahead(False) is None               # a closed loop or sessions
-    assert cluster([Fast("vllm-v1")] * 3, router="least-outstanding")._routed_ahead(True) is None
-    assert cluster([Fast("vllm-v1")] * 3, prefill_replicas=1)._routed_ahead(True) is None
+    assert alone == [True, False, True]                 # only a replica_local policy runs to its own arrival
+    assert routed_ahead(c, False) is None               # a closed loop or sessions
+    assert routed_ahead(cluster([Fast("vllm-v1")] * 3, router="least-outstanding"), True) is None
+    assert routed_ahead(cluster([Fast("vllm-v1")] * 3, prefill_replicas=1), True) is None
+    assert routed_ahead(cluster([Fast("vllm-v1")] * 3, router=UserRandom(5)), True) is None    # a user's router
+
+    class UserCost(ConstantCost):                       # one object for every replica: it may keep state
+        pass
+    assert routed_ahead(cluster([Fast("vllm-v1")] * 3, cost=UserCost(0.01)), True) is None
 
 
 def test_fast_path_with_tiers_and_a_batch_hook():

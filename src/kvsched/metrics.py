@@ -200,7 +200,7 @@ class RunRecords:
 
 
 def percentiles(values: np.ndarray, qs: tuple[float, ...]) -> list[float]:
-    """`np.percentile(values, qs)` of a non-empty 1-d array, bit for bit: numpy's default method
+    """`np.percentile(values, qs)` of a 1-d float64 array, bit for bit: numpy's default method
     'linear' (Hyndman and Fan's type 7, the one vLLM's benchmark_serving.py reports) as numpy
     computes it (numpy/lib/_function_base_impl.py: `_quantile`, `_get_indexes`, `_lerp`): the
     virtual index v = (n - 1) q / 100, the order statistics a, b at floor(v) and floor(v) + 1
@@ -208,11 +208,14 @@ def percentiles(values: np.ndarray, qs: tuple[float, ...]) -> list[float]:
     and a + (b - a) gamma, or b - (b - a)(1 - gamma) where gamma >= 0.5.
 
     Not numpy's own because its path imports numpy.ma on first use (np.unique's masked-array
-    check): about 10 ms of every run's start-up. An array holding NaN or an infinity goes to
-    numpy itself (its NaN rule and inf - inf are its own); so does a q outside 0..100."""
-    x = np.asarray(values, dtype=np.float64)
-    n = len(x)
-    if x.ndim != 1 or n == 0 or not all(0 <= q <= 100 for q in qs) or not np.isfinite(x).all():
+    check): about 10 ms of every run's start-up. numpy itself takes everything else: another
+    dtype or shape, no values, a q not a Python number in 0..100, NaN or an infinity (its NaN
+    rule and inf - inf are its own), and a zero (its partition may place -0.0 and 0.0
+    otherwise than this one's, and the sign of a zero result with them)."""
+    x = np.asarray(values)
+    n = len(x) if x.ndim == 1 else 0
+    if (x.dtype != np.float64 or n == 0 or not all(type(q) in (int, float) and 0 <= q <= 100 for q in qs)
+            or not np.isfinite(x).all() or not x.all()):
         return [float(p) for p in np.atleast_1d(np.percentile(x, qs))]
     spots = []
     for q in qs:

@@ -25,6 +25,7 @@ from pathlib import Path
 from kvsched.errors import PASS_THROUGH, KvschedError
 
 GROUPS = {"policy": "kvsched.policies", "router": "kvsched.routers", "cost": "kvsched.cost_models"}
+USER_CODE: list[str] = []       # the specs of user code resolved in this process (cli.main reads it)
 
 
 def resolve(spec: str, kind: str, registry: dict[str, type], needs: str, flag: str | None = None) -> type:
@@ -48,6 +49,7 @@ def resolve(spec: str, kind: str, registry: dict[str, type], needs: str, flag: s
     if not isinstance(cls, type) or not callable(getattr(cls, needs, None)):
         what = cls.__name__ if isinstance(cls, type) else type(cls).__name__
         raise KvschedError(f"{flag} {spec}: {what} is not a {kind} class: it needs a {needs}() method")
+    USER_CODE.append(spec)
     return cls
 
 

@@ -1,6 +1,7 @@
 """The `kvsched` command. Each module adds its commands to the one Typer app."""
 from __future__ import annotations
 
+import atexit
 import copy
 import gc
 import sys
@@ -21,17 +22,24 @@ def main(argv: list[str] | None = None) -> None:
       for 22): when the first argument names a command, only that one is built. What it
       parses, prints and exits with is the same (its usage line reads `kvsched NAME`).
     - The interpreter's last garbage collection walks every object and frees the run's data
-      (tens of ms at 50,000 requests), memory the OS takes back as the process ends: the
-      objects alive then are frozen out of it (`gc.freeze`). atexit handlers, module clean-up
-      and the freeing of what is not in a reference cycle still run; every file the command
-      writes is closed before it returns.
+      (tens of ms at 50,000 requests), memory the OS takes back as the process ends: at exit
+      (atexit, after the handlers registered later), the objects alive are frozen out of it
+      (`gc.freeze`), unless user code ran (`--policy FILE.py:Class` and the like, whose
+      objects may need finalizing: a file to flush). kvsched closes every file it writes
+      before the command returns; atexit handlers and module clean-up still run. A caller
+      that catches the SystemExit goes on unfrozen until its own exit.
     """
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        # what `app()` runs (a group: the app has many commands), less the other commands; typer's
-        # exception hook is left out: with pretty exceptions off, it prints Python's traceback
-        typer.main.get_group(only(argv[0] if argv else None))(args=argv, prog_name="kvsched")
-    finally:
+    name = (sys.argv[1:] if argv is None else argv)[:1]
+    atexit.register(_freeze_unless_user_code)
+    # what `app()` runs (a group: the app has many commands), less the other commands; typer's
+    # exception hook is left out: with pretty exceptions off, it prints Python's traceback.
+    # args=None lets click read sys.argv itself (and expand wildcards on Windows), as app() does
+    typer.main.get_group(only(name[0] if name else None))(args=argv, prog_name="kvsched")
+
+
+def _freeze_unless_user_code() -> None:
+    plugins = sys.modules.get("kvsched.plugins")
+    if plugins is None or not plugins.USER_CODE:
         gc.freeze()
 
 

@@ -106,7 +106,14 @@ class Policy(Protocol):
     if it had. A policy that may pause decoders, preempt early or keep per-step state in
     `schedule` must not declare it. The promise is about `schedule`: a subclass that
     overrides `schedule` loses an inherited flag unless it declares it again
-    (`decodes_when_idle(policy)`)."""
+    (`decodes_when_idle(policy)`).
+
+    `replica_local = True` (optional, a class attribute of the policy's own class, not
+    inherited) promises: the policy reads nothing of other replicas (not the view's
+    cluster-wide `arrivals_pending`, `next_arrival`, `issued`, `in_flight`, nor another
+    replica's requests) and its copies share no state. A cluster whose policies all promise
+    it may run its replicas one after another (sim/cluster.py, `_run_apart`); reading a
+    cluster-wide figure there is an error naming the policy (`replica_local(policy)`)."""
     name: str
 
     def schedule(self, view: ServerView) -> Plan: ...
@@ -121,6 +128,12 @@ def decodes_when_idle(policy) -> bool:
     return (owner is not None and owner.__dict__["decodes_when_idle"] is True
             and "schedule" not in getattr(policy, "__dict__", {})
             and getattr(cls, "schedule", None) is getattr(owner, "schedule", None))
+
+
+def replica_local(policy) -> bool:
+    """Whether `policy`'s own class (not a base class: a subclass may read more) declares
+    `replica_local = True` (see `Policy`)."""
+    return type(policy).__dict__.get("replica_local") is True
 
 
 def defined_in(cls: type, name: str) -> type | None:

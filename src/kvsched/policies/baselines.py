@@ -163,6 +163,7 @@ class VllmV1(_Base):
     long_prefill_token_threshold: int = field(default=0, metadata={"range": "[0, inf)", 
         "help": "cap on one request's prefill tokens per step, 0 = none (vLLM's option; the chunk s_hat of stability-capacity.txt)"})
     name = "vllm-v1"
+    replica_local = True                    # reads only its own replica, shares nothing (base.py)
     decodes_when_idle = True                # nothing waits or prefills: decode everyone (base.py)
 
     def __post_init__(self) -> None:
@@ -253,6 +254,7 @@ class Sarathi(_Base):
     order: str = field(default="fcfs", metadata={"range": "fcfs|spf", "help": "new-prefill order: FCFS or shortest prompt first"})
     watermark: float = field(default=0.0, metadata={"range": "[0, 1)", "help": "share of KV blocks kept free at admission"})
     name = "sarathi"
+    replica_local = True                    # reads only its own replica, shares nothing (base.py)
     decodes_when_idle = True                # nothing waits or prefills: decode everyone (base.py)
 
     def __post_init__(self) -> None:
@@ -308,6 +310,7 @@ class VllmV0(_Base):
     max_num_seqs: int | None = field(default=None, metadata={"range": "[1, inf)", "help": "max running requests"})
     watermark: float = field(default=0.01, metadata={"range": "[0, 1)", "help": "fraction of KV blocks kept free at admission"})
     name = "vllm-v0"
+    replica_local = True                    # reads only its own replica, shares nothing (base.py)
     decodes_when_idle = True                # nothing waits or prefills: decode everyone (base.py)
 
     def __post_init__(self) -> None:
@@ -368,6 +371,7 @@ class Orca(_Base):
     max_num_batched_tokens: int = field(default=0, metadata={"range": "[0, inf)", "help": "token budget per step, 0 = none (Orca's)"})
     max_num_seqs: int | None = field(default=None, metadata={"range": "[1, inf)", "help": "max running requests"})
     name = "orca"
+    replica_local = True                    # reads only its own replica, shares nothing (base.py)
     decodes_when_idle = True                # nothing waits or prefills: decode everyone (base.py)
 
     def __post_init__(self) -> None:
@@ -397,6 +401,7 @@ class RequestLevel(_Base):
     decodes that outgrow KV preempt the newest (it rejoins the queue front)."""
     b: int = field(default=64, metadata={"range": "[1, inf)", "help": "requests per cycle"})
     name = "request-level"
+    replica_local = True                    # reads only its own replica, shares nothing (base.py)
     decodes_when_idle = True                # nothing waits or prefills: decode everyone (base.py)
 
     def __post_init__(self) -> None:

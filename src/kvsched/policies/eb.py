@@ -48,6 +48,7 @@ class ExclusiveBatching:
     gate_base: float = field(default=0.0, metadata={"range": "[0, 1]", "help": "f_0, base reserve of the gate"})
     watermark: float = field(default=0.01, metadata={"range": "[0, 1)", "help": "fraction of KV blocks kept free at admission while requests decode (as vllm-v0)"})
     name = "eb"
+    replica_local = True                    # reads only its own replica, shares nothing (base.py)
 
     def __post_init__(self) -> None:
         _check_limits(self.name, self.max_num_batched_tokens, self.max_num_seqs)
@@ -215,6 +216,7 @@ class EbAdaptive(ExclusiveBatching):
     floor_p0: bool = field(default=False, metadata={"help": "p0 = max(p0, 1/mean output) (practice)"})
     fit_lower_quantile: float = field(default=0.0, metadata={"range": "[0, 1)", "help": "start of the fit range (0 = t=1; practice 0.05)"})
     name = "eb-adaptive"
+    replica_local = True                    # reads only its own replica, shares nothing (base.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -338,6 +340,7 @@ class EbPlus(EbAdaptive):
     min_occupancy: float = field(default=16.0, metadata={"range": "[0, inf)", "help": "no switching while N_obs is below this"})
     count_waiting: bool = field(default=False, metadata={"help": "N_obs also counts waiting requests"})
     name = "eb-plus"
+    replica_local = True                    # reads only its own replica, shares nothing (base.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()

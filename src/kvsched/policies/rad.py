@@ -39,6 +39,7 @@ class Rad(_Base):
     n: int = field(default=0, metadata={"range": "[0, inf)", "help": "max requests started per cycle, 0 = unlimited"})
     variant: str = field(default="rad", metadata={"range": "rad|prefill-first", "help": "rad (Algorithm 1) or prefill-first (Algorithm 2)"})
     name = "rad"
+    replica_local = True                    # reads only its own replica, shares nothing (base.py)
 
     def __post_init__(self) -> None:
         if self.variant not in ("rad", "prefill-first"):

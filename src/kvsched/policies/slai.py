@@ -65,6 +65,7 @@ class Slai(_Base):
     watermark: float = field(default=0.01, metadata={"range": "[0, 1)", "help": "share of KV blocks kept free at admission"})
     aging: float = field(default=0.0, metadata={"range": "[0, inf)", "help": "serve requests waiting longer than this (s) first; 0 = off"})
     name = "slai"
+    replica_local = True                    # reads only its own replica, shares nothing (base.py)
 
     def __post_init__(self) -> None:
         _check_limits(self.name, self.token_budget, self.max_num_seqs)

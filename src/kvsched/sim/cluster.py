@@ -47,12 +47,14 @@ from kvsched.sim.records import merged_tiers
 from kvsched.sim.replica import DEFAULT_STALL_BATCHES, Arrivals, Replica
 from kvsched.sim.requests import INF, RequestTable
 from kvsched.sim.routers import ReplicaSummary, Router, make_router
+from kvsched.sim.routed_ahead import apart_tables, routed_ahead, run_apart
 from kvsched.sim.rowlog import MergedRows
 from kvsched.sim.transfer import KVLink
 from kvsched.workload.request import Workload
 
 SEAT, HANDOFF, PULL, LAND, ISSUE = range(5)
 SCAN_UP_TO = 8          # replicas up to which choosing the next one scans them all (else a heap)
+RAISED_AS_THEY_ARE = (KvschedError, *PASS_THROUGH)     # a router's other errors are named (`_route`)
 
 
 class _Turns:
@@ -97,6 +99,11 @@ class Cluster:
         if self._turns is not None:
             self._set_next = self._set_next_turns
         self.disaggregated = prefill_replicas > 0
+        if router_params and not isinstance(router, str):
+            raise KvschedError("router parameters go with a router name; a router object is used as given")
+        self.router = make_router(router, router_seed, router_params) if isinstance(router, str) else router
+        self._cost = cost
+        self._tables = apart_tables(self, policies, kv, max_model_len, strict)     # None: run together
         self.replicas: list[Replica] = []
         # the bins of the inter-token gap histograms (one, and one per tier), shared by the replicas
         itl_bins = GapHistogram().counts
@@ -104,7 +111,7 @@ class Cluster:
         for k, pol in enumerate(policies):
             role = "mixed" if not self.disaggregated else ("prefill" if k < prefill_replicas else "decode")
             self.replicas.append(Replica(
-                self.reqs, pol, cost, kv if k == 0 else PagedKV(kv.capacity_tokens, kv.block_size),
+                self.reqs if self._tables is None else self._tables[k], pol, cost, kv if k == 0 else PagedKV(kv.capacity_tokens, kv.block_size),
                 index=k, role=role, arrivals=self.arrivals, record_timeline=record_timeline,
                 record_batches=record_batches, stall_batches=stall_batches,
                 handoff=self._handoff if role == "prefill" else None,
@@ -113,9 +120,6 @@ class Cluster:
                 itl_bins=itl_bins, tier_bins=tier_bins))
         self.front = self.replicas[:prefill_replicas] if self.disaggregated else self.replicas
         self.back = self.replicas[prefill_replicas:]
-        if router_params and not isinstance(router, str):
-            raise KvschedError("router parameters go with a router name; a router object is used as given")
-        self.router = make_router(router, router_seed, router_params) if isinstance(router, str) else router
         spec = router if isinstance(router, str) else self.router.name
         self.decode_router = make_router(spec, router_seed + 1, router_params) if self.disaggregated else None
         pools = [(self.front, self.router)] + ([(self.back, self.decode_router)] if self.disaggregated else [])
@@ -181,9 +185,7 @@ class Cluster:
             args, kw = (i, t, len(pool)), {}
         try:
             k = router.route(*args, **kw)
-        except KvschedError:
-            raise
-        except PASS_THROUGH:
+        except RAISED_AS_THEY_ARE:
             raise
         except BaseException as exc:        # a custom router's error, named
             raise KvschedError(f"router {getattr(router, 'name', type(router).__name__)} raised "
@@ -293,7 +295,9 @@ class Cluster:
         check = invariants.enabled()            # KVSCHED_CHECK=1: the invariants after every step
         for r in reps:                          # replicas whose steady batches may run ahead
             r.runs_ahead = chain and r._steady
-        ahead = self._routed_ahead(chain)
+        if self._tables is not None:
+            return run_apart(self, progress, wall0)
+        ahead = routed_ahead(self, chain)
         route, next_same, upcoming, alone = ahead if ahead is not None else (None, None, None, None)
         nxt, steps, checked, t_other = 0, 0, [0] * len(reps), INF
         ready, version = self._ready, self._version
@@ -323,7 +327,7 @@ class Cluster:
                     elif single is not None:        # _arrive, inline: one replica takes every request
                         single.accept(nxt, t_arr)
                         reqs.replica[nxt] = index
-                    elif route is not None:         # routed up front (`_routed_ahead`)
+                    elif route is not None:         # routed up front (`routed_ahead`)
                         j = route[nxt]
                         r = reps[j]
                         r.accept(nxt, t_arr)
@@ -355,7 +359,7 @@ class Cluster:
             until = 0.0
             if rep.runs_ahead and not rep._queue:   # to the next thing that may change this replica
                 until = min(t_arr, events[0][0] if events else INF)
-                if alone is not None and alone[rep.index]:  # to its own next arrival (`_routed_ahead`)
+                if alone is not None and alone[rep.index]:  # to its own next arrival (`routed_ahead`)
                     j = upcoming[rep.index]
                     until = min(arrival[j] if j < n else INF, events[0][0] if events else INF)
                 if self.disaggregated:                  # another pool's batch may hand it work
@@ -378,36 +382,6 @@ class Cluster:
         if check:
             invariants.at_end(reqs)
         return self._records(_time.perf_counter() - wall0)
-
-    def _routed_ahead(self, chain: bool) -> tuple[list[int], list[int], list[int], list[bool]] | None:
-        """An open loop (no sessions) on one pool of replicas behind a router that reads no
-        state (`uses_state` false: it sees only the request, its arrival time and the pool's
-        size): each servable request's replica, routed now, by the same calls in the same order
-        as the loop would make them; each request's next one on the same replica (n: none); each
-        replica's first; and which replicas may run ahead to their own next arrival.
-
-        Replicas of one pool change each other only through the arrivals, which the loop still
-        takes in time order, so a replica whose idle decode batches run without the policy
-        (`runs_ahead`) may run them up to its own next arrival rather than the next one
-        anywhere (docs/architecture.md, "Cluster loop"): the same batches, bit for bit, in far
-        fewer steps (8 replicas at 56 req/s run about as long as one at 7 req/s). Not a
-        replica whose policy has an `on_finish` or `on_batch_end` hook: called mid-run, it
-        could read what the loop has not reached yet (the next arrival, the counters)."""
-        if not chain or self.disaggregated or len(self.front) < 2 or self.router.uses_state:
-            return None
-        reqs, pool = self.reqs, self.front
-        n, arrival, rejected = reqs.n, reqs.arrival, reqs.rejected_list
-        route = [-1] * n
-        for i in range(n):
-            if not rejected[i]:
-                route[i] = self._route(self.router, pool, i, arrival[i])
-        next_same, upcoming = [n] * n, [n] * len(pool)
-        for i in range(n - 1, -1, -1):
-            k = route[i]
-            if k >= 0:
-                next_same[i], upcoming[k] = upcoming[k], i
-        alone = [bool(r.runs_ahead) and r._on_finish is None and r._on_batch_end is None for r in pool]
-        return route, next_same, upcoming, alone
 
     def _set_next(self, nxt: int, t: float) -> None:
         k = self.reqs.next_servable(nxt)
@@ -498,12 +472,9 @@ class Cluster:
             kv_peak_tokens=max(r.peak_kv for r in reps) * bs, peak_queue=max(r.peak_queue for r in reps),
             busy_time=sum(r.busy for r in reps), wall_seconds=wall)
         if w.tiers:
-            rec.tier_index, rec.tiers = w.tier_index, tuple(w.tiers)
-            rec.tier_itl = merged_tiers(reps)
+            rec.tier_index, rec.tiers, rec.tier_itl = w.tier_index, tuple(w.tiers), merged_tiers(reps)
         if len(reps) > 1:
-            rec.replica = reqs.replica
-            rec.decode_replica = self.decode_replica
-            rec.transfer = self.transfer
+            rec.replica, rec.decode_replica, rec.transfer = reqs.replica, self.decode_replica, self.transfer
             rec.replica_stats = [{"replica": r.index, "role": r.role, "iterations": r.iterations,
                                   "busy_time": r.busy, "preemptions": r.preemptions,
                                   "kv_time_integral": r.kv_integral * bs, "kv_peak_tokens": r.peak_kv * bs,
@@ -519,7 +490,7 @@ class Cluster:
     @property
     def batches(self):
         """Rows (start, duration, prefill tokens, prefill requests, decode requests, KV used)
-        per batch; in a cluster every replica's rows, by start, with the replica's number last."""
+        per batch, as `timeline` (by start)."""
         return self._rows("batches")
 
     def _rows(self, name: str):

@@ -60,6 +60,7 @@ class RequestTable:
         self.done = 0           # finished requests
         self.issued = 0         # requests that have arrived so far (index order)
         self.in_flight = 0      # arrived, not rejected and not finished (all replicas)
+        self.rows = None        # a replica's own table: its requests' rows in the cluster's (routed_ahead.py)
 
     def _find_rejected(self, block_size: int, capacity_blocks: int, max_model_len: int | None,
                        strict: bool) -> np.ndarray:

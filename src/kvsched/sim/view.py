@@ -202,6 +202,18 @@ def _SET_COST(v: ReplicaView, cost) -> None:
     v._cost = cost
 
 
+@cython.locals(r="Replica")
+def _wide(v: ReplicaView, what: str) -> Replica:
+    """The replica behind view v, whose cluster-wide figure `what` a policy reads: refused
+    while a cluster runs its replicas one after another (`sim.cluster.Unseen`: the figures
+    there are not those of the replica's time)."""
+    r = _R(v)
+    refuse = getattr(r._arrivals, "refuse", None)
+    if refuse is not None:
+        refuse(what)
+    return r
+
+
 class ReplicaView:
     """The view. Compiled, a C type (view.pxd) whose replica and cost-model copy are C fields:
     a per-request read is one C call and a field read, no slot getter's Python call."""
@@ -277,19 +289,19 @@ class ReplicaView:
 
     @property
     def arrivals_pending(self) -> bool:
-        return _R(self)._arrivals.pending
+        return _wide(self, "arrivals_pending")._arrivals.pending
 
     @property
     def next_arrival(self) -> float | None:
-        return _R(self)._arrivals.next_time
+        return _wide(self, "next_arrival")._arrivals.next_time
 
     @property
     def issued(self) -> int:
-        return _R(self).reqs.issued
+        return _wide(self, "issued").reqs.issued
 
     @property
     def in_flight(self) -> int:
-        return _R(self).reqs.in_flight
+        return _wide(self, "in_flight").reqs.in_flight
 
     @property
     def cost_model(self):

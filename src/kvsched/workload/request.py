@@ -1,7 +1,7 @@
 """Requests and workloads, stored as arrays (one entry per request, sorted by arrival)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from numbers import Real
 from typing import Sequence
 
@@ -414,6 +414,19 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.arrival)
+
+    def take(self, idx: np.ndarray) -> "Workload":
+        """The requests at increasing indices `idx`, in their order, with everything else as it
+        is (a replica's share of an open loop: sim/routed_ahead.py). Session links name caller
+        ids, so a workload with sessions is refused."""
+        self.refuse_sessions("Workload.take")
+        per_request = ("arrival", "prompt", "output", "output_known", "tier_index", "ids", "phase", "concurrency",
+                       "session_prev", "think")
+        taken = {name: getattr(self, name)[idx] for name in per_request}
+        for name in ("prefix", "segments"):
+            part = getattr(self, name)
+            taken[name] = None if part is None else part.take(idx)
+        return replace(self, **taken)
 
     @property
     def closed_loop(self) -> bool:
