@@ -57,11 +57,28 @@ def mixed(n: int, rate: float, seed: int, tiers: bool, shared: bool) -> Workload
     return Workload.build(np.cumsum(g.exponential(1 / rate, n)), prompts, outputs, **kw)
 
 
-def both(w: Workload, name: str, **kw) -> tuple[str, str]:
-    """(fingerprint run apart, fingerprint run in the time-ordered loop)."""
+@pytest.fixture
+def apart_runs(monkeypatch) -> list:
+    """One entry per cluster run apart (`run_apart` as the cluster module calls it)."""
+    import kvsched.sim.cluster as cluster_module
+    calls: list = []
+    real = cluster_module.run_apart
+    monkeypatch.setattr(cluster_module, "run_apart", lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
+def both(w: Workload, name: str, apart_runs: list | None, **kw) -> tuple[str, str]:
+    """(fingerprint run apart, fingerprint run in the time-ordered loop); with `apart_runs`
+    (the fixture's), checks which ran how."""
+    runs = apart_runs if apart_runs is not None else []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")     # requests beyond --max-model-len are rejected, with a warning
-        return policy_fingerprint(w, name, **kw)[0], policy_fingerprint(w, Together(name), **kw)[0]
+        before = len(runs)
+        apart = policy_fingerprint(w, name, **kw)[0]
+        assert apart_runs is None or len(runs) == before + 1, "the built-in policy did not run apart"
+        together = policy_fingerprint(w, Together(name), **kw)[0]
+        assert apart_runs is None or len(runs) == before + 1, "the wrapped policy ran apart"
+        return apart, together
 
 
 def test_the_built_in_policies_that_read_only_their_replica_say_so():
@@ -99,9 +116,9 @@ def test_which_clusters_run_apart():
 
 
 @pytest.mark.parametrize("name", LOCAL)
-def test_apart_is_the_time_ordered_loop(name):
+def test_apart_is_the_time_ordered_loop(name, apart_runs):
     w = mixed(400, 40.0, 3, tiers=True, shared=True)
-    a, b = both(w, name, replicas=3, router="round-robin", kv_capacity=12_000, prefix_caching=True)
+    a, b = both(w, name, apart_runs, replicas=3, router="round-robin", kv_capacity=12_000, prefix_caching=True)
     assert a == b
 
 
@@ -113,15 +130,15 @@ def test_apart_is_the_time_ordered_loop(name):
 def test_apart_is_the_time_ordered_loop_on_random_workloads(seed, rate, replicas, router, name, kv, tiers, shared,
                                                              caching, cap):
     w = mixed(150, rate, seed, tiers, shared)
-    a, b = both(w, name, replicas=replicas, router=router, router_seed=seed, kv_capacity=kv,
+    a, b = both(w, name, None, replicas=replicas, router=router, router_seed=seed, kv_capacity=kv,
                 prefix_caching=caching, max_model_len=cap)
     assert a == b
 
 
-def test_apart_with_the_checks_on(monkeypatch):
+def test_apart_with_the_checks_on(monkeypatch, apart_runs):
     monkeypatch.setenv("KVSCHED_CHECK", "1")
     w = mixed(200, 30.0, 5, tiers=False, shared=True)
-    a, b = both(w, "sarathi", replicas=2, router="round-robin", kv_capacity=6_000, prefix_caching=True)
+    a, b = both(w, "sarathi", apart_runs, replicas=2, router="round-robin", kv_capacity=6_000, prefix_caching=True)
     assert a == b
 
 
@@ -168,3 +185,54 @@ def test_a_held_queue_is_released_when_the_arrivals_end_anywhere(replicas):
     apart, _ = policy_fingerprint(w, _holding(True), replicas=replicas, router="round-robin")
     together, _ = policy_fingerprint(w, _holding(False), replicas=replicas, router="round-robin")
     assert apart == together
+
+
+def test_more_replicas_than_requests(apart_runs):
+    w = mixed(3, 5.0, 2, False, False)
+    a, b = both(w, "vllm-v1", apart_runs, replicas=6, router="round-robin")
+    assert a == b
+
+
+def test_one_policy_object_on_every_replica_runs_in_the_loop():
+    """Its state is shared: run apart, one replica's run would come before another's."""
+    shared = make_policy("rad", {}, get_gpu("a100-80gb"))
+    assert _cluster([shared] * 3)._tables is None
+
+
+def test_a_cluster_table_after_a_run_apart_is_the_loop_s(apart_runs):
+    """Records, statuses, tokens and counters of the cluster's table end as the loop leaves
+    them; the view reads the cluster's figures again; a second run adds nothing."""
+    gpu = get_gpu("a100-80gb")
+    w = mixed(60, 20.0, 6, False, False)
+    runs = []
+    for make in (lambda: make_policy("vllm-v1", {}, gpu), lambda: Together("vllm-v1")):
+        c = _cluster([make() for _ in range(3)], w=w)
+        c.run()
+        runs.append(c)
+        c.run()
+    apart, loop = runs
+    assert apart._tables is not None and loop._tables is None and len(apart_runs) == 2
+    for name in ("status", "gen", "done", "in_flight", "remaining"):
+        assert getattr(apart.reqs, name) == getattr(loop.reqs, name), name
+    for name in ("admitted", "first", "finished", "itl_max", "viol", "preempts", "recomputed", "replica"):
+        assert np.array_equal(getattr(apart.reqs, name), getattr(loop.reqs, name)), name
+    assert apart.replicas[0].view.arrivals_pending is False and apart.replicas[0].view.in_flight == 0
+
+
+def test_workload_take_keeps_each_request_s_fields():
+    g = np.random.default_rng(3)
+    n = 12
+    off = np.arange(0, 2 * n + 1, 2, dtype=np.int64)
+    prefix = Ragged(g.integers(0, 99, 2 * n).astype(np.int64), off)
+    w = Workload.build(np.sort(g.uniform(0, 9, n)), g.integers(1, 90, n), g.integers(1, 40, n),
+                       tier_index=g.integers(-1, 1, n), tiers=(Tier("a", tbt_slo=0.05),), ids=np.arange(100, 100 + n),
+                       output_known=True, prefix=prefix, declared_types=((10, 5, 1.0),))
+    rows = np.array([1, 4, 5, 11])
+    part = w.take(rows)
+    for name in ("arrival", "prompt", "output", "output_known", "tier_index", "ids", "phase", "concurrency"):
+        assert np.array_equal(getattr(part, name), getattr(w, name)[rows]), name
+    assert [part.prefix[k].tolist() for k in range(4)] == [w.prefix[r].tolist() for r in rows]
+    assert (part.tiers, part.declared_types, part.source) == (w.tiers, w.declared_types, w.source)
+    turns = Workload.build(np.zeros(2), [5, 5], [3, 3], ids=[1, 2], session_prev=[-1, 1])
+    with pytest.raises(KvschedError, match="sessions"):
+        turns.take(np.array([0]))

@@ -28,8 +28,9 @@ PACKAGE = Path(__file__).resolve().parent          # the kvsched package folder
 COMPILED = ("sim/replica.py", "sim/lifecycle.py", "sim/kv_blocks.py", "sim/batch.py", "sim/decode_run.py",
             "sim/records.py", "sim/decode_set.py", "sim/view.py", "sim/plan_check.py", "sim/prefix_cache.py",
             "sim/prefix_planner.py", "sim/requests.py", "sim/rowlog.py", "sim/cluster.py", "sim/routed_ahead.py",
-            "metrics.py", "kvcache.py", "cost/roofline.py", "cost/shape.py", "policies/base.py", "policies/baselines.py", "policies/eb.py",
-            "policies/rad.py", "policies/slai.py", "policies/wait.py", "policies/distserve.py")
+            "metrics.py", "kvcache.py", "cost/roofline.py", "cost/shape.py", "policies/base.py",
+            "policies/baselines.py", "policies/eb.py", "policies/rad.py", "policies/slai.py", "policies/wait.py",
+            "policies/distserve.py")
 MANIFEST = "compiled_sources.txt"                  # in PACKAGE: "<path> <sha256>" per compiled module
 WARNING = "the compiled module of"                 # the warning's start (workers.py filters it)
 REBUILD = "`pip install .` rebuilds it (`pip install -e .` in an editable install)"

@@ -37,6 +37,7 @@ def resolve(spec: str, kind: str, registry: dict[str, type], needs: str, flag: s
         raise KvschedError(f"{flag}: expected a name or MODULE:CLASS, got {spec!r}")
     if spec in registry:
         return registry[spec]
+    USER_CODE.append(spec)                      # before it runs (it may run and then fail)
     if ":" in spec:
         cls = _from_spec(spec, flag)
     else:
@@ -49,7 +50,6 @@ def resolve(spec: str, kind: str, registry: dict[str, type], needs: str, flag: s
     if not isinstance(cls, type) or not callable(getattr(cls, needs, None)):
         what = cls.__name__ if isinstance(cls, type) else type(cls).__name__
         raise KvschedError(f"{flag} {spec}: {what} is not a {kind} class: it needs a {needs}() method")
-    USER_CODE.append(spec)
     return cls
 
 

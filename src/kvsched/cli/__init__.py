@@ -24,12 +24,13 @@ def main(argv: list[str] | None = None) -> None:
     - The interpreter's last garbage collection walks every object and frees the run's data
       (tens of ms at 50,000 requests), memory the OS takes back as the process ends: at exit
       (atexit, after the handlers registered later), the objects alive are frozen out of it
-      (`gc.freeze`), unless user code ran (`--policy FILE.py:Class` and the like, whose
-      objects may need finalizing: a file to flush). kvsched closes every file it writes
+      (`gc.freeze`), unless user code was loaded (`--policy FILE.py:Class` and the like,
+      whose objects may need finalizing: a file to flush). kvsched closes every file it writes
       before the command returns; atexit handlers and module clean-up still run. A caller
       that catches the SystemExit goes on unfrozen until its own exit.
     """
     name = (sys.argv[1:] if argv is None else argv)[:1]
+    atexit.unregister(_freeze_unless_user_code)        # once, however often main runs
     atexit.register(_freeze_unless_user_code)
     # what `app()` runs (a group: the app has many commands), less the other commands; typer's
     # exception hook is left out: with pretty exceptions off, it prints Python's traceback.

@@ -111,9 +111,11 @@ class Policy(Protocol):
     `replica_local = True` (optional, a class attribute of the policy's own class, not
     inherited) promises: the policy reads nothing of other replicas (not the view's
     cluster-wide `arrivals_pending`, `next_arrival`, `issued`, `in_flight`, nor another
-    replica's requests) and its copies share no state. A cluster whose policies all promise
-    it may run its replicas one after another (sim/cluster.py, `_run_apart`); reading a
-    cluster-wide figure there is an error naming the policy (`replica_local(policy)`)."""
+    replica's requests) and its copies share no state. Behind round-robin or random, its
+    replica may run idle decode batches (`decodes_when_idle`) up to its own next arrival, and
+    a cluster of built-in policies that promise it runs its replicas one after another
+    (sim/routed_ahead.py, `run_apart`), where reading a cluster-wide figure is an error
+    naming the policy (`replica_local(policy)`)."""
     name: str
 
     def schedule(self, view: ServerView) -> Plan: ...

@@ -111,10 +111,10 @@ class Cluster:
         for k, pol in enumerate(policies):
             role = "mixed" if not self.disaggregated else ("prefill" if k < prefill_replicas else "decode")
             self.replicas.append(Replica(
-                self.reqs if self._tables is None else self._tables[k], pol, cost, kv if k == 0 else PagedKV(kv.capacity_tokens, kv.block_size),
-                index=k, role=role, arrivals=self.arrivals, record_timeline=record_timeline,
-                record_batches=record_batches, stall_batches=stall_batches,
-                handoff=self._handoff if role == "prefill" else None,
+                self.reqs if self._tables is None else self._tables[k], pol, cost,
+                kv if k == 0 else PagedKV(kv.capacity_tokens, kv.block_size), index=k, role=role,
+                arrivals=self.arrivals, record_timeline=record_timeline, record_batches=record_batches,
+                stall_batches=stall_batches, handoff=self._handoff if role == "prefill" else None,
                 share=1 / (prefill_replicas if role == "prefill" else r - prefill_replicas),
                 prefix_caching=prefix_caching, on_done=self._turn_done if self._turns is not None else None,
                 itl_bins=itl_bins, tier_bins=tier_bins))

@@ -87,11 +87,12 @@ def apart_tables(cluster: Cluster, policies, kv: PagedKV, max_model_len: int | N
                  strict: bool) -> list[RequestTable] | None:
     """Each replica's own request table (its requests in arrival order, `rows` their rows in
     the cluster's table), when its replicas may run one after another (`run_apart`): routes
-    made `ahead_of_time` and built-in `replica_local` policies. Else None. Made before the
-    replicas, which are built on them."""
+    made `ahead_of_time` and built-in `replica_local` policies, one object per replica. Else
+    None. Made before the replicas, which are built on them."""
     w = cluster.reqs.workload
     if (not ahead_of_time(cluster, not (w.closed_loop or w.has_sessions), len(policies))
-            or not all(replica_local(p) and type(p).__module__.startswith("kvsched.policies.") for p in policies)):
+            or not all(replica_local(p) and type(p).__module__.startswith("kvsched.policies.") for p in policies)
+            or len({id(p) for p in policies}) < len(policies)):     # one object on two replicas shares its state
         return None
     route = np.array(route_all(cluster, len(policies)), np.int64)
     tables = []
@@ -118,9 +119,7 @@ class Unseen:
                            "remove the declaration to read it (policies/base.py, Policy)")
 
 
-@cython.locals(rep="Replica", part="RequestTable", j=cython.Py_ssize_t, m=cython.Py_ssize_t,
-               steps=cython.longlong, checked=cython.longlong, t_arr=cython.double, t_rep=cython.double,
-               t_end=cython.double, last=cython.double, woken=cython.bint)
+@cython.locals(j=cython.Py_ssize_t, last=cython.double)
 def run_apart(cluster: Cluster, progress: Callable[[int, int], None] | None, wall0: float) -> RunRecords:
     """Each replica alone, in index order, on its own table (`apart_tables`), from its first
     arrival to its last finish; then its requests' records go to the cluster's table. A
@@ -130,7 +129,8 @@ def run_apart(cluster: Cluster, progress: Callable[[int, int], None] | None, wal
     bit; what differs is the order in which replicas run, seen only by reads of the
     cluster-wide figures (refused: `Unseen`) and by a run that fails: it stops at the first
     replica that fails, in index order, not at the earliest failure in time, and an error
-    naming a request gives its row in the replica's table."""
+    naming a request gives its row in the replica's table. The cluster's table ends as the
+    loop leaves it, but for `issued` (0: nothing reads it after the run)."""
     reqs, reps = cluster.reqs, cluster.replicas
     j = reqs.n - 1
     while j >= 0 and reqs.rejected_list[j]:
@@ -139,8 +139,26 @@ def run_apart(cluster: Cluster, progress: Callable[[int, int], None] | None, wal
     check = invariants.enabled()            # KVSCHED_CHECK=1: the invariants after every step
     for rep in reps:
         rep._arrivals = Unseen(rep.name)
-    steps = 0
-    for rep in reps:
+    try:
+        _each_alone(cluster, last, progress, check)
+    finally:                                # the view reads the cluster's figures again
+        for rep in reps:
+            rep._arrivals = cluster.arrivals
+    _gather(reqs, reps)
+    cluster.arrivals.pending, cluster.arrivals.next_time = False, None     # as the loop leaves them
+    if check:
+        invariants.at_end(reqs)
+    return cluster._records(_time.perf_counter() - wall0)
+
+
+@cython.locals(rep="Replica", part="RequestTable", j=cython.Py_ssize_t, m=cython.Py_ssize_t,
+               steps=cython.longlong, checked=cython.longlong, t_arr=cython.double, t_rep=cython.double,
+               t_end=cython.double, last=cython.double, woken=cython.bint, before=cython.Py_ssize_t)
+def _each_alone(cluster: Cluster, last: float, progress: Callable[[int, int], None] | None, check: bool) -> None:
+    """`run_apart`'s replicas, one after another (`last`: the last servable arrival's time)."""
+    reqs = cluster.reqs
+    steps, before = 0, 0
+    for rep in cluster.replicas:
         part = rep.reqs
         arrival, m = part.arrival, part.n
         j, woken, checked = 0, False, 0
@@ -161,26 +179,22 @@ def run_apart(cluster: Cluster, progress: Callable[[int, int], None] | None, wal
             if rep.step(t_arr if rep.runs_ahead and not rep._queue else 0.0):
                 steps += 1
                 if progress is not None and steps % 4096 == 0:
-                    progress(reqs.done + part.done, reqs.remaining)
+                    progress(before + part.done, reqs.remaining)
             if check:
                 checked += 1
                 invariants.after_step(cluster, rep, checked)
-        _gather(reqs, part, rep.index, check)
-    if check:
-        invariants.at_end(reqs)
-    return cluster._records(_time.perf_counter() - wall0)
+        before += part.done
 
 
-def _gather(whole: RequestTable, part: RequestTable, index: int, check: bool) -> None:
-    """A replica's records (and with the checks on, its requests' states) into the cluster's
-    table, at its requests' rows."""
-    rows = part.rows
-    for name in ("admitted", "first", "finished", "itl_max", "viol", "preempts", "recomputed"):
-        getattr(whole, name)[rows] = getattr(part, name)
-    whole.replica[rows] = index
-    whole.done += part.done
-    if check:                               # what `invariants.at_end` reads
-        for name in ("status", "gen"):
-            column = getattr(whole, name)
-            for r, v in zip(rows.tolist(), getattr(part, name)):
-                column[r] = v
+def _gather(whole: RequestTable, reps: list) -> None:
+    """The replicas' records and their requests' end states into the cluster's table, at their
+    requests' rows (a finished request's other per-request values are back at their start)."""
+    status, gen = np.array(whole.status, np.int64), np.array(whole.gen, np.int64)
+    for rep in reps:
+        part, rows = rep.reqs, rep.reqs.rows
+        for name in ("admitted", "first", "finished", "itl_max", "viol", "preempts", "recomputed"):
+            getattr(whole, name)[rows] = getattr(part, name)
+        whole.replica[rows] = rep.index
+        status[rows], gen[rows] = part.status, part.gen
+    whole.status, whole.gen = status.tolist(), gen.tolist()
+    whole.done = sum(rep.reqs.done for rep in reps)

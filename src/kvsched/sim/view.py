@@ -205,7 +205,7 @@ def _SET_COST(v: ReplicaView, cost) -> None:
 @cython.locals(r="Replica")
 def _wide(v: ReplicaView, what: str) -> Replica:
     """The replica behind view v, whose cluster-wide figure `what` a policy reads: refused
-    while a cluster runs its replicas one after another (`sim.cluster.Unseen`: the figures
+    while a cluster runs its replicas one after another (`sim.routed_ahead.Unseen`: the figures
     there are not those of the replica's time)."""
     r = _R(v)
     refuse = getattr(r._arrivals, "refuse", None)
