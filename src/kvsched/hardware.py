@@ -39,10 +39,13 @@ class Model:
     max_len: int               # max_position_embeddings
     active_params: float | None = None   # MoE: parameters touched per token
     dtype_bytes: int = 2
+    kv_token_bytes: int | None = None    # KV bytes per token when not K and V per head (MLA: model_config.py)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V for every layer: 2 * layers * kv_heads * head_dim * dtype bytes."""
+        """K and V for every layer: 2 * layers * kv_heads * head_dim * dtype bytes (else as given)."""
+        if self.kv_token_bytes is not None:
+            return self.kv_token_bytes
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
     @property
@@ -90,10 +93,16 @@ def get_gpu(name: str) -> GPU:
 
 
 def get_model(name: str) -> Model:
+    """A catalogue model by name, or the model a Hugging Face config.json describes (a path to
+    it or to its folder: model_config.py)."""
     try:
         return MODELS[name.lower()]
     except KeyError:
-        raise KvschedError(f"unknown model {name!r}; known: {', '.join(MODELS)}") from None
+        pass
+    from kvsched.model_config import is_config_path, read_model
+    if is_config_path(name):
+        return read_model(name)
+    raise KvschedError(f"unknown model {name!r}; known: {', '.join(MODELS)}; or a config.json (a path)")
 
 
 def kv_capacity_tokens(model: Model, gpu: GPU, memory_utilization: float = 0.9) -> int:

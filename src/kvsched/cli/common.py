@@ -160,7 +160,8 @@ def _workload_options(**values) -> WorkloadOptions:
 workload_flags = _flags(WORKLOAD_FLAGS, _workload_options, "wopts")
 
 # Hardware and batch-time flags of simulate, compare and plan (names are a contract; see README).
-ModelOpt = typer.Option("llama-3-8b", "--model")
+ModelOpt = typer.Option("llama-3-8b", "--model",
+                        help="a catalogue model (`kvsched info`) or a Hugging Face config.json (its path or folder)")
 GpuOpt = typer.Option("a100-80gb", "--gpu")
 KvCap = typer.Option(None, "--kv-capacity", help="KV capacity in tokens (default: from model, GPU and memory utilization)")
 MemUtil = typer.Option(0.9, "--memory-utilization")

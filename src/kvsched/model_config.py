@@ -1,0 +1,142 @@
+"""A model from its Hugging Face `config.json` (issue "Today's deployments", item 1): `--model`
+takes a path to one, or to a folder holding one.
+
+Read from the config: layers, hidden size, attention and KV heads, head size, MLP and vocab
+sizes, context length; MoE (routed experts, experts per token, shared experts, dense first
+layers); MLA (DeepSeek-V2/V3's latent KV). Computed from them:
+
+- KV bytes per token, as vLLM 0.32 sizes a page (vllm/v1/kv_cache_interface.py,
+  `AttentionSpec.page_size_bytes` per token and layer): num_kv_heads x (head_size +
+  head_size_v) x dtype bytes, summed over the layers; MLA stores one latent vector per token
+  and layer, `MLAAttentionSpec`: head_size = kv_lora_rank + qk_rope_head_dim, one head, no V
+  (vllm/config/model.py: `get_head_size`, `get_num_kv_heads` returns 1 under MLA).
+  Sliding-window layers store the same bytes per token (they hold fewer tokens; what that does
+  to capacity is not modelled here).
+- Parameters, total and touched per token, from the weight shapes of the architectures'
+  modelling code (transformers' `modeling_llama`, `modeling_mixtral`, `modeling_qwen3_moe`,
+  `modeling_deepseek_v3`): embeddings, an untied LM head, per layer the attention
+  projections (q, k, v, o, with biases where `attention_bias`; MLA's q_a/q_b or q, kv_a, kv_b,
+  o and their norms), the gated MLP (gate, up, down) or the router and experts, and the RMS
+  norms. Multi-token-prediction layers (`num_nextn_predict_layers`) are left out, as vLLM
+  does not load them for serving.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvsched.errors import KvschedError
+from kvsched.hardware import Model
+
+CONFIG = "config.json"
+BF16 = 2                    # bytes per weight and KV element (the catalogue's precision)
+
+
+def is_config_path(name: str) -> bool:
+    """Whether `--model` names a file or folder rather than a catalogue entry."""
+    return name.endswith(".json") or "/" in name or "\\" in name or Path(name).is_dir()
+
+
+def read_model(path: str | Path) -> Model:
+    """The Model a config.json describes (a path to the file, or to a folder holding one)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / CONFIG
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise KvschedError(f"--model {path}: cannot read {p}: {exc.strerror or exc}") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise KvschedError(f"{p}:{exc.lineno}: not JSON: {exc.msg}") from None
+    if not isinstance(raw, dict):
+        raise KvschedError(f"{p}: a model config is a JSON object")
+    cfg = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw   # multimodal wrappers
+    return _model(_Config(cfg, p), raw.get("_name_or_path") or p.parent.name or p.stem)
+
+
+class _Config:
+    """The config's fields, each checked when read: a missing or bad one names file and key."""
+
+    def __init__(self, cfg: dict[str, Any], path: Path) -> None:
+        self.cfg, self.path = cfg, path
+
+    def has(self, key: str) -> bool:
+        return self.cfg.get(key) is not None
+
+    def int(self, key: str, default: int | None = None, low: int = 1) -> int:
+        v = self.cfg.get(key, default)
+        if v is None:
+            raise KvschedError(f"{self.path}: missing key {key!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise KvschedError(f"{self.path}: {key} must be a whole number >= {low}, got {v!r}")
+        return v
+
+    def flag(self, key: str) -> bool:
+        return bool(self.cfg.get(key, False))
+
+
+def _model(c: _Config, name: str) -> Model:
+    layers, hidden, heads = c.int("num_hidden_layers"), c.int("hidden_size"), c.int("num_attention_heads")
+    kv_heads = c.int("num_key_value_heads", heads)
+    head_dim = c.int("head_dim", hidden // heads)
+    vocab, inter = c.int("vocab_size"), c.int("intermediate_size")
+    mla = c.has("kv_lora_rank")
+    if mla:
+        kv_per_layer = c.int("kv_lora_rank") + c.int("qk_rope_head_dim")           # one latent per token
+        attn = _mla_params(c, hidden, heads)
+    else:
+        kv_per_layer = kv_heads * 2 * head_dim                                      # K and V
+        bias = c.flag("attention_bias") or c.flag("qkv_bias")
+        attn = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
+        attn += (heads + 2 * kv_heads) * head_dim if bias else 0
+        attn += 2 * head_dim if c.cfg.get("model_type") in ("qwen3", "qwen3_moe") else 0   # q_norm, k_norm
+    dense_mlp = 3 * hidden * inter
+    total = active = 0
+    moe, dense_layers = _moe(c, hidden, layers)
+    for k in range(layers):
+        if moe is not None and k >= dense_layers:
+            routed, per_token, shared, router = moe
+            total += attn + routed + shared + router + 2 * hidden
+            active += attn + per_token + shared + router + 2 * hidden
+        else:
+            total += attn + dense_mlp + 2 * hidden
+            active += attn + dense_mlp + 2 * hidden
+    outer = vocab * hidden * (1 if c.flag("tie_word_embeddings") else 2) + hidden     # embeddings, head, norm
+    # under MLA the cache holds one "head" of kv_lora_rank + qk_rope_head_dim per token and layer
+    return Model(name, layers, hidden, heads, 1 if mla else kv_heads, kv_per_layer if mla else head_dim,
+                 inter, vocab, float(total + outer), c.int("max_position_embeddings"),
+                 active_params=float(active + outer) if moe is not None else None,
+                 kv_token_bytes=layers * kv_per_layer * BF16)
+
+
+def _mla_params(c: _Config, hidden: int, heads: int) -> int:
+    """DeepSeek-V2/V3 attention (modeling_deepseek_v3): q through a low-rank q_a/q_b pair (or
+    one projection), kv_a to the latent and the rope key, kv_b from the latent to the heads'
+    nope keys and values, o; the two latent RMS norms."""
+    nope, rope, v = c.int("qk_nope_head_dim"), c.int("qk_rope_head_dim"), c.int("v_head_dim")
+    kv_rank = c.int("kv_lora_rank")
+    q = heads * (nope + rope)
+    if c.has("q_lora_rank"):
+        rank = c.int("q_lora_rank")
+        q_params = hidden * rank + rank + rank * q
+    else:
+        q_params = hidden * q
+    return q_params + hidden * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v) + heads * v * hidden
+
+
+def _moe(c: _Config, hidden: int, layers: int) -> tuple[tuple[int, int, int, int] | None, int]:
+    """(routed expert parameters, those a token touches, shared experts', router's) per MoE
+    layer, or None for a dense model; and the dense layers before the first MoE layer."""
+    experts = next((c.int(k) for k in ("n_routed_experts", "num_local_experts", "num_experts") if c.has(k)), None)
+    if experts is None:
+        return None, layers
+    top_k = c.int("num_experts_per_tok")
+    inter = c.int("moe_intermediate_size") if c.has("moe_intermediate_size") else c.int("intermediate_size")
+    expert = 3 * hidden * inter
+    shared = c.int("n_shared_experts", 0, low=0) * expert
+    if c.has("shared_expert_intermediate_size"):                 # Qwen2-MoE: one shared expert and its gate
+        shared += 3 * hidden * c.int("shared_expert_intermediate_size") + hidden
+    return (experts * expert, top_k * expert, shared, hidden * experts), c.int("first_k_dense_replace", 0, low=0)
