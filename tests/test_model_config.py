@@ -76,12 +76,25 @@ def test_a_config_agrees_with_the_catalogue(tmp_path):
 @pytest.mark.parametrize("content,message", [
     (None, "cannot read"), ("{not json", ":1: not JSON"), ("[1, 2]", "a model config is a JSON object"),
     (json.dumps({k: v for k, v in LLAMA.items() if k != "hidden_size"}), "missing key 'hidden_size'"),
-    (json.dumps({**LLAMA, "num_hidden_layers": 0}), "num_hidden_layers must be a whole number >= 1, got 0"),
+    (json.dumps({**LLAMA, "num_hidden_layers": 0}), "num_hidden_layers must be a whole number from 1 to 2147483647, "
+                                                      "got 0"),
+    (json.dumps({**LLAMA, "num_hidden_layers": 10 ** 30}), "num_hidden_layers must be a whole number"),
+    (json.dumps({**LLAMA, "vocab_size": 10 ** 400}), "vocab_size must be a whole number"),
     (json.dumps({**LLAMA, "num_attention_heads": "32"}), "num_attention_heads must be a whole number"),
+    (json.dumps({k: v for k, v in LLAMA.items() if k != "tie_word_embeddings"}),
+     "tie_word_embeddings is not in the config, and its default depends on the architecture"),
+    (json.dumps({**LLAMA, "tie_word_embeddings": "false"}), "tie_word_embeddings must be true or false"),
+    (b"\xff\xfe{}", "not UTF-8"),
+    (json.dumps({**CONFIGS["deepseek-v3"], "index_topk": 2048}), "not modelled yet: its indexer cache"),
+    (json.dumps({**CONFIGS["deepseek-v3"], "model_type": "minicpm3"}), "not modelled yet: kv_lora_rank outside"),
+    (json.dumps({**LLAMA, "model_type": "llama4_text"}), "not modelled yet: a shared expert"),
+    (json.dumps({**LLAMA, "layer_types": ["full_attention", "linear_attention"]}), "not modelled yet: layers that"),
 ])
 def test_a_bad_config_is_one_error_naming_it(tmp_path, content, message):
     path = tmp_path / "config.json"
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     with pytest.raises(KvschedError, match=message):
         get_model(str(path))
@@ -116,3 +129,12 @@ def test_kv_bytes_are_vllm_s(tmp_path, name):
     head = mc.get_head_size()
     vllm_bytes = mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * (head + (0 if mc.use_mla else head)) * 2
     assert get_model(folder).kv_bytes_per_token == vllm_bytes
+
+
+def test_a_multimodal_config_s_text_model(tmp_path):
+    """The text model of a multimodal wrapper, with a flag the wrapper holds (tied embeddings)."""
+    text = {k: v for k, v in LLAMA.items() if k != "tie_word_embeddings"}
+    m = get_model(write(tmp_path, "vl", {"model_type": "llava", "tie_word_embeddings": True, "text_config": text}))
+    untied = get_model(write(tmp_path, "l3", LLAMA))
+    assert m.kv_bytes_per_token == untied.kv_bytes_per_token
+    assert untied.params - m.params == LLAMA["vocab_size"] * LLAMA["hidden_size"]      # one matrix fewer

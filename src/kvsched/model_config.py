@@ -31,6 +31,13 @@ from kvsched.hardware import Model
 
 CONFIG = "config.json"
 BF16 = 2                    # bytes per weight and KV element (the catalogue's precision)
+LARGEST = 2 ** 31           # above any dimension of a real config: a larger one is a mistake
+# vLLM 0.32's MLA models whose weights are DeepSeek-V3's shapes (transformers_utils/
+# model_arch_config_convertor.py, `is_deepseek_mla`); another config with kv_lora_rank (MiniCPM3
+# stores full K and V) is refused, as are the caches vLLM adds beside them (below)
+MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+NOT_MODELLED = {"llama4": "a shared expert and interleaved MoE layers",
+                "llama4_text": "a shared expert and interleaved MoE layers"}
 
 
 def is_config_path(name: str) -> bool:
@@ -46,7 +53,10 @@ def read_model(path: str | Path) -> Model:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
-        raise KvschedError(f"--model {path}: cannot read {p}: {exc.strerror or exc}") from None
+        raise KvschedError(f"--model {path}: cannot read {p}: {exc.strerror or exc} (a Hugging Face id is "
+                           "not downloaded: give the path of its config.json)") from None
+    except UnicodeDecodeError:
+        raise KvschedError(f"{p}: not UTF-8 text") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -54,14 +64,15 @@ def read_model(path: str | Path) -> Model:
     if not isinstance(raw, dict):
         raise KvschedError(f"{p}: a model config is a JSON object")
     cfg = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw   # multimodal wrappers
-    return _model(_Config(cfg, p), raw.get("_name_or_path") or p.parent.name or p.stem)
+    name = raw.get("_name_or_path")
+    return _model(_Config(cfg, raw, p), name if isinstance(name, str) and name else p.parent.name or p.stem)
 
 
 class _Config:
     """The config's fields, each checked when read: a missing or bad one names file and key."""
 
-    def __init__(self, cfg: dict[str, Any], path: Path) -> None:
-        self.cfg, self.path = cfg, path
+    def __init__(self, cfg: dict[str, Any], outer: dict[str, Any], path: Path) -> None:
+        self.cfg, self.outer, self.path = cfg, outer, path
 
     def has(self, key: str) -> bool:
         return self.cfg.get(key) is not None
@@ -70,15 +81,37 @@ class _Config:
         v = self.cfg.get(key, default)
         if v is None:
             raise KvschedError(f"{self.path}: missing key {key!r}")
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise KvschedError(f"{self.path}: {key} must be a whole number >= {low}, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v < LARGEST:
+            raise KvschedError(f"{self.path}: {key} must be a whole number from {low} to {LARGEST - 1}, got {v!r}")
         return v
 
-    def flag(self, key: str) -> bool:
-        return bool(self.cfg.get(key, False))
+    def flag(self, key: str, required: bool = False) -> bool:
+        """A true/false key (a multimodal config's may be beside its text_config); one whose
+        default differs between architectures is `required`."""
+        v = self.cfg.get(key, self.outer.get(key))
+        if v is None and required:
+            raise KvschedError(f"{self.path}: {key} is not in the config, and its default depends on the "
+                               "architecture: add it")
+        if v is not None and not isinstance(v, bool):
+            raise KvschedError(f"{self.path}: {key} must be true or false, got {v!r}")
+        return bool(v)
+
+    def refuse_unmodelled(self) -> None:
+        """What vLLM stores or loads differently from what this module computes, refused."""
+        kind = self.cfg.get("model_type")
+        why = NOT_MODELLED.get(kind)
+        if self.has("index_topk"):
+            why = "its indexer cache beside the MLA latent (vLLM's DeepseekV32IndexerCache)"
+        elif self.has("kv_lora_rank") and kind not in MLA_TYPES:
+            why = f"kv_lora_rank outside vLLM's DeepSeek MLA models ({', '.join(MLA_TYPES)})"
+        elif any(t not in ("full_attention", "sliding_attention") for t in self.cfg.get("layer_types") or ()):
+            why = "layers that are not attention (linear attention or state-space layers)"
+        if why:
+            raise KvschedError(f"{self.path}: model_type {kind!r} is not modelled yet: {why}")
 
 
 def _model(c: _Config, name: str) -> Model:
+    c.refuse_unmodelled()
     layers, hidden, heads = c.int("num_hidden_layers"), c.int("hidden_size"), c.int("num_attention_heads")
     kv_heads = c.int("num_key_value_heads", heads)
     head_dim = c.int("head_dim", hidden // heads)
@@ -89,22 +122,21 @@ def _model(c: _Config, name: str) -> Model:
         attn = _mla_params(c, hidden, heads)
     else:
         kv_per_layer = kv_heads * 2 * head_dim                                      # K and V
-        bias = c.flag("attention_bias") or c.flag("qkv_bias")
+        bias = c.flag("attention_bias") or c.flag("qkv_bias")         # q, k, v biases (o's left out)
         attn = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
         attn += (heads + 2 * kv_heads) * head_dim if bias else 0
         attn += 2 * head_dim if c.cfg.get("model_type") in ("qwen3", "qwen3_moe") else 0   # q_norm, k_norm
-    dense_mlp = 3 * hidden * inter
-    total = active = 0
+    dense = attn + 3 * hidden * inter + 2 * hidden          # a dense layer: attention, gated MLP, 2 norms
     moe, dense_layers = _moe(c, hidden, layers)
-    for k in range(layers):
-        if moe is not None and k >= dense_layers:
-            routed, per_token, shared, router = moe
-            total += attn + routed + shared + router + 2 * hidden
-            active += attn + per_token + shared + router + 2 * hidden
-        else:
-            total += attn + dense_mlp + 2 * hidden
-            active += attn + dense_mlp + 2 * hidden
-    outer = vocab * hidden * (1 if c.flag("tie_word_embeddings") else 2) + hidden     # embeddings, head, norm
+    if moe is None:
+        total = active = layers * dense
+    else:
+        routed, per_token, shared, router = moe
+        n = layers - min(dense_layers, layers)
+        total = (layers - n) * dense + n * (attn + routed + shared + router + 2 * hidden)
+        active = (layers - n) * dense + n * (attn + per_token + shared + router + 2 * hidden)
+    tied = c.flag("tie_word_embeddings", required=True)
+    outer = vocab * hidden * (1 if tied else 2) + hidden    # embeddings, an untied head, the final norm
     # under MLA the cache holds one "head" of kv_lora_rank + qk_rope_head_dim per token and layer
     return Model(name, layers, hidden, heads, 1 if mla else kv_heads, kv_per_layer if mla else head_dim,
                  inter, vocab, float(total + outer), c.int("max_position_embeddings"),
