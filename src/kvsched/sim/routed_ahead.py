@@ -95,9 +95,11 @@ def apart_tables(cluster: Cluster, policies, kv: PagedKV, max_model_len: int | N
             or len({id(p) for p in policies}) < len(policies)):     # one object on two replicas shares its state
         return None
     route = np.array(route_all(cluster, len(policies)), np.int64)
+    order = np.argsort(route, kind="stable")    # each replica's rows in arrival order, in one pass
+    ends = np.searchsorted(route[order], np.arange(len(policies) + 1) - 1, side="right")
     tables = []
     for k in range(len(policies)):
-        rows = np.flatnonzero(route == k)
+        rows = order[ends[k]:ends[k + 1]]
         table = RequestTable(w.take(rows), kv.block_size, kv.capacity_blocks, max_model_len=max_model_len,
                              strict=strict)
         table.rows = rows
