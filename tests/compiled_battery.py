@@ -126,6 +126,7 @@ def patched(obj, **values):
 def extra_model(name: str, **changes):
     """A model `name` (llama-2-7b with `changes`) in kvsched.hardware.MODELS while it runs."""
     from kvsched import hardware
+    changes = {"kv_token_bytes": None, **changes}     # KV from the shape (and the changed dtype)
     hardware.MODELS[name] = dataclasses.replace(hardware.get_model("llama-2-7b"), name=name, **changes)
     try:
         yield

@@ -52,9 +52,11 @@ def test_trim_measures_the_steady_window():
 def test_kv_bytes_and_capacity():
     assert get_model("llama-2-7b").kv_bytes_per_token == 2 * 32 * 32 * 128 * 2
     assert get_model("qwen2-7b").kv_bytes_per_token == 57344
-    tokens = kv_capacity_tokens(get_model("qwen2-7b"), get_gpu("a30"), 0.9)
-    assert tokens == math.floor((0.9 * 24 * 2**30 - 7.62e9 * 2) / 57344)
-    assert len(MODELS) == 10
+    m = get_model("qwen2-7b")
+    assert m.params == 7_615_616_512             # from its config.json (Qwen2-7B: 7.62 billion)
+    tokens = kv_capacity_tokens(m, get_gpu("a30"), 0.9)
+    assert tokens == math.floor((0.9 * 24 * 2**30 - m.params * 2) / 57344)
+    assert len(MODELS) >= 25
 
 
 FLOATS = st.floats(allow_nan=False, allow_infinity=False, width=64)

@@ -87,7 +87,6 @@ def test_a_config_agrees_with_the_catalogue(tmp_path):
     (b"\xff\xfe{}", "not UTF-8"),
     (json.dumps({**CONFIGS["deepseek-v3"], "index_topk": 2048}), "not modelled yet: its indexer cache"),
     (json.dumps({**CONFIGS["deepseek-v3"], "model_type": "minicpm3"}), "not modelled yet: kv_lora_rank outside"),
-    (json.dumps({**LLAMA, "model_type": "llama4_text"}), "not modelled yet: a shared expert"),
     (json.dumps({**LLAMA, "layer_types": ["full_attention", "linear_attention"]}), "not modelled yet: layers that"),
 ])
 def test_a_bad_config_is_one_error_naming_it(tmp_path, content, message):
@@ -138,3 +137,51 @@ def test_a_multimodal_config_s_text_model(tmp_path):
     untied = get_model(write(tmp_path, "l3", LLAMA))
     assert m.kv_bytes_per_token == untied.kv_bytes_per_token
     assert untied.params - m.params == LLAMA["vocab_size"] * LLAMA["hidden_size"]      # one matrix fewer
+
+
+def _bundled():
+    from kvsched.hardware import MODELS
+    return list(MODELS)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", _bundled())
+def test_every_bundled_config_s_kv_bytes_per_gpu_are_vllm_s(tmp_path, name):
+    """Every bundled config through vLLM 0.32's ModelConfig: the KV bytes one token takes on one
+    GPU (its layers x its KV heads at that TP, or MLA's latent, x (K + V) head size x the cache
+    dtype's bytes) at tp 1, 2 and 8, with the model's dtype and an FP8 cache. The checkpoint's
+    quantization_config is left out: vLLM would check its kernels on this CPU, and it does not
+    change the cache's shape. Llama-4's multimodal wrapper goes in as its text model
+    (Llama4ForCausalLM, whose cache it is): vLLM's vision half needs torchvision."""
+    pytest.importorskip("vllm")
+    from vllm.config import ModelConfig, ParallelConfig
+    from kvsched.hardware import DATA
+    from kvsched.layout import Layout, kv_bytes_per_token_per_gpu
+    cfg = json.loads((DATA / "models" / f"{name}.json").read_text())
+    cfg.pop("quantization_config", None)
+    if cfg.get("model_type") == "llama4":
+        cfg = {**cfg["text_config"], "architectures": ["Llama4ForCausalLM"], "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model = get_model(name)
+    for kv_dtype, elem in (("auto", 2), ("fp8", 1)):
+        mc = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16")
+        for tp in (1, 2, 8):
+            if model.heads % tp:
+                continue
+            pc = ParallelConfig(tensor_parallel_size=tp)
+            head = mc.get_head_size()
+            vllm_bytes = mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * (head + (0 if mc.use_mla else head)) * elem
+            assert kv_bytes_per_token_per_gpu(model, Layout(tp=tp, kv_dtype=kv_dtype)) == vllm_bytes, (tp, kv_dtype)
+
+
+def test_bundled_models_match_their_published_sizes():
+    """Parameters from the bundled configs against the publishers' figures (billions): totals,
+    and for MoE the active ones (Llama-4-Scout's 17B active; its 109B total counts the vision
+    encoder, not read here)."""
+    published = {"llama-3.1-8b": 8.03, "llama-3.1-70b": 70.6, "llama-3.1-405b": 405.9, "mixtral-8x7b": 46.7,
+                 "mixtral-8x22b": 140.6, "deepseek-v3": 671, "qwen3-235b-a22b": 235.1, "qwen3-32b": 32.8,
+                 "gpt-oss-120b": 116.8, "gpt-oss-20b": 20.9, "qwen2-7b": 7.62, "kimi-k2": 1026}
+    for name, billions in published.items():
+        assert get_model(name).params / 1e9 == pytest.approx(billions, rel=0.004), name
+    assert get_model("llama-4-scout").active / 1e9 == pytest.approx(17.2, rel=0.01)
+    assert get_model("qwen3-235b-a22b").active / 1e9 == pytest.approx(22.2, rel=0.01)

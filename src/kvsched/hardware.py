@@ -1,28 +1,50 @@
-"""GPU and model catalogue: memory, bandwidth, FLOP/s, KV bytes per token, KV capacity.
+"""GPU and model catalogue: memory, bandwidth, FLOP/s per format, interconnect, KV bytes per
+token, KV capacity.
 
-GPU figures are vendor datasheet values (dense bf16 tensor FLOP/s without sparsity, peak
-memory bandwidth) and total memory as the driver reports it. Model figures are from the
-models' published configs (Hugging Face `config.json`), bf16 weights and KV cache.
+Both are data files shipped in the package (issue "Today's deployments", items 1 and 3):
+`data/gpus/NAME.toml`, datasheet figures with their source on each line (dense tensor FLOP/s per
+number format without sparsity, peak memory bandwidth, the GPU-to-GPU link and the network), and
+`data/models/NAME.json`, the models' Hugging Face `config.json` files (sources in
+`data/models/SOURCES.toml`), read by model_config.py. `--gpu` and `--model` also take a user's
+file (docs/hardware.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import tomllib
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
 
 from kvsched.errors import KvschedError
 
 GiB = 1024**3
+DATA = Path(__file__).parent / "data"
+FORMATS = ("bf16", "fp8", "fp4")        # number formats a GPU file may give FLOP/s for
+LINKS = ("nvlink", "xgmi", "pcie")
 
 
 @dataclass(frozen=True)
 class GPU:
     name: str
-    memory_gib: float          # total device memory (as nvidia-smi reports it)
+    memory_gib: float          # total device memory (as nvidia-smi reports it, or the datasheet's)
     bandwidth: float           # bytes/s, peak HBM/GDDR bandwidth
     flops: float               # dense bf16 FLOP/s
+    formats: Mapping[str, float] = field(default_factory=dict)   # dense FLOP/s per format (bf16 included)
+    link: str = "pcie"         # GPU-to-GPU interconnect inside a replica
+    link_bandwidth: float = 32e9    # bytes/s each way per GPU
+    link_latency: float = 1e-5      # seconds per step of a collective
+    network_bandwidth: float = 25e9     # bytes/s per GPU between replicas (KV transfer)
 
     @property
     def memory_bytes(self) -> float:
         return self.memory_gib * GiB
+
+    def rate(self, fmt: str) -> float:
+        """Dense FLOP/s in `fmt`, or the bf16 rate where the GPU has no faster path for it (a
+        weight-only format then computes in bf16, as vLLM's Marlin kernels do)."""
+        return self.formats.get(fmt, self.flops)
 
 
 @dataclass(frozen=True)
@@ -40,6 +62,12 @@ class Model:
     active_params: float | None = None   # MoE: parameters touched per token
     dtype_bytes: int = 2
     kv_token_bytes: int | None = None    # KV bytes per token when not K and V per head (MLA: model_config.py)
+    experts: int = 0                     # MoE: routed experts per MoE layer (0: dense)
+    experts_per_token: int = 0           # MoE: routed experts each token goes to (top-k)
+    expert_params: float = 0.0           # MoE: routed experts' parameters over all MoE layers
+    embedding_params: float = 0.0        # embeddings and an untied LM head (kept 16-bit when quantised)
+    mla: bool = False                    # KV is one latent per token and layer, on every TP rank
+    moe_layers: int = 0                  # MoE: layers whose MLP is the experts
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -57,39 +85,110 @@ class Model:
         return self.active_params if self.active_params is not None else self.params
 
 
-GPUS: dict[str, GPU] = {g.name: g for g in [
-    GPU("a100-40gb", 40.0, 1.555e12, 312e12),
-    GPU("a100-80gb", 80.0, 2.039e12, 312e12),
-    GPU("a30", 24.0, 0.933e12, 165e12),
-    GPU("h100-sxm", 79.6, 3.35e12, 989e12),
-    GPU("h200", 140.4, 4.8e12, 989e12),
-    GPU("l20", 45.0, 0.864e12, 119.5e12),
-    GPU("l40s", 45.0, 0.864e12, 362e12),
-    GPU("rtx-6000-ada", 48.0, 0.960e12, 364e12),
-    GPU("rtx-pro-6000", 95.6, 1.792e12, 504e12),
-    GPU("b300", 268.0, 8.0e12, 2.5e15),
-]}
+class _Catalogue(MutableMapping):
+    """The bundled entries by name, each file read on first use (`kvsched --help` reads none);
+    a program may add its own entries (or replace or remove one) as in a dict."""
 
-MODELS: dict[str, Model] = {m.name: m for m in [
-    Model("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, 6.74e9, 4096),
-    Model("llama-2-13b", 40, 5120, 40, 40, 128, 13824, 32000, 13.0e9, 4096),
-    Model("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 8.03e9, 8192),
-    Model("mistral-7b", 32, 4096, 32, 8, 128, 14336, 32000, 7.24e9, 32768),
-    Model("qwen2-7b", 28, 3584, 28, 4, 128, 18944, 152064, 7.62e9, 32768),
-    Model("qwen3-0.6b", 28, 1024, 16, 8, 128, 3072, 151936, 0.60e9, 40960),
-    Model("qwen3-4b", 36, 2560, 32, 8, 128, 9728, 151936, 4.02e9, 40960),
-    Model("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936, 8.19e9, 40960),
-    Model("qwen3-14b", 40, 5120, 40, 8, 128, 17408, 151936, 14.8e9, 40960),
-    Model("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 768, 151936, 30.5e9, 40960,
-          active_params=3.3e9),
-]}
+    def __init__(self, folder: str, suffix: str, read: Callable[[Path], object]) -> None:
+        self.folder, self.suffix, self.read = DATA / folder, suffix, read
+        self._names: list[str] | None = None
+        self._read: dict[str, object] = {}
+
+    def names(self) -> list[str]:
+        if self._names is None:
+            self._names = sorted(p.name[:-len(self.suffix)] for p in self.folder.glob("*" + self.suffix))
+        return self._names
+
+    def __getitem__(self, name: str):
+        if name not in self._read:
+            if name not in self.names():
+                raise KeyError(name)
+            self._read[name] = self.read(self.folder / (name + self.suffix))
+        return self._read[name]
+
+    def __setitem__(self, name: str, value) -> None:
+        if name not in self.names():
+            self._names = self.names() + [name]
+        self._read[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        if name not in self.names():
+            raise KeyError(name)
+        self._names = [n for n in self.names() if n != name]
+        self._read.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+
+def read_gpu(path: str | Path) -> GPU:
+    """A GPU from a TOML file (the bundled ones are the template: data/gpus/h100-sxm.toml); every
+    problem is one error naming the file and the key."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise KvschedError(f"--gpu {path}: cannot read it: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise KvschedError(f"{p}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise KvschedError(f"{p}: not TOML: {exc}") from None
+    known = {"name", "memory_gib", "bandwidth", "link", "link_bandwidth", "link_latency", "network_bandwidth",
+             "flops"}
+    for key in data:
+        if key not in known:
+            raise KvschedError(f"{p}: unknown key {key!r}; keys: {', '.join(sorted(known))}")
+
+    def number(key: str, value, positive: bool = True) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value < 0 or (positive and value == 0):
+            raise KvschedError(f"{p}: {key} must be a {'positive' if positive else 'non-negative'} finite "
+                               f"number, got {value!r}")
+        return float(value)
+
+    for key in ("memory_gib", "bandwidth", "flops"):
+        if key not in data:
+            raise KvschedError(f"{p}: missing key {key!r}")
+    flops = data["flops"]
+    if not isinstance(flops, dict) or "bf16" not in flops:
+        raise KvschedError(f"{p}: [flops] must be a table with at least bf16 (dense FLOP/s per format)")
+    for fmt in flops:
+        if fmt not in FORMATS:
+            raise KvschedError(f"{p}: [flops] has unknown format {fmt!r}; formats: {', '.join(FORMATS)}")
+    formats = {fmt: number(f"flops.{fmt}", v) for fmt, v in flops.items()}
+    name = data.get("name", p.stem)
+    link = data.get("link", "pcie")
+    if not isinstance(name, str) or not name:
+        raise KvschedError(f"{p}: name must be text, got {name!r}")
+    if link not in LINKS:
+        raise KvschedError(f"{p}: link must be one of {', '.join(LINKS)}, got {link!r}")
+    extra = {k: number(k, data[k], positive=k != "link_latency")
+             for k in ("link_bandwidth", "link_latency", "network_bandwidth") if k in data}
+    return GPU(name, number("memory_gib", data["memory_gib"]), number("bandwidth", data["bandwidth"]),
+               formats["bf16"], formats, link, **extra)
+
+
+def _read_model(path: Path) -> Model:
+    from kvsched.model_config import read_model
+    return read_model(path, name=path.stem)
+
+
+GPUS: MutableMapping[str, GPU] = _Catalogue("gpus", ".toml", read_gpu)
+MODELS: MutableMapping[str, Model] = _Catalogue("models", ".json", _read_model)
 
 
 def get_gpu(name: str) -> GPU:
+    """A catalogue GPU by name, or a user's GPU file (a path ending in .toml)."""
     try:
         return GPUS[name.lower()]
     except KeyError:
-        raise KvschedError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}") from None
+        pass
+    if name.endswith(".toml") or "/" in name or "\\" in name:
+        return read_gpu(name)
+    raise KvschedError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}; or a GPU file (.toml)")
 
 
 def get_model(name: str) -> Model:
@@ -105,26 +204,18 @@ def get_model(name: str) -> Model:
     raise KvschedError(f"unknown model {name!r}; known: {', '.join(MODELS)}; or a config.json (a path)")
 
 
-def kv_capacity_tokens(model: Model, gpu: GPU, memory_utilization: float = 0.9) -> int:
-    """Tokens of KV cache that fit beside the weights in `memory_utilization` of the GPU.
-
-    Like vLLM's `gpu_memory_utilization`, less the weights; activation memory is not
-    modelled (vLLM also subtracts a profiled activation peak, a few percent).
-    """
-    if not 0 < memory_utilization <= 1:
-        raise KvschedError(f"memory utilization must be in (0, 1], got {memory_utilization}")
-    free = gpu.memory_bytes * memory_utilization - model.weight_bytes
-    if free <= 0:
-        raise KvschedError(
-            f"{model.name} weights ({model.weight_bytes / GiB:.1f} GiB) do not fit in "
-            f"{memory_utilization:.0%} of {gpu.name} ({gpu.memory_gib:g} GiB)")
-    return int(free // model.kv_bytes_per_token)
+def kv_capacity_tokens(model: Model, gpu: GPU, memory_utilization: float = 0.9, layout=None) -> int:
+    """Tokens of KV cache that fit beside the weights (layout.py, `kv_capacity_tokens`; one bf16
+    GPU without a layout)."""
+    from kvsched.layout import PLAIN, kv_capacity_tokens as capacity
+    return capacity(model, gpu, memory_utilization, layout or PLAIN)
 
 
-def usable_kv_tokens(model: Model, gpu: GPU, memory_utilization: float = 0.9, block_size: int = 16) -> int:
+def usable_kv_tokens(model: Model, gpu: GPU, memory_utilization: float = 0.9, block_size: int = 16,
+                     layout=None) -> int:
     """KV tokens a vLLM replica can use: of the G blocks that fit, block 0 is vLLM's null
     block, so (G - 1) x block_size."""
-    tokens = (kv_capacity_tokens(model, gpu, memory_utilization) // block_size - 1) * block_size
+    tokens = (kv_capacity_tokens(model, gpu, memory_utilization, layout) // block_size - 1) * block_size
     if tokens < block_size:
         raise KvschedError(f"{model.name} on {gpu.name} leaves no KV block beside vLLM's null block")
     return tokens

@@ -36,8 +36,12 @@ LARGEST = 2 ** 31           # above any dimension of a real config: a larger one
 # model_arch_config_convertor.py, `is_deepseek_mla`); another config with kv_lora_rank (MiniCPM3
 # stores full K and V) is refused, as are the caches vLLM adds beside them (below)
 MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-NOT_MODELLED = {"llama4": "a shared expert and interleaved MoE layers",
-                "llama4_text": "a shared expert and interleaved MoE layers"}
+LLAMA4_TYPES = ("llama4", "llama4_text")
+# a flag's default where the config leaves it out, by model_type, from the architecture's
+# configuration class (transformers: configuration_llama4.py, Llama4Config/Llama4TextConfig)
+# and Qwen2's, whose q, k and v projections always have biases (modeling_qwen2.py: bias=True)
+CLASS_DEFAULTS = {"llama4": {"tie_word_embeddings": False}, "llama4_text": {"tie_word_embeddings": False},
+                  "qwen2": {"qkv_bias": True}, "qwen2_moe": {"qkv_bias": True}}
 
 
 def is_config_path(name: str) -> bool:
@@ -45,8 +49,9 @@ def is_config_path(name: str) -> bool:
     return name.endswith(".json") or "/" in name or "\\" in name or Path(name).is_dir()
 
 
-def read_model(path: str | Path) -> Model:
-    """The Model a config.json describes (a path to the file, or to a folder holding one)."""
+def read_model(path: str | Path, name: str | None = None) -> Model:
+    """The Model a config.json describes (a path to the file, or to a folder holding one);
+    `name` (a catalogue entry's) else the config's `_name_or_path` else the folder's."""
     p = Path(path)
     if p.is_dir():
         p = p / CONFIG
@@ -64,8 +69,10 @@ def read_model(path: str | Path) -> Model:
     if not isinstance(raw, dict):
         raise KvschedError(f"{p}: a model config is a JSON object")
     cfg = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw   # multimodal wrappers
-    name = raw.get("_name_or_path")
-    return _model(_Config(cfg, raw, p), name if isinstance(name, str) and name else p.parent.name or p.stem)
+    if name is None:
+        given = raw.get("_name_or_path")
+        name = given if isinstance(given, str) and given else p.parent.name or p.stem
+    return _model(_Config(cfg, raw, p), name)
 
 
 class _Config:
@@ -89,6 +96,9 @@ class _Config:
         """A true/false key (a multimodal config's may be beside its text_config); one whose
         default differs between architectures is `required`."""
         v = self.cfg.get(key, self.outer.get(key))
+        if v is None:
+            kind = self.outer.get("model_type", self.cfg.get("model_type"))
+            v = CLASS_DEFAULTS.get(kind if isinstance(kind, str) else "", {}).get(key)
         if v is None and required:
             raise KvschedError(f"{self.path}: {key} is not in the config, and its default depends on the "
                                "architecture: add it")
@@ -99,7 +109,7 @@ class _Config:
     def refuse_unmodelled(self) -> None:
         """What vLLM stores or loads differently from what this module computes, refused."""
         kind = self.cfg.get("model_type")
-        why = NOT_MODELLED.get(kind)
+        why = None
         if self.has("index_topk"):
             why = "its indexer cache beside the MLA latent (vLLM's DeepseekV32IndexerCache)"
         elif self.has("kv_lora_rank") and kind not in MLA_TYPES:
@@ -126,22 +136,28 @@ def _model(c: _Config, name: str) -> Model:
         attn = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
         attn += (heads + 2 * kv_heads) * head_dim if bias else 0
         attn += 2 * head_dim if c.cfg.get("model_type") in ("qwen3", "qwen3_moe") else 0   # q_norm, k_norm
-    dense = attn + 3 * hidden * inter + 2 * hidden          # a dense layer: attention, gated MLP, 2 norms
-    moe, dense_layers = _moe(c, hidden, layers)
+    dense_inter = c.int("intermediate_size_mlp") if c.has("intermediate_size_mlp") else inter   # Llama-4
+    dense = attn + 3 * hidden * dense_inter + 2 * hidden    # a dense layer: attention, gated MLP, 2 norms
+    moe, moe_layers = _moe(c, hidden, layers)
     if moe is None:
         total = active = layers * dense
+        experts = top_k = routed_total = 0
     else:
-        routed, per_token, shared, router = moe
-        n = layers - min(dense_layers, layers)
+        routed, per_token, shared, router, experts, top_k = moe
+        n = moe_layers
         total = (layers - n) * dense + n * (attn + routed + shared + router + 2 * hidden)
         active = (layers - n) * dense + n * (attn + per_token + shared + router + 2 * hidden)
+        routed_total = n * routed
     tied = c.flag("tie_word_embeddings", required=True)
-    outer = vocab * hidden * (1 if tied else 2) + hidden    # embeddings, an untied head, the final norm
+    embedding = vocab * hidden * (1 if tied else 2)         # embeddings and an untied head
+    outer = embedding + hidden                              # and the final norm
     # under MLA the cache holds one "head" of kv_lora_rank + qk_rope_head_dim per token and layer
     return Model(name, layers, hidden, heads, 1 if mla else kv_heads, kv_per_layer if mla else head_dim,
                  inter, vocab, float(total + outer), c.int("max_position_embeddings"),
                  active_params=float(active + outer) if moe is not None else None,
-                 kv_token_bytes=layers * kv_per_layer * BF16)
+                 kv_token_bytes=layers * kv_per_layer * BF16, experts=experts, experts_per_token=top_k,
+                 expert_params=float(routed_total), embedding_params=float(embedding), mla=mla,
+                 moe_layers=moe_layers if moe is not None else 0)
 
 
 def _mla_params(c: _Config, hidden: int, heads: int) -> int:
@@ -159,16 +175,26 @@ def _mla_params(c: _Config, hidden: int, heads: int) -> int:
     return q_params + hidden * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v) + heads * v * hidden
 
 
-def _moe(c: _Config, hidden: int, layers: int) -> tuple[tuple[int, int, int, int] | None, int]:
-    """(routed expert parameters, those a token touches, shared experts', router's) per MoE
-    layer, or None for a dense model; and the dense layers before the first MoE layer."""
+def _moe(c: _Config, hidden: int, layers: int) -> tuple[tuple[int, int, int, int, int, int] | None, int]:
+    """(routed expert parameters, those a token touches, shared experts', router's, routed
+    experts, experts per token) per MoE layer, or None for a dense model; and the number of MoE
+    layers: all but DeepSeek's `first_k_dense_replace` first ones, or every
+    `interleave_moe_layer_step`-th (Llama-4: modeling_llama4, layer i is MoE when (i + 1) %
+    step == 0)."""
     experts = next((c.int(k) for k in ("n_routed_experts", "num_local_experts", "num_experts") if c.has(k)), None)
     if experts is None:
-        return None, layers
+        return None, 0
     top_k = c.int("num_experts_per_tok")
     inter = c.int("moe_intermediate_size") if c.has("moe_intermediate_size") else c.int("intermediate_size")
     expert = 3 * hidden * inter
     shared = c.int("n_shared_experts", 0, low=0) * expert
     if c.has("shared_expert_intermediate_size"):                 # Qwen2-MoE: one shared expert and its gate
         shared += 3 * hidden * c.int("shared_expert_intermediate_size") + hidden
-    return (experts * expert, top_k * expert, shared, hidden * experts), c.int("first_k_dense_replace", 0, low=0)
+    if c.cfg.get("model_type") in LLAMA4_TYPES:                  # Llama-4: one shared expert of the experts' size
+        shared += expert
+    if c.has("interleave_moe_layer_step"):
+        step = c.int("interleave_moe_layer_step")
+        moe_layers = layers // step
+    else:
+        moe_layers = layers - min(c.int("first_k_dense_replace", 0, low=0), layers)
+    return (experts * expert, top_k * expert, shared, hidden * experts, experts, top_k), moe_layers

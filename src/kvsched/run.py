@@ -24,6 +24,7 @@ from kvsched.errors import PASS_THROUGH, KvschedError
 from kvsched.files import remove, stale_temporaries, temp_prefix
 from kvsched.hardware import get_gpu, get_model, usable_kv_tokens
 from kvsched.kvcache import PagedKV
+from kvsched.layout import PLAIN, Layout, kv_bytes_per_token, layout_summary
 from kvsched.limits import MAX_REPLICAS, check_count
 from kvsched.metrics import Goodput, RunRecords, summarize
 from kvsched.policies import Policy, make_policy
@@ -62,6 +63,15 @@ class Scenario:
     stall_batches: int = DEFAULT_STALL_BATCHES   # preempting batches without an output token before a policy is stopped
     tbt_first_zero: bool = False            # also report p99 TBT with a 0 s gap per first token (SLAI's telemetry)
     prefix_caching: bool | None = None      # None: the policy's default (on for vllm-v1, as vLLM)
+    tp: int = 1                             # a replica's layout (layout.py): tensor, pipeline, expert
+    pp: int = 1                             # parallelism, data-parallel attention, number formats
+    ep: int = 1
+    dp_attention: bool = False
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "auto"
+
+    def layout(self) -> Layout:
+        return Layout(self.tp, self.pp, self.ep, self.dp_attention, self.weight_dtype, self.kv_dtype)
 
     def pools(self) -> tuple[int, int]:
         """(replicas, prefill replicas), checked: whole numbers, within `limits.MAX_REPLICAS`
@@ -117,13 +127,15 @@ class Scenario:
             if not isinstance(getattr(self, name), (bool, np.bool_)):   # "off" would be true
                 raise KvschedError(f"Scenario.{name} must be True or False, got {getattr(self, name)!r}")
         self.pools()
+        self.layout().check()
 
     def resolve(self):
         self.check()
         model, gpu = get_model(self.model), get_gpu(self.gpu)
+        layout = self.layout().check(model)
         tokens = self.kv_capacity if self.kv_capacity is not None else usable_kv_tokens(
-            model, gpu, self.memory_utilization, self.block_size)
-        cost = make_cost_model(self.cost, self.cost_params, model, gpu)
+            model, gpu, self.memory_utilization, self.block_size, layout)
+        cost = make_cost_model(self.cost, self.cost_params, model, gpu, layout)
         return model, gpu, tokens, cost
 
 
@@ -405,7 +417,7 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     max_len = scenario.max_model_len if scenario.max_model_len is not None else model.max_len
     cluster = Cluster(scenario.workload, pols, cost, kv, router=scenario.router, router_seed=scenario.router_seed,
                       router_params=scenario.router_params,
-                      prefill_replicas=prefill, kv_bytes_per_token=model.kv_bytes_per_token,
+                      prefill_replicas=prefill, kv_bytes_per_token=kv_bytes_per_token(model, scenario.layout()),
                       bandwidth_gbps=scenario.kv_transfer_bandwidth, latency_s=scenario.kv_transfer_latency,
                       max_model_len=max_len, record_timeline=record_timeline, record_batches=record_batches,
                       strict=scenario.strict, stall_batches=scenario.stall_batches,
@@ -414,6 +426,8 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     name = pols[0].name if hasattr(pols[0], "name") else type(pols[0]).__name__
     records.extra = {"policy": name, "cost_model": scenario.cost, "model": model.name,
                      "gpu": gpu.name, "block_size": kv.block_size}
+    if scenario.layout() != PLAIN:
+        records.extra.update(layout_summary(scenario.layout()))
     if replicas > 1:
         records.extra.update({"replicas": replicas, "router": cluster.router.name})
         if scenario.router_params:

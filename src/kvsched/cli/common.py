@@ -175,6 +175,12 @@ HARDWARE_FLAGS = {
     "cost": (str, typer.Option("roofline", "--cost", help=f"batch-time model: {', '.join(COST_MODELS)}; or a cost file (.json) written by kvsched calibrate")),
     "cost_set": (list[str], typer.Option([], "--cost-set", help="cost model parameter key=value (repeatable)")),
     "prefix_caching": (Optional[str], typer.Option(None, "--prefix-caching", help="on|off: share cached prompt blocks as vLLM's automatic prefix caching (default: the policy's; on for vllm-v1)")),
+    "tp": (int, typer.Option(1, "--tp", help="tensor-parallel GPUs per replica")),
+    "pp": (int, typer.Option(1, "--pp", help="pipeline stages per replica")),
+    "ep": (int, typer.Option(1, "--ep", help="MoE: GPUs the experts are spread over (1, --tp, or with --dp-attention a multiple of --tp)")),
+    "dp_attention": (bool, typer.Option(False, "--dp-attention", help="MoE: attention data-parallel over --ep / --tp ranks")),
+    "weight_dtype": (str, typer.Option("bf16", "--weight-dtype", help="weights: bf16, fp8, int4 (AWQ/GPTQ), nvfp4, mxfp4")),
+    "kv_dtype": (str, typer.Option("auto", "--kv-dtype", help="KV cache: auto (the model's 16-bit), fp8")),
 }
 
 
@@ -189,6 +195,12 @@ class HardwareOptions:
     cost: str
     cost_set: list[str]
     prefix_caching: Optional[str]
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dp_attention: bool = False
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "auto"
 
     def scenario(self, workload, goodput: list[str] = (), trim: int = 0, strict: bool = False,
                  tbt_first_zero: bool = False) -> Scenario:
@@ -205,7 +217,9 @@ class HardwareOptions:
                         block_size=self.block_size, max_model_len=self.max_model_len,
                         goodput=Goodput.parse(list(goodput)), trim=trim, strict=strict,
                         tbt_first_zero=tbt_first_zero,
-                        prefix_caching=None if self.prefix_caching is None else self.prefix_caching == "on")
+                        prefix_caching=None if self.prefix_caching is None else self.prefix_caching == "on",
+                        tp=self.tp, pp=self.pp, ep=self.ep, dp_attention=self.dp_attention,
+                        weight_dtype=self.weight_dtype, kv_dtype=self.kv_dtype)
 
 
 hardware_flags = _flags(HARDWARE_FLAGS, HardwareOptions, "hw")

@@ -18,6 +18,7 @@ from kvsched.cost.tiled import TILED_PRESETS, TiledCost
 from kvsched.errors import KvschedError
 from kvsched.files import names_a_file
 from kvsched.hardware import GPU, Model
+from kvsched.layout import PLAIN, Layout
 from kvsched.params import build
 from kvsched.plugins import plain_instance, resolve
 
@@ -45,14 +46,15 @@ COST_FILE_VERSION = 1
 CATALOGUE_MODELS = (RooflineCost, TiledCost)      # need the model and GPU: parameters tied to them
 
 
-def make_cost_model(name: str, overrides: dict[str, Any], model: Model, gpu: GPU) -> CostModel:
+def make_cost_model(name: str, overrides: dict[str, Any], model: Model, gpu: GPU, layout: Layout = PLAIN) -> CostModel:
     """A registered model by name, or the model of a cost file when `name` is not registered
     and ends in .json or is a file; `overrides` (--cost-set) apply on top of the file's
-    parameters."""
+    parameters. `layout` (TP, PP, EP, number formats) goes to a model with a `layout` field
+    (the roofline); another model refuses any but one bf16 GPU."""
     if name not in COST_MODELS and (name.endswith(".json") or names_a_file(name)):
         cost, params = read_cost_file(Path(name), model, gpu)
-        return _build(cost, overrides, model, gpu, params, f"cost file {name} ({cost})")
-    return _build(name, overrides, model, gpu, {}, f"cost model {name}")
+        return _build(cost, overrides, model, gpu, params, f"cost file {name} ({cost})", layout)
+    return _build(name, overrides, model, gpu, {}, f"cost model {name}", layout)
 
 
 def cost_class(name: str) -> type:
@@ -69,8 +71,12 @@ def cost_class(name: str) -> type:
         raise
 
 
-def _build(name: str, overrides: dict[str, Any], model: Model, gpu: GPU, params: dict[str, Any], owner: str):
+def _build(name: str, overrides: dict[str, Any], model: Model, gpu: GPU, params: dict[str, Any], owner: str,
+           layout: Layout = PLAIN):
     cls = cost_class(name)
+    takes_layout = dataclasses.is_dataclass(cls) and "layout" in {f.name for f in dataclasses.fields(cls)}
+    if layout != PLAIN and not takes_layout:
+        raise KvschedError(f"{owner} times one GPU in bf16: {layout.describe()} needs --cost roofline")
     if not dataclasses.is_dataclass(cls):
         return plain_instance(cls, owner, overrides, "--cost-set")
     # a user's dataclass with `model` and `gpu` fields takes the catalogue's, as the roofline does
@@ -80,9 +86,13 @@ def _build(name: str, overrides: dict[str, Any], model: Model, gpu: GPU, params:
         raise KvschedError(f"{owner} needs a catalogue model and GPU, and none was given here "
                            "(inside vLLM: use a phase or linear cost file from kvsched calibrate)")
     context = {"model": model, "gpu": gpu} if catalogue else {}
-    bad = {"model", "gpu"} & set(overrides)
+    if takes_layout:
+        context["layout"] = layout
+    bad = {"model", "gpu", "layout"} & set(overrides)
     if bad:
-        raise KvschedError(f"cost model {name}: set {sorted(bad)[0]} with --{sorted(bad)[0]}")
+        flag = sorted(bad)[0]
+        raise KvschedError(f"cost model {name}: set {flag} with " + ("--tp, --pp, --ep, --dp-attention, --weight-dtype "
+                                                                     "and --kv-dtype" if flag == "layout" else f"--{flag}"))
     defaults = {**PHASE_PRESETS.get(name, {}), **TILED_PRESETS.get(name, {}), **params, **context}
     return build(cls, owner, overrides, defaults)
 
@@ -102,7 +112,7 @@ def read_cost_file(path: Path, model: Model | None, gpu: GPU | None) -> tuple[st
         raise KvschedError(f"cost file {path}: unknown cost model {cost!r}; known: {', '.join(COST_MODELS)}")
     if not isinstance(params, dict):
         raise KvschedError(f"cost file {path}: \"params\" must be an object of parameter values")
-    fields = {f.name for f in dataclasses.fields(COST_MODELS[cost]) if f.init} - {"model", "gpu"}
+    fields = {f.name for f in dataclasses.fields(COST_MODELS[cost]) if f.init} - {"model", "gpu", "layout"}
     for key, value in params.items():
         if key not in fields:
             raise KvschedError(f"cost file {path}: cost model {cost} has no parameter {key!r} "

@@ -1,7 +1,7 @@
 """Roofline batch time from the model and GPU catalogue: no profiling needed."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 try:
     import cython
@@ -10,17 +10,29 @@ except ModuleNotFoundError:                 # run as Python without Cython insta
 
 from kvsched.cost.shape import BatchShape
 from kvsched.hardware import GPU, Model
+from kvsched.layout import (ACT_BYTES, COMPUTE_FORMAT, PLAIN, WEIGHT_BYTES, Layout, kv_bytes_per_token_per_gpu,
+                            weight_bytes_per_gpu)
 
 
 @dataclass(frozen=True)
 class RooflineCost:
     """time = overhead + max(FLOPs / (flops * compute_efficiency),
-                             bytes / (bandwidth * memory_efficiency))
+                             bytes / (bandwidth * memory_efficiency)) + collectives
 
-    FLOPs: 2 * active parameters per computed token (the GEMMs) plus attention,
-    4 * layers * heads * head_dim per query-key pair (QK^T and AV).
-    Bytes: weights read once per batch (for MoE, at most active parameters per token, up to
-    all of them) plus the KV cache the batch reads and writes.
+    FLOPs: 2 * active parameters per computed token (the GEMMs, at the weight format's rate:
+    layout.py COMPUTE_FORMAT) plus attention, 4 * layers * heads * head_dim per query-key pair
+    (QK^T and AV, at the bf16 rate), split over the tp x dp GPUs that compute in parallel.
+    Bytes, per GPU: its non-expert weights once per batch; for MoE its routed experts that the
+    batch's tokens touch, E x (1 - (1 - k/E)^tokens) of E in expectation (each token picks k of E
+    experts, taken as uniform and independent); and the KV cache the batch reads and writes, its
+    heads' share (layout.py). Pipeline stages run one after another on one batch in flight, so
+    their times add: pp GPUs hold the model but do not shorten an iteration (the bubble: each
+    stage idles (pp - 1) / pp of it). Collectives (docs/hardware.md), on the GPU's link:
+    tensor parallelism all-reduces each rank's T / dp tokens' activations (hidden x 2 bytes) twice
+    per layer (ring: 2 (tp - 1) / tp x bytes / link bandwidth + latency), once in a MoE layer
+    whose experts are spread (ep > 1), where dispatch and combine are two all-to-alls of each
+    GPU's T / ep tokens x k x hidden x 2 bytes x (ep - 1) / ep (each + latency); pipeline stages
+    hand T x hidden x 2 bytes over pp - 1 times (each + latency).
     The max is written as (a + b + |a - b|) / 2 so the model also evaluates on arrays.
     """
     model: Model
@@ -28,6 +40,8 @@ class RooflineCost:
     compute_efficiency: float = field(default=0.5, metadata={"help": "achieved / peak FLOP/s"})
     memory_efficiency: float = field(default=0.8, metadata={"help": "achieved / peak bandwidth"})
     overhead: float = field(default=0.004, metadata={"help": "per-iteration CPU/launch seconds"})
+    layout: Layout = field(default=PLAIN, metadata={"help": "set with --tp, --pp, --ep, --dp-attention, "
+                                                            "--weight-dtype, --kv-dtype"})
 
     def __post_init__(self) -> None:
         for name in ("compute_efficiency", "memory_efficiency"):
@@ -36,14 +50,25 @@ class RooflineCost:
                 raise ValueError(f"{name} must be in (0, 1], got {v}")
         if self.overhead < 0:
             raise ValueError(f"overhead must be >= 0, got {self.overhead}")
-        m = self.model
-        object.__setattr__(self, "_attn_flops", 4.0 * m.layers * m.heads * m.head_dim)
-        object.__setattr__(self, "_flop_rate", self.gpu.flops * self.compute_efficiency)
-        object.__setattr__(self, "_byte_rate", self.gpu.bandwidth * self.memory_efficiency)
-        object.__setattr__(self, "_kv_bytes", m.kv_bytes_per_token)
-        object.__setattr__(self, "_gemm_flops", 2.0 * m.active)     # per computed token
-        object.__setattr__(self, "_dense", m.active_params is None)
-        object.__setattr__(self, "_weights", m.weight_bytes)
+        m, lay, g = self.model, self.layout.check(self.model), self.gpu
+        parallel = lay.tp * lay.dp                  # GPUs computing side by side
+        gemm_rate = g.rate(COMPUTE_FORMAT[lay.weight_dtype])
+        # attention at the bf16 rate, expressed in GEMM-rate FLOPs (x 1.0 when the rates agree)
+        set_ = object.__setattr__
+        ratio = gemm_rate / g.flops if gemm_rate != g.flops else 1.0
+        set_(self, "_attn_flops", 4.0 * m.layers * m.heads * m.head_dim * ratio)
+        set_(self, "_flop_rate", gemm_rate * self.compute_efficiency * parallel)
+        set_(self, "_byte_rate", g.bandwidth * self.memory_efficiency)
+        kv = kv_bytes_per_token_per_gpu(m, replace(lay, pp=1))     # every stage's layers, in turn
+        set_(self, "_kv_bytes", kv if lay.dp == 1 else kv / lay.dp)
+        set_(self, "_gemm_flops", 2.0 * m.active)     # per computed token
+        set_(self, "_dense", not m.experts)
+        weights = weight_bytes_per_gpu(m, lay) * lay.pp
+        experts = m.expert_params * WEIGHT_BYTES[lay.weight_dtype] / parallel if m.experts else 0.0
+        set_(self, "_weights", weights if not m.experts else weights - experts)
+        set_(self, "_experts", experts)
+        set_(self, "_miss", 1 - m.experts_per_token / m.experts if m.experts else 1.0)
+        set_(self, "_comm", _collectives(m, g, lay))
 
     def time(self, shape: BatchShape):
         tokens = shape.prefill_tokens + shape.decode_seqs
@@ -51,20 +76,48 @@ class RooflineCost:
         flops = self._gemm_flops * tokens + self._attn_flops * pairs
         if self._dense:
             weights = self._weights + 0 * tokens
-        else:   # MoE: experts touched grow with tokens until all are read
-            m = self.model
-            touched = m.active * tokens
-            weights = m.dtype_bytes * (touched + m.params - abs(touched - m.params)) / 2
+        else:   # MoE: the experts the batch's tokens touch, in expectation
+            weights = self._weights + self._experts * (1 - self._miss ** tokens)
         kv = self._kv_bytes * (shape.prefill_ctx + shape.decode_ctx)
         compute = flops / self._flop_rate
         memory = (weights + kv) / self._byte_rate
-        return self.overhead + (compute + memory + abs(compute - memory)) / 2
+        roof = (compute + memory + abs(compute - memory)) / 2
+        if self._comm is not None:
+            per_token, fixed = self._comm
+            roof = roof + per_token * tokens + fixed
+        return self.overhead + roof
 
     def decode_time(self, n: int, ctx: int, phase_switch: bool = False) -> float:
         """A decode-only batch of n requests over ctx KV tokens: `time` of that BatchShape. (The
         replica times the roofline's batches with `DenseTime`, made from these terms when it
         starts: sim/decode_run.py, `dense_time`.)"""
         return self.time(BatchShape(0, 0, 0, 0, n, ctx, (), phase_switch))
+
+
+def _collectives(m: Model, g: GPU, lay: Layout) -> tuple[float, float] | None:
+    """(seconds per token, seconds per iteration) of the collectives (RooflineCost), or None on
+    one GPU. Each call costs its bytes through one GPU's link plus the link's latency once (a
+    call on small messages is latency-bound: vLLM's custom all-reduce does it in one or two
+    shots). Ring all-reduce moves 2 (n - 1) / n of the bytes through each GPU's link (NCCL's
+    docs, "Performance": bus bandwidth); an all-to-all sends a GPU's share to the n - 1 others."""
+    if lay.plain:
+        return None
+    act, bw, lat = ACT_BYTES * m.hidden, g.link_bandwidth, g.link_latency
+    per_token = fixed = 0.0
+    spread = lay.ep > 1 and m.experts
+    moe = m.moe_layers if m.experts else 0
+    if lay.tp > 1:                      # after attention and after the MLP (not the spread experts)
+        reduces = 2 * m.layers - (moe if spread else 0)
+        per_token += reduces * 2 * (lay.tp - 1) / lay.tp * act / (lay.dp * bw)
+        fixed += reduces * lat
+    if spread:                          # dispatch and combine, per MoE layer
+        n = lay.ep
+        per_token += moe * 2 * m.experts_per_token * act * (n - 1) / (n * n) / bw
+        fixed += moe * 2 * lat
+    if lay.pp > 1:                      # the activations handed from stage to stage
+        per_token += (lay.pp - 1) * act / bw
+        fixed += (lay.pp - 1) * lat
+    return per_token, fixed
 
 
 class DenseTime:
@@ -94,7 +147,7 @@ class DenseTime:
         terms = (cost._gemm_flops, cost._attn_flops, cost._flop_rate, cost._weights, cost._kv_bytes,
                  cost._byte_rate, cost.overhead)
         floats, weights, kv_bytes = terms[:3] + terms[5:], terms[3], terms[4]
-        if (not cost._dense or any(type(x) is not float for x in floats) or type(kv_bytes) is not int
+        if (not cost._dense or cost._comm is not None or any(type(x) is not float for x in floats) or type(kv_bytes) is not int
                 or not 0 <= kv_bytes < 1 << 62 or type(weights) not in (int, float)
                 or type(weights) is int and not 0 <= weights < 1 << 62
                 or cost._flop_rate == 0 or cost._byte_rate == 0):

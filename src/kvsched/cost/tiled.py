@@ -247,7 +247,7 @@ class TiledCost:
 # the floor is whole 128-token tiles) and is given to the GEMMs. decode_attn_token_s is not
 # identifiable from these batches: it is the catalogue's KV read time per token per layer,
 # 2 * 8 * 128 * 2 B / 0.96e12 B/s.
-MISTRAL_7B_RTX_6000_ADA = dict(lin_tile_s=0.01031, nonlin_token_s=0.0, pair_tile_s=2.333e-08,
-                               decode_attn_token_s=4.267e-09, weight_floor=0.01508, overhead=0.008224)
+MISTRAL_7B_RTX_6000_ADA = dict(lin_tile_s=0.01032, nonlin_token_s=0.0, pair_tile_s=2.325e-08,
+                               decode_attn_token_s=4.267e-09, weight_floor=0.01509, overhead=0.00822)
 
 TILED_PRESETS = {"tiled-mistral-7b-rtx-6000-ada": MISTRAL_7B_RTX_6000_ADA}
