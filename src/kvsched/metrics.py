@@ -393,7 +393,7 @@ def cluster_summary(rec: RunRecords, in_window: np.ndarray, duration: float) -> 
         here = (decoded == k) if role == "decode" else (routed == k) & (decoded < 0)
         firsts = (routed == k) & np.isfinite(rec.first_token) if role != "decode" else np.zeros(len(routed), bool)
         ttft = (rec.first_token[firsts] - rec.arrival[firsts]) * 1000
-        busy = st["busy_time"]
+        busy, cap_k = st["busy_time"], st.get("kv_capacity_tokens", cap)      # kinds differ in KV
         rows.append({
             "replica": k, "role": role, "completed": int((here & done).sum()),
             "request_throughput": int((here & in_window).sum()) / duration if duration > 0 else math.nan,
@@ -402,8 +402,8 @@ def cluster_summary(rec: RunRecords, in_window: np.ndarray, duration: float) -> 
             "p99_ttft_ms": percentiles(ttft, (99,))[0] if len(ttft) else math.nan,
             "iterations": st["iterations"], "preemptions": st["preemptions"],
             "busy_fraction": busy / span if span > 0 else math.nan,
-            "mean_kv_usage": st["kv_time_integral"] / busy / cap if busy > 0 else 0.0,
-            "peak_kv_usage": st["kv_peak_tokens"] / cap, "peak_queue_length": st["peak_queue"]})
+            "mean_kv_usage": st["kv_time_integral"] / busy / cap_k if busy > 0 else 0.0,
+            "peak_kv_usage": st["kv_peak_tokens"] / cap_k, "peak_queue_length": st["peak_queue"]})
     out: dict[str, Any] = {"replica_breakdown": rows}
     if rec.transfer is not None:
         x = rec.transfer[np.isfinite(rec.transfer)] * 1000

@@ -71,7 +71,7 @@ def read_model(path: str | Path, name: str | None = None) -> Model:
     cfg = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw   # multimodal wrappers
     if name is None:
         given = raw.get("_name_or_path")
-        name = given if isinstance(given, str) and given else p.parent.name or p.stem
+        name = given if isinstance(given, str) and given else (p.parent.name if p.name == CONFIG else p.stem)
     return _model(_Config(cfg, raw, p), name)
 
 

@@ -23,6 +23,7 @@ from kvsched.cost import make_cost_model
 from kvsched.errors import PASS_THROUGH, KvschedError
 from kvsched.files import remove, stale_temporaries, temp_prefix
 from kvsched.hardware import get_gpu, get_model, usable_kv_tokens
+from kvsched import pools
 from kvsched.kvcache import PagedKV
 from kvsched.layout import PLAIN, Layout, kv_bytes_per_token, layout_summary
 from kvsched.limits import MAX_REPLICAS, check_count
@@ -58,7 +59,8 @@ class Scenario:
     router_params: dict[str, Any] = field(default_factory=dict)   # --router-set key=value
     prefill_replicas: int = 0               # > 0 with decode_replicas > 0: disaggregated pools
     decode_replicas: int = 0
-    kv_transfer_bandwidth: float = 25.0     # GB/s (1e9 bytes) per prefill replica's link
+    kv_transfer_bandwidth: float | None = None   # GB/s (1e9 bytes) per prefill replica's link; None: 25, or
+                                                 # between --pool prefill/decode the slower side's network
     kv_transfer_latency: float = 0.0        # seconds
     stall_batches: int = DEFAULT_STALL_BATCHES   # preempting batches without an output token before a policy is stopped
     tbt_first_zero: bool = False            # also report p99 TBT with a 0 s gap per first token (SLAI's telemetry)
@@ -69,6 +71,7 @@ class Scenario:
     dp_attention: bool = False
     weight_dtype: str = "bf16"
     kv_dtype: str = "auto"
+    pool: tuple[str, ...] = ()              # --pool NAME=GPU:COUNT[:...] (pools.py): replicas of several kinds
 
     def layout(self) -> Layout:
         return Layout(self.tp, self.pp, self.ep, self.dp_attention, self.weight_dtype, self.kv_dtype)
@@ -77,6 +80,12 @@ class Scenario:
         """(replicas, prefill replicas), checked: whole numbers, within `limits.MAX_REPLICAS`
         together, and a KV link only between pools."""
         p, d = self.prefill_replicas, self.decode_replicas
+        if self.pool:
+            from kvsched.pools import ROLES, check_pools, parse_pool
+            given = [parse_pool(text, self.model, self.layout()) for text in self.pool]
+            if check_pools(given):
+                return sum(x.count for x in given), next(x.count for x in given if x.name == ROLES[0])
+            p = d = 0
         if p or d:
             p = check_count("--prefill-replicas", p, MAX_REPLICAS, low=0)
             d = check_count("--decode-replicas", d, MAX_REPLICAS, low=0)
@@ -87,7 +96,7 @@ class Scenario:
                 raise KvschedError("give either --replicas or --prefill-replicas/--decode-replicas, not both")
             check_count("--prefill-replicas + --decode-replicas", p + d, MAX_REPLICAS)
             return p + d, p
-        link = [f for f, v, default in (("--kv-transfer-bandwidth", self.kv_transfer_bandwidth, 25.0),
+        link = [f for f, v, default in (("--kv-transfer-bandwidth", self.kv_transfer_bandwidth, None),
                                         ("--kv-transfer-latency", self.kv_transfer_latency, 0.0)) if v != default]
         if link:
             raise KvschedError(f"{link[0]} sets the KV link between prefill and decode pools: it needs "
@@ -115,6 +124,8 @@ class Scenario:
                                "(sim/routers.py, Router)")
         for flag, v in (("--kv-transfer-bandwidth", self.kv_transfer_bandwidth),
                         ("--kv-transfer-latency", self.kv_transfer_latency)):
+            if v is None and flag == "--kv-transfer-bandwidth":
+                continue
             if isinstance(v, bool) or not isinstance(v, Real):
                 raise KvschedError(f"{flag} must be a number, got {v!r}")
         checks = (("cost_params", dict, self.cost_params), ("router_params", dict, self.router_params),
@@ -128,9 +139,24 @@ class Scenario:
                 raise KvschedError(f"Scenario.{name} must be True or False, got {getattr(self, name)!r}")
         self.pools()
         self.layout().check()
+        if self.pool:
+            self.kinds_of_pools()
+
+    def kinds_of_pools(self) -> list:
+        """--pool's kinds of replica (pools.py), or [] without pools."""
+        from kvsched.pools import check_pools, parse_pool, resolve
+        if not self.pool:
+            return []
+        if self.replicas != 1 or self.prefill_replicas or self.decode_replicas:
+            raise KvschedError("give either --pool or --replicas/--prefill-replicas/--decode-replicas, not both")
+        pools = [parse_pool(text, self.model, self.layout()) for text in self.pool]
+        check_pools(pools)
+        return resolve(pools, self)
 
     def resolve(self):
         self.check()
+        if self.pool:
+            raise KvschedError("--pool (replicas of several kinds) works with kvsched simulate and compare")
         model, gpu = get_model(self.model), get_gpu(self.gpu)
         layout = self.layout().check(model)
         tokens = self.kv_capacity if self.kv_capacity is not None else usable_kv_tokens(
@@ -403,30 +429,46 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     """
     if not isinstance(scenario.workload, Workload):
         raise KvschedError(f"Scenario.workload must be a Workload, got {type(scenario.workload).__name__}")
-    model, gpu, tokens, cost = scenario.resolve()
-    replicas, prefill = scenario.pools()
-    pols = [_policy(policy, policy_params, gpu, k) for k in range(prefill or replicas)]
+    kinds = scenario.kinds_of_pools()
+    if kinds:
+        each = [k for k in kinds for _ in range(k.pool.count)]      # one per replica, prefill pool first
+        replicas, prefill = len(each), kinds[0].pool.count if kinds[0].pool.name == "prefill" else 0
+        model, gpu = min((k.model for k in kinds), key=lambda m: m.max_len), None
+        gpus, cost = [k.gpu for k in each], [k.cost for k in each]
+        kv = [PagedKV(k.tokens, scenario.block_size) for k in each]
+    else:
+        model, gpu, tokens, cost = scenario.resolve()
+        replicas, prefill = scenario.pools()
+        gpus, kv = [gpu] * replicas, PagedKV(tokens, scenario.block_size)
+    pols = [_policy(policy, policy_params, gpus[k], k) for k in range(prefill or replicas)]
     if prefill:
         if decode_policy is None:
             dp, dparams = policy, {**(policy_params or {}), **(decode_params or {})}
         else:
             dp, dparams = decode_policy, decode_params
         first = prefill if dp is policy else 0      # the same object: copies for every decode replica
-        pols += [_policy(dp, dparams, gpu, first + k) for k in range(replicas - prefill)]
-    kv = PagedKV(tokens, scenario.block_size)
+        pols += [_policy(dp, dparams, gpus[prefill + k], first + k) for k in range(replicas - prefill)]
     max_len = scenario.max_model_len if scenario.max_model_len is not None else model.max_len
+    link = scenario.kv_transfer_bandwidth
+    if link is None:
+        link = pools.link_gbps(kinds) if kinds and prefill else 25.0
     cluster = Cluster(scenario.workload, pols, cost, kv, router=scenario.router, router_seed=scenario.router_seed,
-                      router_params=scenario.router_params,
-                      prefill_replicas=prefill, kv_bytes_per_token=kv_bytes_per_token(model, scenario.layout()),
-                      bandwidth_gbps=scenario.kv_transfer_bandwidth, latency_s=scenario.kv_transfer_latency,
+                      router_params=scenario.router_params, kinds=[k.describe() for k in each] if kinds else None,
+                      prefill_replicas=prefill, kv_bytes_per_token=pools.transfer_bytes(kinds) if kinds else
+                      kv_bytes_per_token(model, scenario.layout()),
+                      bandwidth_gbps=link, latency_s=scenario.kv_transfer_latency,
                       max_model_len=max_len, record_timeline=record_timeline, record_batches=record_batches,
                       strict=scenario.strict, stall_batches=scenario.stall_batches,
                       prefix_caching=prefix_caching_for(scenario, pols[0]))
     records = cluster.run(progress)
     name = pols[0].name if hasattr(pols[0], "name") else type(pols[0]).__name__
-    records.extra = {"policy": name, "cost_model": scenario.cost, "model": model.name,
-                     "gpu": gpu.name, "block_size": kv.block_size}
-    if scenario.layout() != PLAIN:
+    records.extra = {"policy": name, "cost_model": scenario.cost,
+                     "model": "+".join(dict.fromkeys(k.model.name for k in kinds)) if kinds else model.name,
+                     "gpu": "+".join(dict.fromkeys(g.name for g in gpus)) if kinds else gpu.name,
+                     "block_size": cluster.replicas[0].kv.block_size}
+    if kinds:
+        records.extra["pools"] = [k.summary() for k in kinds]
+    elif scenario.layout() != PLAIN:
         records.extra.update(layout_summary(scenario.layout()))
     if replicas > 1:
         records.extra.update({"replicas": replicas, "router": cluster.router.name})

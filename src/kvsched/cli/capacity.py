@@ -37,6 +37,8 @@ def capacity_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOpti
                  chunk_size: int = ChunkOpt,
                  utilization: Optional[float] = typer.Option(None, "--utilization", show_default="0.9", help="with --rate: rho of the closed form ceil(rate / (mu rho))"),
                  out: Optional[Path] = typer.Option(None, "--out", help="write capacity.json (every evaluation, the runs at max_rate) here"),
+                 candidate: list[str] = typer.Option([], "--candidate", help="with --rate: a replica kind to price, NAME=GPU[:tp=N][:pp=N][:ep=N][:dp-attention][:model=M][:weight-dtype=D][:kv-dtype=D] (repeatable); names the cheapest pool meeting the SLOs"),
+                 prices: Optional[Path] = typer.Option(None, "--prices", help="with --candidate: a TOML price table ([per_gpu_hour] GPU = USD) replacing the bundled one's entries"),
                  json_: bool = JsonOpt) -> None:
     """Largest arrival rate meeting the SLOs, by bisection in simulation below the stability
     service rate mu (the upper bracket); with --rate, the replicas that rate needs, closed form
@@ -46,11 +48,20 @@ def capacity_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOpti
     mu, max_rate_over_mu, bounded_by (slo, stability or bracket), at_max_rate (the SLO figures
     there, seed means; met, met_seeds), evaluations, gpus (with --rate: closed_form_stability,
     closed_form_slo, simulated). Several --policies: one such object per policy under
-    "policies"."""
+    "policies". With --candidate: kind "cheapest", candidates (each one's replicas for --rate,
+    GPUs, usd_per_hour and its capacity search), cheapest, prices (source, date)."""
     def body() -> None:
         from kvsched.run import check_out, jsonable, write_atomically
         if out is not None:
             check_out(out)
+        if candidate or prices is not None:
+            payload = _cheapest(candidate, prices, wopts, hw, copts, policies, set_, slo, goodput, attainment, seeds,
+                                tolerance, jobs, batch_time, chunk_size, utilization, json_)
+            if out is not None:
+                text = json.dumps(jsonable(payload), indent=2, allow_nan=False, default=str) + "\n"
+                write_atomically(out, lambda d: (d / "capacity.json").write_text(text))
+            emit(payload, json_, lambda: _cheapest_table(payload))
+            return
         payload = _capacity(wopts, hw, copts, policies, set_, slo, goodput, attainment, seeds, tolerance, jobs,
                             batch_time, chunk_size, utilization, json_)
         if out is not None:
@@ -142,6 +153,61 @@ def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], 
         if ex is not None:
             ex.shutdown()
     return payload
+
+
+def _cheapest(candidates: list[str], prices: Path | None, wopts, hw, copts, policies: str, *search) -> dict[str, Any]:
+    """Each --candidate's replicas for --rate at the SLOs (a capacity search of one replica,
+    then the fewest replicas meeting them in simulation), priced per GPU-hour; the cheapest."""
+    from kvsched.layout import layout_summary
+    from kvsched.pools import parse_candidate
+    from kvsched.prices import price_of, read_prices
+    if not candidates:
+        raise KvschedError("--prices prices the --candidate pools: give --candidate too")
+    if wopts.rate is None:
+        raise KvschedError("--candidate needs --rate: the arrival rate each candidate pool must serve")
+    if "," in policies:
+        raise KvschedError("--candidate compares pools under one policy: give one --policies")
+    if copts.pool or copts.replicas != 1 or copts.prefill_replicas or copts.decode_replicas:
+        raise KvschedError("--candidate sizes pools of one-replica kinds: drop --pool, --replicas and the "
+                           "prefill/decode pools")
+    table = read_prices(prices)
+    base = HardwareOptions(**{f.name: getattr(hw, f.name) for f in dataclasses.fields(hw)}).scenario(None).layout()
+    pools = [parse_candidate(text, hw.model, base) for text in candidates]
+    names = [p.name for p in pools]
+    if len(set(names)) < len(names):
+        raise KvschedError("--candidate: each candidate needs its own name")
+    priced = [(p, price_of(table, p.gpu)) for p in pools]           # every price known before a search
+    rows = []
+    for pool, usd in priced:
+        lay = pool.layout
+        mine = dataclasses.replace(hw, gpu=pool.gpu, model=pool.model, tp=lay.tp, pp=lay.pp, ep=lay.ep,
+                                   dp_attention=lay.dp_attention, weight_dtype=lay.weight_dtype, kv_dtype=lay.kv_dtype)
+        res = _capacity(wopts, mine, copts, policies, *search)
+        found = next(iter(res["policies"].values()))
+        found.pop("at_max_rate_runs", None)
+        replicas = found["gpus"]["simulated"]
+        rows.append({"name": pool.name, "gpu": pool.gpu, "model": pool.model, **layout_summary(lay),
+                     "replicas": replicas, "gpus": replicas * lay.gpus, "usd_per_gpu_hour": usd,
+                     "usd_per_hour": replicas * lay.gpus * usd, "max_rate_per_replica": found["max_rate"],
+                     "search": found})
+    best = min(rows, key=lambda r: (r["usd_per_hour"], names.index(r["name"])))
+    return {"kind": "cheapest", "rate": wopts.rate, "policy": policies.strip(), "cheapest": best["name"],
+            "candidates": rows, "prices": {"source": table["source"], "date": table["date"]}}
+
+
+def _cheapest_table(p: dict[str, Any]) -> Table:
+    from rich.table import Table
+    t = Table(title=f"Cheapest pool for {p['rate']:g} req/s under {p['policy']}: {p['cheapest']}", title_justify="left",
+              caption=f"prices: {p['prices']['source']} ({p['prices']['date']})", caption_justify="left")
+    for c in ("candidate", "gpu", "layout", "max req/s per replica", "replicas", "GPUs", "USD/GPU-h", "USD/h"):
+        t.add_column(c, justify="left" if c in ("candidate", "gpu", "layout") else "right")
+    for r in p["candidates"]:
+        lay = " ".join([f"tp={r['tp']}"] + [f"{k}={r[k]}" for k in ("pp", "ep") if r[k] > 1]
+                       + ["dp-attn"] * r["dp_attention"] + [r["weight_dtype"]] + [f"kv {r['kv_dtype']}"] * (r["kv_dtype"] != "auto"))
+        t.add_row(r["name"] + (" *" if r["name"] == p["cheapest"] else ""), r["gpu"], lay,
+                  f"{r['max_rate_per_replica']:.4g}", str(r["replicas"]), str(r["gpus"]),
+                  f"{r['usd_per_gpu_hour']:.3g}", f"{r['usd_per_hour']:.4g}")
+    return t
 
 
 def _tables(p: dict[str, Any]) -> Table:

@@ -263,6 +263,7 @@ CLUSTER_FLAGS = {
     "decode_policy": (Optional[str], typer.Option(None, "--decode-policy", help="policy of the decode replicas (default: --policy)")),
     "decode_set": (list[str], typer.Option([], "--decode-set", help="decode policy parameter key=value (repeatable)")),
     "stall_batches": (int, typer.Option(DEFAULT_STALL_BATCHES, "--stall-batches", help="stop a policy after this many batches that preempt with no output token between them")),
+    "pool": (list[str], typer.Option([], "--pool", help="replicas of one kind: NAME=GPU:COUNT[:tp=N][:pp=N][:ep=N][:dp-attention][:model=M][:weight-dtype=D][:kv-dtype=D] (repeatable; pools named prefill and decode disaggregate; docs/hardware.md)")),
 }
 
 
@@ -278,6 +279,7 @@ class ClusterOptions:
     decode_policy: Optional[str]
     decode_set: list[str]
     stall_batches: int
+    pool: list[str] = dataclasses.field(default_factory=list)
 
     def apply(self, sc: Scenario, seed: int, grid: bool = False) -> Scenario:
         """The scenario with these replicas, router (seeded by the workload --seed) and link;
@@ -287,8 +289,9 @@ class ClusterOptions:
         from kvsched.sim.transfer import KVLink
         router_params = parse_assignments(self.router_set, "--router-set")
         make_router(self.router, seed, router_params)       # checks the name and the parameters
-        pools = self.prefill_replicas or self.decode_replicas
-        routed = self.replicas > 1 or max(self.prefill_replicas, self.decode_replicas) > 1
+        pools = self.prefill_replicas or self.decode_replicas or any(p.split("=")[0].strip() == "prefill"
+                                                                     for p in self.pool)
+        routed = self.replicas > 1 or max(self.prefill_replicas, self.decode_replicas) > 1 or len(self.pool) > 0
         if router_params and not routed and not grid:   # (a sweep's grid may vary the replicas)
             raise KvschedError("--router-set sets the router's parameters: it needs --replicas 2 or more, or a "
                                "prefill or decode pool of 2 or more")
@@ -304,9 +307,10 @@ class ClusterOptions:
         sc = dataclasses.replace(
             sc, replicas=self.replicas, router=self.router, router_seed=seed, router_params=router_params,
             prefill_replicas=self.prefill_replicas, decode_replicas=self.decode_replicas,
-            stall_batches=self.stall_batches, **link)
+            stall_batches=self.stall_batches, pool=tuple(self.pool), **link)
         sc.pools()
-        KVLink(sc.kv_transfer_bandwidth, sc.kv_transfer_latency)     # checks both
+        sc.kinds_of_pools()                                         # checks --pool
+        KVLink(25.0 if sc.kv_transfer_bandwidth is None else sc.kv_transfer_bandwidth, sc.kv_transfer_latency)
         return sc
 
     def decode_args(self) -> dict:

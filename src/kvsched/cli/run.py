@@ -189,18 +189,22 @@ def info_cmd(model: Optional[str] = typer.Option(None, "--model"), gpu: Optional
         if not 0 < memory_utilization <= 1:     # checked before anything is printed
             raise KvschedError(f"--memory-utilization must be in (0, 1], got {memory_utilization}")
         t = Table(title="GPUs", title_justify="left")
-        for c in ("gpu", "memory GiB", "bandwidth TB/s", "bf16 TFLOP/s"):
+        for c in ("gpu", "memory GiB", "bandwidth TB/s", "bf16 TFLOP/s", "fp8", "fp4", "link GB/s"):
             t.add_column(c)
         for g in gpus:
-            t.add_row(g.name, f"{g.memory_gib:g}", f"{g.bandwidth / 1e12:.3g}", f"{g.flops / 1e12:g}")
+            fmt = [f"{g.formats[f] / 1e12:g}" if f in g.formats else "-" for f in ("fp8", "fp4")]
+            t.add_row(g.name, f"{g.memory_gib:g}", f"{g.bandwidth / 1e12:.3g}", f"{g.flops / 1e12:g}", *fmt,
+                      f"{g.link} {g.link_bandwidth / 1e9:g}")
         console.print(t)
         t = Table(title="Models", title_justify="left")
-        for c in ("model", "layers", "hidden", "heads", "kv heads", "head dim", "params (B)", "KV KiB/token", "max len"):
+        for c in ("model", "layers", "hidden", "heads", "kv heads", "head dim", "params (B)", "experts", "KV KiB/token",
+                  "max len"):
             t.add_column(c)
         for m in models:
             t.add_row(m.name, str(m.layers), str(m.hidden), str(m.heads), str(m.kv_heads), str(m.head_dim),
-                      f"{m.params / 1e9:g}" + (f" ({m.active / 1e9:g} active)" if m.active_params else ""),
-                      f"{m.kv_bytes_per_token / 1024:g}", str(m.max_len))
+                      f"{m.params / 1e9:.4g}" + (f" ({m.active / 1e9:.3g} active)" if m.active_params else ""),
+                      f"{m.experts_per_token} of {m.experts}" if m.experts else "-",
+                      f"{m.kv_bytes_per_token / 1024:g}" + (" (MLA)" if m.mla else ""), str(m.max_len))
         console.print(t)
         if tokens is not None:
             console.print(f"KV capacity of {models[0].name} on {gpus[0].name} at {memory_utilization:.0%} "

@@ -43,7 +43,7 @@ from kvsched.kvcache import PagedKV
 from kvsched.metrics import GapHistogram, RunRecords
 from kvsched.sim.prefix_cache import fewer_collections
 from kvsched.sim import invariants
-from kvsched.sim.records import merged_tiers
+from kvsched.sim.records import run_records
 from kvsched.sim.replica import DEFAULT_STALL_BATCHES, Arrivals, Replica
 from kvsched.sim.requests import INF, RequestTable
 from kvsched.sim.routers import ReplicaSummary, Router, make_router
@@ -76,7 +76,9 @@ class _Turns:
 
 
 class Cluster:
-    """`policies` has one policy object per replica (policies keep state). With
+    """`policies` has one policy object per replica (policies keep state); `cost` and `kv` are
+    one for all, or a list of one per replica (kinds of replica, kvsched/pools.py: requests
+    must then fit the smallest KV pool; `kinds` names each for the router). With
     `prefill_replicas` = P > 0 the first P replicas are the prefill pool, the rest the
     decode pool; `kv_bytes_per_token`, `bandwidth_gbps` and `latency_s` set the link."""
 
@@ -86,10 +88,15 @@ class Cluster:
                  kv_bytes_per_token: float = 0.0, bandwidth_gbps: float = 25.0, latency_s: float = 0.0,
                  max_model_len: int | None = None, record_timeline: bool = False,
                  record_batches: bool = False, strict: bool = False,
-                 stall_batches: int = DEFAULT_STALL_BATCHES, prefix_caching: bool = False) -> None:
+                 stall_batches: int = DEFAULT_STALL_BATCHES, prefix_caching: bool = False,
+                 kinds: Sequence[str] | None = None) -> None:
         r = len(policies)
         if r < 1:
             raise KvschedError("a cluster needs at least one replica")
+        costs = list(cost) if isinstance(cost, list) else [cost] * r
+        kvs = list(kv) if isinstance(kv, list) else [kv] + [PagedKV(kv.capacity_tokens, kv.block_size) for _ in policies[1:]]
+        kv = min(kvs, key=lambda k: k.capacity_blocks)      # what every request must fit
+        self.kinds = list(kinds) if kinds is not None else [""] * r
         if prefill_replicas and not 0 < prefill_replicas < r:
             raise KvschedError(f"{prefill_replicas} prefill replicas out of {r} leaves no decode replica")
         self.reqs = RequestTable(workload, kv.block_size, kv.capacity_blocks,
@@ -102,7 +109,7 @@ class Cluster:
         if router_params and not isinstance(router, str):
             raise KvschedError("router parameters go with a router name; a router object is used as given")
         self.router = make_router(router, router_seed, router_params) if isinstance(router, str) else router
-        self._cost = cost
+        self._costs = costs
         self._tables = apart_tables(self, policies, kv, max_model_len, strict)     # None: run together
         self.replicas: list[Replica] = []
         # the bins of the inter-token gap histograms (one, and one per tier), shared by the replicas
@@ -111,8 +118,7 @@ class Cluster:
         for k, pol in enumerate(policies):
             role = "mixed" if not self.disaggregated else ("prefill" if k < prefill_replicas else "decode")
             self.replicas.append(Replica(
-                self.reqs if self._tables is None else self._tables[k], pol, cost,
-                kv if k == 0 else PagedKV(kv.capacity_tokens, kv.block_size), index=k, role=role,
+                self.reqs if self._tables is None else self._tables[k], pol, costs[k], kvs[k], index=k, role=role,
                 arrivals=self.arrivals, record_timeline=record_timeline, record_batches=record_batches,
                 stall_batches=stall_batches, handoff=self._handoff if role == "prefill" else None,
                 share=1 / (prefill_replicas if role == "prefill" else r - prefill_replicas),
@@ -179,7 +185,8 @@ class Cluster:
             view = []
             for k, rep in enumerate(pool):
                 out, kv, backlog = rep.summary_at(t)
-                view.append(ReplicaSummary(k, out, kv, rep.kv_capacity_blocks, backlog, cached[k] if cached else 0))
+                view.append(ReplicaSummary(k, out, kv, rep.kv_capacity_blocks, backlog, cached[k] if cached else 0,
+                                           self.kinds[rep.index]))
             args, kw = (i, t, view), ({} if cached is None else {"prompt": self.reqs.target[i]})
         else:
             args, kw = (i, t, len(pool)), {}
@@ -381,7 +388,7 @@ class Cluster:
             self._drain_turns()
         if check:
             invariants.at_end(reqs)
-        return self._records(_time.perf_counter() - wall0)
+        return run_records(self, _time.perf_counter() - wall0)
 
     def _set_next(self, nxt: int, t: float) -> None:
         k = self.reqs.next_servable(nxt)
@@ -456,30 +463,6 @@ class Cluster:
             f"policy {r.name} returned an empty plan with {len(r._queue)} waiting and "
             f"{len(r._running)} running requests{where} and no arrivals left (deadlock"
             f"{'; in a closed loop requests arrive only when others finish' if closed else ''})")
-
-    def _records(self, wall: float) -> RunRecords:
-        reqs, reps = self.reqs, self.replicas
-        w = reqs.workload
-        bs = reps[0].block_size
-        itl = reps[0].itl if len(reps) == 1 else GapHistogram.merged([r.itl for r in reps])
-        rec = RunRecords(
-            ids=w.ids, arrival=np.array(reqs.arrival, np.float64), prompt=w.prompt, output=w.output,
-            admitted=reqs.admitted, first_token=reqs.first, finished=reqs.finished,
-            preemptions=reqs.preempts, recomputed=reqs.recomputed, itl_max=reqs.itl_max,
-            tbt_violations=reqs.viol, rejected=reqs.rejected, itl=itl,
-            iterations=sum(r.iterations for r in reps), kv_capacity_tokens=reps[0].kv.capacity_tokens,
-            kv_time_integral=sum(r.kv_integral for r in reps) * bs,
-            kv_peak_tokens=max(r.peak_kv for r in reps) * bs, peak_queue=max(r.peak_queue for r in reps),
-            busy_time=sum(r.busy for r in reps), wall_seconds=wall)
-        if w.tiers:
-            rec.tier_index, rec.tiers, rec.tier_itl = w.tier_index, tuple(w.tiers), merged_tiers(reps)
-        if len(reps) > 1:
-            rec.replica, rec.decode_replica, rec.transfer = reqs.replica, self.decode_replica, self.transfer
-            rec.replica_stats = [{"replica": r.index, "role": r.role, "iterations": r.iterations,
-                                  "busy_time": r.busy, "preemptions": r.preemptions,
-                                  "kv_time_integral": r.kv_integral * bs, "kv_peak_tokens": r.peak_kv * bs,
-                                  "peak_queue": r.peak_queue} for r in reps]
-        return rec
 
     @property
     def timeline(self):

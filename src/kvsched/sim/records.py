@@ -1,6 +1,7 @@
 """What a replica records of its requests as they decode (docs/architecture.md, "Replica"):
 inter-token gaps into its histograms (per tier too), each request's largest gap and SLO
-misses, and its row logs spilled to disk (the rows' one schema: sim/rowlog.py).
+misses, and its row logs spilled to disk (the rows' one schema: sim/rowlog.py); and a run's
+records over a cluster's replicas (`run_records`).
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ try:
 except ModuleNotFoundError:                 # run as Python without Cython installed
     from kvsched import cython_shim as cython
 
-from kvsched.metrics import GapHistogram
+from kvsched.metrics import GapHistogram, RunRecords
 from kvsched.sim.decode_set import Cohort
 
 if TYPE_CHECKING:
+    from kvsched.sim.cluster import Cluster
     from kvsched.sim.replica import Replica
 
 
@@ -95,3 +97,31 @@ def pending_tier_gaps(rep: Replica) -> Iterator[tuple[int, np.ndarray]]:
         window = c.window(i)
         if t >= 0 and len(window):
             yield t, window
+
+
+def run_records(cluster: Cluster, wall: float) -> RunRecords:
+    """The run's records over a cluster's replicas (one replica's figures are its own; KV
+    capacity is the smallest replica's, each replica's in `replica_stats`)."""
+    reqs, reps = cluster.reqs, cluster.replicas
+    w = reqs.workload
+    bs = reps[0].block_size
+    itl = reps[0].itl if len(reps) == 1 else GapHistogram.merged([r.itl for r in reps])
+    rec = RunRecords(
+        ids=w.ids, arrival=np.array(reqs.arrival, np.float64), prompt=w.prompt, output=w.output,
+        admitted=reqs.admitted, first_token=reqs.first, finished=reqs.finished,
+        preemptions=reqs.preempts, recomputed=reqs.recomputed, itl_max=reqs.itl_max,
+        tbt_violations=reqs.viol, rejected=reqs.rejected, itl=itl,
+        iterations=sum(r.iterations for r in reps), kv_capacity_tokens=min(r.kv.capacity_tokens for r in reps),
+        kv_time_integral=sum(r.kv_integral for r in reps) * bs,
+        kv_peak_tokens=max(r.peak_kv for r in reps) * bs, peak_queue=max(r.peak_queue for r in reps),
+        busy_time=sum(r.busy for r in reps), wall_seconds=wall)
+    if w.tiers:
+        rec.tier_index, rec.tiers, rec.tier_itl = w.tier_index, tuple(w.tiers), merged_tiers(reps)
+    if len(reps) > 1:
+        rec.replica, rec.decode_replica, rec.transfer = reqs.replica, cluster.decode_replica, cluster.transfer
+        rec.replica_stats = [{"replica": r.index, "role": r.role, "iterations": r.iterations,
+                              "busy_time": r.busy, "preemptions": r.preemptions,
+                              "kv_time_integral": r.kv_integral * bs, "kv_peak_tokens": r.peak_kv * bs,
+                              "peak_queue": r.peak_queue, "kv_capacity_tokens": r.kv.capacity_tokens}
+                             for r in reps]
+    return rec

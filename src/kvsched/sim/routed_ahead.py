@@ -33,6 +33,7 @@ from kvsched.errors import KvschedError
 from kvsched.kvcache import PagedKV
 from kvsched.policies.base import replica_local
 from kvsched.sim import invariants
+from kvsched.sim.records import run_records
 from kvsched.sim.requests import INF, RequestTable
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def ahead_of_time(cluster: Cluster, chain: bool, size: int) -> bool:
     built-in router that reads no state, with a built-in cost model."""
     return (chain and not cluster.disaggregated and size >= 2 and not cluster.router.uses_state
             and type(cluster.router).__module__ == "kvsched.sim.routers"
-            and type(cluster._cost).__module__.startswith("kvsched."))
+            and all(type(c).__module__.startswith("kvsched.") for c in cluster._costs))
 
 
 def routed_ahead(cluster: Cluster, chain: bool) -> Ahead | None:
@@ -150,7 +151,7 @@ def run_apart(cluster: Cluster, progress: Callable[[int, int], None] | None, wal
     cluster.arrivals.pending, cluster.arrivals.next_time = False, None     # as the loop leaves them
     if check:
         invariants.at_end(reqs)
-    return cluster._records(_time.perf_counter() - wall0)
+    return run_records(cluster, _time.perf_counter() - wall0)
 
 
 @cython.locals(rep="Replica", part="RequestTable", j=cython.Py_ssize_t, m=cython.Py_ssize_t,

@@ -25,6 +25,7 @@ class ReplicaSummary(NamedTuple):
     kv_capacity_blocks: int
     prefill_backlog: int        # prefill tokens queued there (waiting + unfinished prefills)
     cached_tokens: int = 0      # prompt tokens of the arriving request cached there (routers with uses_prefix)
+    kind: str = ""              # the replica's kind in a cluster of pools ("NAME: GPU tp=N ..."; pools.py)
 
 
 class Router(Protocol):
