@@ -65,16 +65,8 @@ class Scenario:
     stall_batches: int = DEFAULT_STALL_BATCHES   # preempting batches without an output token before a policy is stopped
     tbt_first_zero: bool = False            # also report p99 TBT with a 0 s gap per first token (SLAI's telemetry)
     prefix_caching: bool | None = None      # None: the policy's default (on for vllm-v1, as vLLM)
-    tp: int = 1                             # a replica's layout (layout.py): tensor, pipeline, expert
-    pp: int = 1                             # parallelism, data-parallel attention, number formats
-    ep: int = 1
-    dp_attention: bool = False
-    weight_dtype: str = "bf16"
-    kv_dtype: str = "auto"
+    layout: Layout = PLAIN                  # a replica's TP, PP, EP, DP attention, number formats (layout.py)
     pool: tuple[str, ...] = ()              # --pool NAME=GPU:COUNT[:...] (pools.py): replicas of several kinds
-
-    def layout(self) -> Layout:
-        return Layout(self.tp, self.pp, self.ep, self.dp_attention, self.weight_dtype, self.kv_dtype)
 
     def pools(self) -> tuple[int, int]:
         """(replicas, prefill replicas), checked: whole numbers, within `limits.MAX_REPLICAS`
@@ -82,7 +74,7 @@ class Scenario:
         p, d = self.prefill_replicas, self.decode_replicas
         if self.pool:
             from kvsched.pools import ROLES, check_pools, parse_pool
-            given = [parse_pool(text, self.model, self.layout()) for text in self.pool]
+            given = [parse_pool(text, self.model, self.layout) for text in self.pool]
             if check_pools(given):
                 return sum(x.count for x in given), next(x.count for x in given if x.name == ROLES[0])
             p = d = 0
@@ -138,7 +130,9 @@ class Scenario:
             if not isinstance(getattr(self, name), (bool, np.bool_)):   # "off" would be true
                 raise KvschedError(f"Scenario.{name} must be True or False, got {getattr(self, name)!r}")
         self.pools()
-        self.layout().check()
+        if not isinstance(self.layout, Layout):
+            raise KvschedError(f"Scenario.layout must be a Layout (kvsched.layout), got {type(self.layout).__name__}")
+        self.layout.check()
         if self.pool:
             self.kinds_of_pools()
 
@@ -149,7 +143,7 @@ class Scenario:
             return []
         if self.replicas != 1 or self.prefill_replicas or self.decode_replicas:
             raise KvschedError("give either --pool or --replicas/--prefill-replicas/--decode-replicas, not both")
-        pools = [parse_pool(text, self.model, self.layout()) for text in self.pool]
+        pools = [parse_pool(text, self.model, self.layout) for text in self.pool]
         check_pools(pools)
         return resolve(pools, self)
 
@@ -158,7 +152,7 @@ class Scenario:
         if self.pool:
             raise KvschedError("--pool (replicas of several kinds) works with kvsched simulate and compare")
         model, gpu = get_model(self.model), get_gpu(self.gpu)
-        layout = self.layout().check(model)
+        layout = self.layout.check(model)
         tokens = self.kv_capacity if self.kv_capacity is not None else usable_kv_tokens(
             model, gpu, self.memory_utilization, self.block_size, layout)
         cost = make_cost_model(self.cost, self.cost_params, model, gpu, layout)
@@ -455,7 +449,7 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     cluster = Cluster(scenario.workload, pols, cost, kv, router=scenario.router, router_seed=scenario.router_seed,
                       router_params=scenario.router_params, kinds=[k.describe() for k in each] if kinds else None,
                       prefill_replicas=prefill, kv_bytes_per_token=pools.transfer_bytes(kinds) if kinds else
-                      kv_bytes_per_token(model, scenario.layout()),
+                      kv_bytes_per_token(model, scenario.layout),
                       bandwidth_gbps=link, latency_s=scenario.kv_transfer_latency,
                       max_model_len=max_len, record_timeline=record_timeline, record_batches=record_batches,
                       strict=scenario.strict, stall_batches=scenario.stall_batches,
@@ -468,8 +462,8 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
                      "block_size": cluster.replicas[0].kv.block_size}
     if kinds:
         records.extra["pools"] = [k.summary() for k in kinds]
-    elif scenario.layout() != PLAIN:
-        records.extra.update(layout_summary(scenario.layout()))
+    elif scenario.layout != PLAIN:
+        records.extra.update(layout_summary(scenario.layout))
     if replicas > 1:
         records.extra.update({"replicas": replicas, "router": cluster.router.name})
         if scenario.router_params:

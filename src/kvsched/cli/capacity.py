@@ -171,7 +171,7 @@ def _cheapest(candidates: list[str], prices: Path | None, wopts, hw, copts, poli
         raise KvschedError("--candidate sizes pools of one-replica kinds: drop --pool, --replicas and the "
                            "prefill/decode pools")
     table = read_prices(prices)
-    base = HardwareOptions(**{f.name: getattr(hw, f.name) for f in dataclasses.fields(hw)}).scenario(None).layout()
+    base = hw.layout().check()
     pools = [parse_candidate(text, hw.model, base) for text in candidates]
     names = [p.name for p in pools]
     if len(set(names)) < len(names):

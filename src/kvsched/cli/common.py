@@ -218,8 +218,12 @@ class HardwareOptions:
                         goodput=Goodput.parse(list(goodput)), trim=trim, strict=strict,
                         tbt_first_zero=tbt_first_zero,
                         prefix_caching=None if self.prefix_caching is None else self.prefix_caching == "on",
-                        tp=self.tp, pp=self.pp, ep=self.ep, dp_attention=self.dp_attention,
-                        weight_dtype=self.weight_dtype, kv_dtype=self.kv_dtype)
+                        layout=self.layout())
+
+    def layout(self):
+        """--tp, --pp, --ep, --dp-attention, --weight-dtype, --kv-dtype as a Layout (checked later)."""
+        from kvsched.layout import Layout
+        return Layout(self.tp, self.pp, self.ep, self.dp_attention, self.weight_dtype, self.kv_dtype)
 
 
 hardware_flags = _flags(HARDWARE_FLAGS, HardwareOptions, "hw")
