@@ -57,6 +57,8 @@ def test_a_user_gpu_file_and_its_errors(tmp_path):
                          ("memory_gib = 8\nbandwidth = 1e12\n[flops]\nbf16 = 1e14\nint3 = 1", "unknown format 'int3'"),
                          ("memory_gib = 8\nbandwidth = 1e12\nlink = 'wire'\n[flops]\nbf16 = 1e14", "link must be"),
                          ("memory_gib = nan\nbandwidth = 1e12\n[flops]\nbf16 = 1e14", "memory_gib must be"),
+                         ("memory_gib = 1e308\nbandwidth = 1e12\n[flops]\nbf16 = 1e14", "memory_gib must be .* up to"),
+                         ("memory_gib = 8\nbandwidth = 1e12\nlink_latency = 5\n[flops]\nbf16 = 1e14", "link_latency"),
                          ("memory_gib = = 1", "not TOML")]:
         p.write_text(bad)
         with pytest.raises(KvschedError, match=message):
@@ -91,7 +93,8 @@ def test_pool_text():
                          ("a=h100-sxm:x", "COUNT must be a whole number"), ("a=h100-sxm:0", "COUNT"),
                          ("a=h100-sxm:1:colour=red", "unknown option 'colour'"), ("a=h100-sxm:1:tp", "tp needs a value"),
                          ("a=h100-sxm:1:tp=two", "tp must be a whole number"), ("a=h100-sxm:1:tp=2:tp=4", "given twice"),
-                         ("a=h100-sxm:1:dp-attention=yes", "on or off")]:
+                         ("a=h100-sxm:1:dp-attention=yes", "on or off"), ("a=h100-sxm:\u00b2", "COUNT must be"),
+                         ("a=h100-sxm:1:tp=\u00b2", "tp must be a whole number"), ("a=h100-sxm:" + "9" * 5000, "COUNT")]:
         with pytest.raises(KvschedError, match=message):
             parse_pool(bad, "m", Layout())
     with pytest.raises(KvschedError, match="--candidate"):
@@ -152,6 +155,8 @@ def test_a_disaggregated_run_with_h100_prefill_and_l40s_decode():
     (["--pool", "prefill=h100-sxm:1"], "exactly two pools, named prefill and decode"),
     (["--pool", "a=h100-sxm:1", "--pool", "a=l40s:1"], "given twice"),
     (["--pool", "a=h100-sxm:1", "--replicas", "2"], "either --pool or --replicas"),
+    (["--pool", "a=h200:1", "--pool", "b=l4:1", "--cost", "eb-h200-qwen3-8b"], "use a cost model that reads the hardware"),
+    (["--pool", "a=l40s:2", "--kv-transfer-bandwidth", "10"], "or --pool prefill="),
     (["--pool", "a=h900:1"], "unknown GPU 'h900'"),
     (["--pool", "a=l40s:1:tp=3"], "does not divide"),
     (["--pool", "prefill=h100-sxm:1", "--pool", "decode=l40s:1:kv-dtype=fp8"], "one --kv-dtype"),
@@ -197,3 +202,40 @@ def test_capacity_names_the_cheapest_of_three_pools(tmp_path):
                           (["--candidate", "a=gb200", "--rate", "1"], "no price per GPU-hour for gb200")]:
         bad = invoke("capacity", *args, "--num-requests", "20")
         assert bad.exit_code == 2 and message in bad.output, bad.output
+
+
+def test_kv_usage_of_mixed_kinds_is_each_against_its_own_capacity():
+    """A full small replica beside a roomy big one: the cluster's usage stays within 1."""
+    r = invoke("simulate", "--model", "llama-3.1-8b", "--pool", "big=h100-sxm:1:tp=2", "--pool", "small=l40s:2",
+               "--router", "least-outstanding", "--rate", "60", "--num-requests", "400", "--prompt-len", "fixed:4000",
+               "--output-len", "fixed:300", "--json")
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    rows = s["replica_breakdown"]
+    assert max(x["peak_kv_usage"] for x in rows) == s["peak_kv_usage"] <= 1
+    assert 0 < s["mean_kv_usage"] <= 1
+
+
+def test_a_candidate_that_cannot_meet_the_slos_is_left_out(tmp_path):
+    """A pool whose weights do not fit is listed as infeasible; the cheapest of the rest wins,
+    and a GPU given in capitals is priced by its catalogue name."""
+    r = invoke("capacity", "--candidate", "big=H100-SXM:tp=2", "--candidate", "tiny=l4", "--model", "llama-3.1-70b",
+               "--rate", "2", "--slo", "ttft:p99:5000", "--num-requests", "100", "--seeds", "1", "--tolerance", "0.3",
+               "--json")
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    rows = {c["name"]: c for c in s["candidates"]}
+    assert s["cheapest"] == "big" and rows["big"]["gpu"] == "h100-sxm"
+    assert rows["tiny"]["usd_per_hour"] is None and "do not fit" in rows["tiny"]["infeasible"]
+    none = invoke("capacity", "--candidate", "tiny=l4", "--model", "llama-3.1-70b", "--rate", "2", "--slo",
+                  "ttft:p99:5000", "--num-requests", "20")
+    assert none.exit_code == 2 and "no --candidate meets the SLOs" in none.output
+
+
+def test_the_python_api_refuses_a_bare_pool_text():
+    from kvsched.run import Scenario, simulate
+    from kvsched.workload.synthetic import synthetic
+    from kvsched.workload.lengths import Fixed
+    w = synthetic(Fixed(8), Fixed(8), rate=5, n=5, seed=0)
+    with pytest.raises(KvschedError, match="Scenario.pool must be a tuple"):
+        simulate(Scenario(w, pool="a=h100-sxm:1"))

@@ -42,24 +42,44 @@ def test_llama_3_1_70b_tp4_decode_64_at_2000_by_hand():
 @pytest.mark.parametrize("n", [1, 256])
 def test_mixtral_8x7b_ep2_decode_by_hand(n):
     """Mixtral-8x7B with its 8 experts spread over 2 H100s (tp 2, ep 2): the batch reads the
-    experts its tokens touch, 8 x (1 - (1 - 2/8)^n) of 8 (a quarter at n = 1, all at 256)."""
+    experts its tokens touch, 8 x (1 - (1 - 2/8)^n) of 8 (a quarter at n = 1, all at 256); each
+    GPU holds 4 whole experts, and their partial outputs are all-reduced like a dense MLP's
+    (vLLM exchanges tokens between experts only under data-parallel attention)."""
     m = get_model("mixtral-8x7b")
     expert = 3 * 4096 * 14336                               # one expert of one layer
     X = 32 * 8 * expert                                     # the routed experts: 45.1 billion
     assert m.expert_params == X and (m.experts, m.experts_per_token, m.moe_layers) == (8, 2, 32)
-    P, A = m.params, m.active
+    P, A, emb = m.params, m.active, m.embedding_params
     T, C = n, n * 1000
     touched = 1 - (1 - 2 / 8) ** T
     compute = (2 * A * T + 4 * 32 * 32 * 128 * C) / (H100["bf16"] * CE * 2)
     kv_gpu = 32 * 4 * 2 * 128 * 2
-    memory = ((P - X) * 2 / 2 + X * 2 / 2 * touched + kv_gpu * C) / (H100["bw"] * ME)
-    act = 4096 * 2
-    allreduce = 32 * (2 * 1 / 2 * T * act / H100["link"] + H100["lat"])         # after attention only
-    all_to_all = 32 * 2 * (T / 2 * 2 * act * (1 / 2) / H100["link"] + H100["lat"])
-    expected = OVERHEAD + max(compute, memory) + allreduce + all_to_all
+    non_expert = (emb * 2 + (P - emb - X) * 2) / 2
+    memory = (non_expert + X * 2 * 4 / 8 * touched + kv_gpu * C) / (H100["bw"] * ME)
+    allreduce = 2 * 32 * (2 * 1 / 2 * T * 4096 * 2 / H100["link"] + H100["lat"])
+    expected = OVERHEAD + max(compute, memory) + allreduce
     cost = RooflineCost(m, get_gpu("h100-sxm"), layout=Layout(tp=2, ep=2))
     assert cost.time(decode(n, 1000)) == pytest.approx(expected, rel=1e-12)
     assert touched == (0.25 if n == 1 else pytest.approx(1.0))
+
+
+def test_qwen3_moe_with_data_parallel_attention_by_hand():
+    """Qwen3-30B-A3B on 4 H200s, attention data-parallel over 4 ranks (tp 1, ep 4): each GPU
+    computes a quarter of the batch, holds 32 of the 128 experts and a quarter of the KV, and
+    every MoE layer all-gathers the ranks' tokens and reduce-scatters the outputs."""
+    m = get_model("qwen3-30b-a3b")
+    lay = Layout(tp=1, ep=4, dp_attention=True)
+    assert (lay.dp, lay.gpus) == (4, 4)
+    T, C = 128, 128 * 3000
+    X, P, emb = m.expert_params, m.params, m.embedding_params
+    touched = 1 - (1 - 8 / 128) ** T
+    compute = (2 * m.active * T + 4 * 48 * 32 * 128 * C) / (989e12 * CE * 4)
+    kv_gpu = 48 * 4 * 2 * 128 * 2
+    memory = ((P - X) * 2 + X * 2 * 32 / 128 * touched + kv_gpu * C / 4) / (4.8e12 * ME)
+    exchange = 48 * 2 * (3 / 4 * T * 2048 * 2 / 450e9 + 1e-5)
+    cost = RooflineCost(m, get_gpu("h200"), layout=lay)
+    assert cost.time(decode(T, 3000)) == pytest.approx(OVERHEAD + max(compute, memory) + exchange, rel=1e-12)
+    assert weight_bytes_per_gpu(m, lay) == pytest.approx((P - X) * 2 + X * 2 / 4)
 
 
 def test_moe_decode_turns_from_bandwidth_to_compute_bound():
@@ -76,7 +96,8 @@ def test_moe_decode_turns_from_bandwidth_to_compute_bound():
 def test_deepseek_v3_mla_kv_and_one_prefill_chunk_by_hand():
     """DeepSeek-V3: the MLA cache holds kv_lora_rank + qk_rope_head_dim = 576 values per token
     and layer on every TP rank (61 layers: 70,272 bytes at bf16, 35,136 at fp8); one prefill
-    chunk of 2,048 new tokens on 8 H200s, FP8 weights, experts spread over the 8 (tp 8, ep 8)."""
+    chunk of 2,048 new tokens on 8 H200s, FP8 weights, experts spread over the 8 (tp 8, ep 8);
+    a decode pair costs the absorbed 2 x 128 x (576 + 512) FLOPs per layer."""
     m = get_model("deepseek-v3")
     assert m.kv_bytes_per_token == 61 * 576 * 2 == 70_272
     lay = Layout(tp=8, ep=8, weight_dtype="fp8", kv_dtype="fp8")
@@ -87,14 +108,12 @@ def test_deepseek_v3_mla_kv_and_one_prefill_chunk_by_hand():
     E, k, X, P = 256, 8, m.expert_params, m.params
     emb = m.embedding_params
     touched = 1 - (1 - k / E) ** c
-    compute = (2 * m.active * c + 4 * 61 * 128 * 576 * pairs * (1979e12 / 989e12)) / (1979e12 * CE * 8)
-    weights = (emb * 2 + (P - emb) * 1) / 8 - X * 1 / 8
-    memory = (weights + X / 8 * touched + 61 * 576 * c) / (4.8e12 * ME)
-    act = 7168 * 2
-    moe = 61 - 3                                            # first_k_dense_replace = 3
-    tp_reduce = (2 * 61 - moe) * (2 * 7 / 8 * c * act / 450e9 + 1e-5)
-    all_to_all = moe * 2 * (c / 8 * k * act * 7 / 8 / 450e9 + 1e-5)
-    expected = OVERHEAD + max(compute, memory) + tp_reduce + all_to_all
+    # MLA prefill runs expanded: per pair and layer 2 x 128 heads x (192 qk + 128 v), at the bf16 rate
+    compute = (2 * m.active * c + 2 * 61 * 128 * (192 + 128) * pairs * (1979e12 / 989e12)) / (1979e12 * CE * 8)
+    non_expert = (emb * 2 + (P - emb - X) * 1) / 8
+    memory = (non_expert + X * 32 / 256 * touched + 61 * 576 * c) / (4.8e12 * ME)
+    tp_reduce = 2 * 61 * (2 * 7 / 8 * c * 7168 * 2 / 450e9 + 1e-5)     # experts all-reduced as an MLP
+    expected = OVERHEAD + max(compute, memory) + tp_reduce
     cost = RooflineCost(m, h200, layout=lay)
     assert cost.time(BatchShape(c, 1, pairs, c, 0, 0, ((0, c),), False)) == pytest.approx(expected, rel=1e-12)
     assert compute > memory                                 # a long prefill chunk is compute-bound
@@ -102,6 +121,10 @@ def test_deepseek_v3_mla_kv_and_one_prefill_chunk_by_hand():
     assert kv_capacity_tokens(m, h200, 0.9, lay) > 0
     with pytest.raises(KvschedError, match="do not fit"):
         kv_capacity_tokens(m, h200, 0.9, Layout(tp=8, ep=8))
+    one = RooflineCost(m, h200, layout=lay, compute_efficiency=1.0)
+    d = BatchShape(0, 0, 0, 0, 1, 1000, (), False)
+    assert one._mla[1] == 2 * 61 * 128 * (576 + 512) * (1979e12 / 989e12)
+    assert one.time(d) > 0
 
 
 def test_one_bf16_gpu_is_the_single_gpu_roofline_bit_for_bit():
@@ -158,6 +181,11 @@ def test_kv_heads_are_replicated_past_tp_and_capacity_grows_with_gpus():
     (Layout(ep=3, tp=2, dp_attention=True), "qwen3-30b-a3b", "multiple of --tp"),
     (Layout(dp_attention=True), "qwen3-30b-a3b", "multiple of --tp"),
     (Layout(pp=99), "llama-3.1-8b", "more than llama-3.1-8b's 32 layers"),
+    (Layout(tp=16, ep=16), "mixtral-8x7b", "--ep 16 is more than mixtral-8x7b's 8 experts"),
+    (Layout(tp=2, ep=16, dp_attention=True), "mixtral-8x7b", "more than mixtral-8x7b's 8 experts"),
+    (Layout(tp=7), "qwen2-7b", "neither divides nor is a multiple of qwen2-7b.s 4 KV heads"),
+    (Layout(tp=6), "mixtral-8x22b", "neither divides nor is a multiple of mixtral-8x22b's 8 KV heads"),
+    (Layout(kv_dtype=["fp8"]), "llama-3.1-8b", "--kv-dtype must be one of"),
     (Layout(weight_dtype="fp6"), "llama-3.1-8b", "--weight-dtype must be one of"),
     (Layout(kv_dtype="int8"), "llama-3.1-8b", "--kv-dtype must be one of"),
     (Layout(tp=True), "llama-3.1-8b", "--tp must be a whole number"),

@@ -87,6 +87,11 @@ def test_a_config_agrees_with_the_catalogue(tmp_path):
     (b"\xff\xfe{}", "not UTF-8"),
     (json.dumps({**CONFIGS["deepseek-v3"], "index_topk": 2048}), "not modelled yet: its indexer cache"),
     (json.dumps({**CONFIGS["deepseek-v3"], "model_type": "minicpm3"}), "not modelled yet: kv_lora_rank outside"),
+    (json.dumps({**CONFIGS["mixtral-8x7b"], "num_experts_per_tok": 16}), "num_experts_per_tok 16 is more than the 8"),
+    (json.dumps({**LLAMA, "num_key_value_heads": 5}), "num_key_value_heads 5 must divide"),
+    (json.dumps({**LLAMA, "num_key_value_heads": 64}), "num_key_value_heads 64 must divide"),
+    (json.dumps({**CONFIGS["qwen3-30b-a3b"], "decoder_sparse_step": 2}), "decoder_sparse_step"),
+    (json.dumps({**CONFIGS["qwen3-30b-a3b"], "mlp_only_layers": [0, 1]}), "mlp_only_layers"),
     (json.dumps({**LLAMA, "layer_types": ["full_attention", "linear_attention"]}), "not modelled yet: layers that"),
 ])
 def test_a_bad_config_is_one_error_naming_it(tmp_path, content, message):

@@ -526,3 +526,22 @@ def test_report_leaves_the_folder_resumable_and_shows_only_the_current_grid(tmp_
         r = sweep("--policies", "vllm-v1", "--rates", "2", *SMALL, "--out", str(out))
         assert r.exit_code == 2 and f"{stranger.relative_to(out)} is not a sweep's" in r.stderr, r.output
         stranger.unlink()
+
+
+def test_a_grid_varies_gpu_tp_and_formats(tmp_path):
+    """Issue "Today's deployments", item 7: GPU, TP and the number formats are sweep axes; a
+    bad value in one is an error before any point runs."""
+    path = tmp_path / "grid.toml"
+    path.write_text('policies = "vllm-v1"\nrates = [4]\nmodel = "llama-3.1-8b"\nnum-requests = 60\n'
+                    'gpu = ["h100-sxm", "l40s"]\ntp = [1, 2]\nweight-dtype = ["bf16", "fp8"]\n')
+    out = tmp_path / "out"
+    r = sweep("--grid", str(path), "--out", str(out), "--jobs", "1")
+    assert r.exit_code == 0, r.output
+    table = rows(out / "sweep.csv")
+    assert len(table) == 8 and {r["completed"] for r in table} == {"60"}
+    tpot = {(r["gpu"], r["tp"], r["weight_dtype"]): float(r["mean_tpot_ms"]) for r in table}
+    for gpu in ("h100-sxm", "l40s"):
+        assert tpot[gpu, "2", "bf16"] < tpot[gpu, "1", "bf16"] and tpot[gpu, "1", "fp8"] < tpot[gpu, "1", "bf16"]
+    path.write_text('policies = "vllm-v1"\nrates = [4]\ntp = [1, 3]\n')
+    bad = sweep("--grid", str(path), "--out", str(tmp_path / "bad"))
+    assert bad.exit_code == 2 and "does not divide" in bad.output and not (tmp_path / "bad" / "points").exists()

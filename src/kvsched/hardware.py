@@ -23,6 +23,7 @@ GiB = 1024**3
 DATA = Path(__file__).parent / "data"
 FORMATS = ("bf16", "fp8", "fp4")        # number formats a GPU file may give FLOP/s for
 LINKS = ("nvlink", "xgmi", "pcie")
+LARGEST = {"memory_gib": 1e7, "link_latency": 1.0}      # a GPU file's bounds (others: 1e20 per second)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class GPU:
     formats: Mapping[str, float] = field(default_factory=dict)   # dense FLOP/s per format (bf16 included)
     link: str = "pcie"         # GPU-to-GPU interconnect inside a replica
     link_bandwidth: float = 32e9    # bytes/s each way per GPU
-    link_latency: float = 1e-5      # seconds per step of a collective
+    link_latency: float = 1e-5      # seconds per collective call
     network_bandwidth: float = 25e9     # bytes/s per GPU between replicas (KV transfer)
 
     @property
@@ -68,6 +69,7 @@ class Model:
     embedding_params: float = 0.0        # embeddings and an untied LM head (kept 16-bit when quantised)
     mla: bool = False                    # KV is one latent per token and layer, on every TP rank
     moe_layers: int = 0                  # MoE: layers whose MLP is the experts
+    mla_dims: tuple[int, int, int] = (0, 0, 0)   # MLA: qk and v head sizes (prefill), kv_lora_rank
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -143,10 +145,11 @@ def read_gpu(path: str | Path) -> GPU:
             raise KvschedError(f"{p}: unknown key {key!r}; keys: {', '.join(sorted(known))}")
 
     def number(key: str, value, positive: bool = True) -> float:
+        most = LARGEST.get(key, 1e20)           # far above any card: a larger figure is a typo
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or value < 0 or (positive and value == 0):
-            raise KvschedError(f"{p}: {key} must be a {'positive' if positive else 'non-negative'} finite "
-                               f"number, got {value!r}")
+                or value < 0 or (positive and value == 0) or value > most:
+            raise KvschedError(f"{p}: {key} must be a {'positive' if positive else 'non-negative'} number up to "
+                               f"{most:g}, got {value!r}")
         return float(value)
 
     for key in ("memory_gib", "bandwidth", "flops"):

@@ -50,9 +50,9 @@ class Layout:
         for flag, v in (("--tp", self.tp), ("--pp", self.pp), ("--ep", self.ep)):
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_GPUS:
                 raise KvschedError(f"{flag} must be a whole number from 1 to {MAX_GPUS}, got {v!r}")
-        if self.weight_dtype not in WEIGHT_BYTES:
+        if not isinstance(self.weight_dtype, str) or self.weight_dtype not in WEIGHT_BYTES:
             raise KvschedError(f"--weight-dtype must be one of {', '.join(WEIGHT_BYTES)}, got {self.weight_dtype!r}")
-        if self.kv_dtype not in KV_BYTES:
+        if not isinstance(self.kv_dtype, str) or self.kv_dtype not in KV_BYTES:
             raise KvschedError(f"--kv-dtype must be one of {', '.join(KV_BYTES)}, got {self.kv_dtype!r}")
         if not isinstance(self.dp_attention, bool):
             raise KvschedError(f"--dp-attention is true or false, got {self.dp_attention!r}")
@@ -72,6 +72,12 @@ class Layout:
                 raise KvschedError(f"--pp {self.pp} is more than {model.name}'s {model.layers} layers")
             if model.heads % self.tp:
                 raise KvschedError(f"--tp {self.tp} does not divide {model.name}'s {model.heads} attention heads")
+            kv = model.kv_heads
+            if not model.mla and kv % self.tp and self.tp % kv:     # vLLM's QKVParallelLinear
+                raise KvschedError(f"--tp {self.tp} neither divides nor is a multiple of {model.name}'s {kv} KV heads "
+                                   "(vLLM splits or replicates them whole)")
+            if model.experts and self.ep > model.experts:
+                raise KvschedError(f"--ep {self.ep} is more than {model.name}'s {model.experts} experts")
         return self
 
     @property
@@ -99,17 +105,30 @@ PLAIN = Layout()
 
 
 def weight_bytes_per_gpu(model: Model, layout: Layout) -> float:
-    """One GPU's weights: [P x 2 - (P - Emb) x (2 - w) - X x w x (1 - 1/dp)] / (tp x pp), with P
-    the parameters, Emb the embeddings' and LM head's (16-bit), X the routed experts', w the
-    weight format's bytes; one bf16 GPU's is the model's `weight_bytes` itself (an int stays one)."""
+    """One GPU's weights: the non-expert weights, Emb x 2 + (P - Emb - X) x w, over tp x pp; the
+    routed experts X x w over tp x pp when each is split over the TP GPUs (ep 1), else the
+    busiest GPU's ceil(E / ep) whole experts of E over pp (vLLM's `determine_expert_map` gives
+    the first E mod ep ranks one more). P: parameters, Emb: embeddings' and LM head's (16-bit),
+    X: routed experts', w: the weight format's bytes. One bf16 GPU's is the model's
+    `weight_bytes` itself (an int stays one)."""
     w = WEIGHT_BYTES[layout.weight_dtype]
-    if w == model.dtype_bytes and layout.dp == 1:
-        total = model.weight_bytes
-    else:
-        total = model.params * model.dtype_bytes - (model.params - model.embedding_params) * (model.dtype_bytes - w)
-        total -= model.expert_params * w * (1 - 1 / layout.dp)
     shards = layout.tp * layout.pp
-    return total / shards if shards > 1 else total
+    if w == model.dtype_bytes and layout.ep == 1:
+        total = model.weight_bytes
+        return total / shards if shards > 1 else total
+    x = model.expert_params
+    rest = model.embedding_params * model.dtype_bytes + (model.params - model.embedding_params - x) * w
+    return rest / shards + expert_bytes_per_gpu(model, layout) / layout.pp
+
+
+def expert_bytes_per_gpu(model: Model, layout: Layout) -> float:
+    """The routed experts one GPU holds over all its stages' layers (weight_bytes_per_gpu)."""
+    if not model.experts:
+        return 0.0
+    x = model.expert_params * WEIGHT_BYTES[layout.weight_dtype]
+    if layout.ep == 1:
+        return x / layout.tp
+    return x * -(-model.experts // layout.ep) / model.experts
 
 
 def kv_bytes_per_token_per_gpu(model: Model, layout: Layout) -> int:

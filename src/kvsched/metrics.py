@@ -316,9 +316,10 @@ def summarize(rec: RunRecords, goodput: Goodput | None = None, trim: int = 0,
         summary["p99_tbt_first_zero_ms"] = rec.itl.quantile(0.99, zeros=firsts) * 1000
     summary.update(_stats("e2el", e2el))
     cap = rec.kv_capacity_tokens
+    mean_kv, peak_kv = _kv_usage(rec)
     summary.update({
-        "mean_kv_usage": rec.kv_time_integral / rec.busy_time / cap if rec.busy_time > 0 else 0.0,
-        "peak_kv_usage": rec.kv_peak_tokens / cap,
+        "mean_kv_usage": mean_kv,
+        "peak_kv_usage": peak_kv,
         "kv_capacity_tokens": cap,
         "peak_queue_length": rec.peak_queue,
         "preemptions": int(rec.preemptions.sum()),
@@ -332,6 +333,20 @@ def summarize(rec: RunRecords, goodput: Goodput | None = None, trim: int = 0,
     if rec.replica_stats is not None:
         summary.update(cluster_summary(rec, in_window, duration))
     return summary
+
+
+def _kv_usage(rec: RunRecords) -> tuple[float, float]:
+    """(mean, peak) KV usage: KV token-seconds over busy seconds x capacity, and the peak over
+    capacity; replicas of several kinds (kvsched/pools.py) each against their own capacity
+    (the mean weighted by busy seconds x capacity, the peak the largest share)."""
+    caps = {st["kv_capacity_tokens"] for st in rec.replica_stats or () if "kv_capacity_tokens" in st}
+    if len(caps) > 1:
+        stats = rec.replica_stats
+        held = sum(st["busy_time"] * st["kv_capacity_tokens"] for st in stats)
+        return (sum(st["kv_time_integral"] for st in stats) / held if held > 0 else 0.0,
+                max(st["kv_peak_tokens"] / st["kv_capacity_tokens"] for st in stats))
+    cap = rec.kv_capacity_tokens
+    return (rec.kv_time_integral / rec.busy_time / cap if rec.busy_time > 0 else 0.0, rec.kv_peak_tokens / cap)
 
 
 def tier_summary(rec: RunRecords, keep: np.ndarray, tbt_first_zero: bool = False) -> list[dict[str, Any]]:

@@ -116,6 +116,10 @@ class _Config:
             why = f"kv_lora_rank outside vLLM's DeepSeek MLA models ({', '.join(MLA_TYPES)})"
         elif any(t not in ("full_attention", "sliding_attention") for t in self.cfg.get("layer_types") or ()):
             why = "layers that are not attention (linear attention or state-space layers)"
+        elif self.cfg.get("decoder_sparse_step", 1) != 1 or self.cfg.get("mlp_only_layers") or \
+                self.cfg.get("moe_layer_freq", 1) != 1:
+            why = "MoE layers placed by decoder_sparse_step, mlp_only_layers or moe_layer_freq (only every layer, " \
+                  "first_k_dense_replace or interleave_moe_layer_step are counted)"
         if why:
             raise KvschedError(f"{self.path}: model_type {kind!r} is not modelled yet: {why}")
 
@@ -124,6 +128,8 @@ def _model(c: _Config, name: str) -> Model:
     c.refuse_unmodelled()
     layers, hidden, heads = c.int("num_hidden_layers"), c.int("hidden_size"), c.int("num_attention_heads")
     kv_heads = c.int("num_key_value_heads", heads)
+    if kv_heads > heads or heads % kv_heads:
+        raise KvschedError(f"{c.path}: num_key_value_heads {kv_heads} must divide num_attention_heads {heads}")
     head_dim = c.int("head_dim", hidden // heads)
     vocab, inter = c.int("vocab_size"), c.int("intermediate_size")
     mla = c.has("kv_lora_rank")
@@ -157,7 +163,9 @@ def _model(c: _Config, name: str) -> Model:
                  active_params=float(active + outer) if moe is not None else None,
                  kv_token_bytes=layers * kv_per_layer * BF16, experts=experts, experts_per_token=top_k,
                  expert_params=float(routed_total), embedding_params=float(embedding), mla=mla,
-                 moe_layers=moe_layers if moe is not None else 0)
+                 moe_layers=moe_layers if moe is not None else 0,
+                 mla_dims=(c.int("qk_nope_head_dim") + c.int("qk_rope_head_dim"), c.int("v_head_dim"),
+                           c.int("kv_lora_rank")) if mla else (0, 0, 0))
 
 
 def _mla_params(c: _Config, hidden: int, heads: int) -> int:
@@ -185,6 +193,8 @@ def _moe(c: _Config, hidden: int, layers: int) -> tuple[tuple[int, int, int, int
     if experts is None:
         return None, 0
     top_k = c.int("num_experts_per_tok")
+    if top_k > experts:
+        raise KvschedError(f"{c.path}: num_experts_per_tok {top_k} is more than the {experts} experts")
     inter = c.int("moe_intermediate_size") if c.has("moe_intermediate_size") else c.int("intermediate_size")
     expert = 3 * hidden * inter
     shared = c.int("n_shared_experts", 0, low=0) * expert

@@ -11,7 +11,9 @@ given. Any other names are one cluster behind --router, which sees each replica'
 
 What is simplified: a request is servable when it fits the smallest replica's KV cache and
 the shortest max_model_len (a router may send it to any replica); one --cost model (and
---cost-set) times every kind, each on its own hardware.
+--cost-set) times every kind, each on its own hardware (a cost model that does not read the
+hardware, e.g. a calibration, is refused for pools of several GPUs or models); --kv-capacity
+gives every kind the same capacity.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def parse_pool(text: str, model: str, base: Layout) -> Pool:
     if len(parts) < 2 or not parts[0]:
         raise KvschedError(f"{where}: needs GPU:COUNT after the name")
     gpu, count_text, options = parts[0], parts[1], parts[2:]
-    if not count_text.isdigit():
+    if not (count_text.isascii() and count_text.isdigit()) or len(count_text) > 9:
         raise KvschedError(f"{where}: COUNT must be a whole number of replicas, got {count_text!r}")
     count = check_count(f"{where}: COUNT", int(count_text), MAX_REPLICAS)
     given: dict[str, Any] = {}
@@ -65,7 +67,7 @@ def parse_pool(text: str, model: str, base: Layout) -> Pool:
         elif not eq or not value:
             raise KvschedError(f"{where}: {key} needs a value ({key}=...)")
         elif KEYS[key] is int:
-            if not value.isdigit():
+            if not (value.isascii() and value.isdigit()) or len(value) > 9:
                 raise KvschedError(f"{where}: {key} must be a whole number, got {value!r}")
             given[key] = int(value)
         else:
@@ -132,6 +134,12 @@ def resolve(pools: list[Pool], scenario) -> list[Kind]:
             model, gpu, scenario.memory_utilization, scenario.block_size, layout)
         kinds.append(Kind(p, model, gpu, tokens, make_cost_model(scenario.cost, scenario.cost_params, model, gpu,
                                                                  layout)))
+    hardware = {(k.model.name, k.gpu.name) for k in kinds}
+    fixed = [k.pool.name for k in kinds if getattr(k.cost, "gpu", None) is None]
+    if len(hardware) > 1 and fixed:
+        raise KvschedError(f"--cost {scenario.cost} times every batch as one GPU and model were measured (or as "
+                           f"fixed numbers), but the pools run {len(hardware)} kinds of GPU or model: use a cost "
+                           "model that reads the hardware (roofline, tiled)")
     if kinds[0].pool.name == "prefill":
         a, b = kinds
         if a.model != b.model or a.pool.layout.kv_dtype != b.pool.layout.kv_dtype:

@@ -35,8 +35,8 @@ def _read(p: Path) -> dict[str, Any]:
     if not isinstance(prices, dict) or not prices:
         raise KvschedError(f"{p}: needs a [per_gpu_hour] table of GPU = USD per GPU-hour")
     for gpu, usd in prices.items():
-        if isinstance(usd, bool) or not isinstance(usd, (int, float)) or not (math.isfinite(usd) and usd > 0):
-            raise KvschedError(f"{p}: per_gpu_hour.{gpu} must be a positive number of USD, got {usd!r}")
+        if isinstance(usd, bool) or not isinstance(usd, (int, float)) or not (math.isfinite(usd) and 0 < usd <= 1e6):
+            raise KvschedError(f"{p}: per_gpu_hour.{gpu} must be a positive number of USD up to 1e6, got {usd!r}")
     unknown = set(data) - {"source", "date", "per_gpu_hour"}
     if unknown:
         raise KvschedError(f"{p}: unknown key {sorted(unknown)[0]!r}; keys: source, date, per_gpu_hour")

@@ -74,6 +74,8 @@ class Scenario:
         p, d = self.prefill_replicas, self.decode_replicas
         if self.pool:
             from kvsched.pools import ROLES, check_pools, parse_pool
+            if isinstance(self.pool, str) or not all(isinstance(text, str) for text in self.pool):
+                raise KvschedError(f"Scenario.pool must be a tuple of --pool texts, got {self.pool!r}")
             given = [parse_pool(text, self.model, self.layout) for text in self.pool]
             if check_pools(given):
                 return sum(x.count for x in given), next(x.count for x in given if x.name == ROLES[0])
@@ -143,6 +145,8 @@ class Scenario:
             return []
         if self.replicas != 1 or self.prefill_replicas or self.decode_replicas:
             raise KvschedError("give either --pool or --replicas/--prefill-replicas/--decode-replicas, not both")
+        if isinstance(self.pool, str) or not all(isinstance(text, str) for text in self.pool):
+            raise KvschedError(f"Scenario.pool must be a tuple of --pool texts, got {self.pool!r}")
         pools = [parse_pool(text, self.model, self.layout) for text in self.pool]
         check_pools(pools)
         return resolve(pools, self)

@@ -392,7 +392,8 @@ def _setup(base: Base, grid: Grid, options: dict[str, Any], built: set[str],
         template.check()
         if template.kv_capacity is not None:
             PagedKV(template.kv_capacity, template.block_size)
-        make_cost_model(template.cost, template.cost_params, get_model(template.model), get_gpu(template.gpu))
+        model = get_model(template.model)
+        make_cost_model(template.cost, template.cost_params, model, get_gpu(template.gpu), template.layout.check(model))
         decode = cluster.decode_args()
         _check_decode(decode, grid.policies)
         return workload, template, decode, key_common(workload, template, decode, hashes)

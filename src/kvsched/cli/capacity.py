@@ -158,6 +158,7 @@ def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], 
 def _cheapest(candidates: list[str], prices: Path | None, wopts, hw, copts, policies: str, *search) -> dict[str, Any]:
     """Each --candidate's replicas for --rate at the SLOs (a capacity search of one replica,
     then the fewest replicas meeting them in simulation), priced per GPU-hour; the cheapest."""
+    from kvsched.hardware import get_gpu
     from kvsched.layout import layout_summary
     from kvsched.pools import parse_candidate
     from kvsched.prices import price_of, read_prices
@@ -176,21 +177,30 @@ def _cheapest(candidates: list[str], prices: Path | None, wopts, hw, copts, poli
     names = [p.name for p in pools]
     if len(set(names)) < len(names):
         raise KvschedError("--candidate: each candidate needs its own name")
-    priced = [(p, price_of(table, p.gpu)) for p in pools]           # every price known before a search
+    priced = [(p, price_of(table, get_gpu(p.gpu).name)) for p in pools]     # every price known before a search
     rows = []
     for pool, usd in priced:
         lay = pool.layout
         mine = dataclasses.replace(hw, gpu=pool.gpu, model=pool.model, tp=lay.tp, pp=lay.pp, ep=lay.ep,
                                    dp_attention=lay.dp_attention, weight_dtype=lay.weight_dtype, kv_dtype=lay.kv_dtype)
-        res = _capacity(wopts, mine, copts, policies, *search)
+        row = {"name": pool.name, "gpu": get_gpu(pool.gpu).name, "model": pool.model, **layout_summary(lay),
+               "usd_per_gpu_hour": usd}
+        try:
+            res = _capacity(wopts, mine, copts, policies, *search)
+        except KvschedError as exc:         # this kind cannot meet the SLOs at the rate: not a candidate
+            rows.append({**row, "replicas": None, "gpus": None, "usd_per_hour": None, "max_rate_per_replica": None,
+                         "infeasible": str(exc)})
+            continue
         found = next(iter(res["policies"].values()))
         found.pop("at_max_rate_runs", None)
         replicas = found["gpus"]["simulated"]
-        rows.append({"name": pool.name, "gpu": pool.gpu, "model": pool.model, **layout_summary(lay),
-                     "replicas": replicas, "gpus": replicas * lay.gpus, "usd_per_gpu_hour": usd,
-                     "usd_per_hour": replicas * lay.gpus * usd, "max_rate_per_replica": found["max_rate"],
-                     "search": found})
-    best = min(rows, key=lambda r: (r["usd_per_hour"], names.index(r["name"])))
+        rows.append({**row, "replicas": replicas, "gpus": replicas * lay.gpus, "usd_per_hour": replicas * lay.gpus * usd,
+                     "max_rate_per_replica": found["max_rate"], "search": found})
+    feasible = [r for r in rows if r["usd_per_hour"] is not None]
+    if not feasible:
+        raise KvschedError(f"no --candidate meets the SLOs at {wopts.rate:g} req/s: " + "; ".join(
+            f"{r['name']}: {r['infeasible']}" for r in rows))
+    best = min(feasible, key=lambda r: (r["usd_per_hour"], names.index(r["name"])))
     return {"kind": "cheapest", "rate": wopts.rate, "policy": policies.strip(), "cheapest": best["name"],
             "candidates": rows, "prices": {"source": table["source"], "date": table["date"]}}
 
@@ -202,6 +212,9 @@ def _cheapest_table(p: dict[str, Any]) -> Table:
     for c in ("candidate", "gpu", "layout", "max req/s per replica", "replicas", "GPUs", "USD/GPU-h", "USD/h"):
         t.add_column(c, justify="left" if c in ("candidate", "gpu", "layout") else "right")
     for r in p["candidates"]:
+        if r["usd_per_hour"] is None:
+            t.add_row(r["name"], r["gpu"], "", "-", "-", "-", f"{r['usd_per_gpu_hour']:.3g}", "cannot meet the SLOs")
+            continue
         lay = " ".join([f"tp={r['tp']}"] + [f"{k}={r[k]}" for k in ("pp", "ep") if r[k] > 1]
                        + ["dp-attn"] * r["dp_attention"] + [r["weight_dtype"]] + [f"kv {r['kv_dtype']}"] * (r["kv_dtype"] != "auto"))
         t.add_row(r["name"] + (" *" if r["name"] == p["cheapest"] else ""), r["gpu"], lay,

@@ -180,7 +180,7 @@ HARDWARE_FLAGS = {
     "ep": (int, typer.Option(1, "--ep", help="MoE: GPUs the experts are spread over (1, --tp, or with --dp-attention a multiple of --tp)")),
     "dp_attention": (bool, typer.Option(False, "--dp-attention", help="MoE: attention data-parallel over --ep / --tp ranks")),
     "weight_dtype": (str, typer.Option("bf16", "--weight-dtype", help="weights: bf16, fp8, int4 (AWQ/GPTQ), nvfp4, mxfp4")),
-    "kv_dtype": (str, typer.Option("auto", "--kv-dtype", help="KV cache: auto (the model's 16-bit), fp8")),
+    "kv_dtype": (str, typer.Option("auto", "--kv-dtype", help="KV cache: auto (the model's 16-bit), bf16, fp8")),
 }
 
 
@@ -262,7 +262,7 @@ CLUSTER_FLAGS = {
     "router_set": (list[str], typer.Option([], "--router-set", help="router parameter key=value (repeatable)")),
     "prefill_replicas": (int, typer.Option(0, "--prefill-replicas", help="disaggregate: replicas that only prefill")),
     "decode_replicas": (int, typer.Option(0, "--decode-replicas", help="disaggregate: replicas that decode")),
-    "kv_transfer_bandwidth": (Optional[float], typer.Option(None, "--kv-transfer-bandwidth", show_default="25", help="GB/s (1e9 bytes) of each prefill replica's KV link (with pools)")),
+    "kv_transfer_bandwidth": (Optional[float], typer.Option(None, "--kv-transfer-bandwidth", show_default="25; between --pool prefill and decode the slower side's network", help="GB/s (1e9 bytes) of each prefill replica's KV link (with pools)")),
     "kv_transfer_latency": (Optional[float], typer.Option(None, "--kv-transfer-latency", show_default="0", help="seconds added to every KV transfer (with pools)")),
     "decode_policy": (Optional[str], typer.Option(None, "--decode-policy", help="policy of the decode replicas (default: --policy)")),
     "decode_set": (list[str], typer.Option([], "--decode-set", help="decode policy parameter key=value (repeatable)")),
@@ -307,7 +307,8 @@ class ClusterOptions:
                                   ("kv_transfer_latency", self.kv_transfer_latency)) if v is not None}
         if link and not pools:          # given at any value, the default's included
             raise KvschedError(f"--{next(iter(link)).replace('_', '-')} sets the KV link between prefill and "
-                               "decode pools: it needs --prefill-replicas and --decode-replicas")
+                               "decode pools: it needs --prefill-replicas and --decode-replicas, or --pool prefill=... "
+                               "and --pool decode=...")
         sc = dataclasses.replace(
             sc, replicas=self.replicas, router=self.router, router_seed=seed, router_params=router_params,
             prefill_replicas=self.prefill_replicas, decode_replicas=self.decode_replicas,

@@ -10,8 +10,8 @@ except ModuleNotFoundError:                 # run as Python without Cython insta
 
 from kvsched.cost.shape import BatchShape
 from kvsched.hardware import GPU, Model
-from kvsched.layout import (ACT_BYTES, COMPUTE_FORMAT, PLAIN, WEIGHT_BYTES, Layout, kv_bytes_per_token_per_gpu,
-                            weight_bytes_per_gpu)
+from kvsched.layout import (ACT_BYTES, COMPUTE_FORMAT, PLAIN, Layout, expert_bytes_per_gpu,
+                            kv_bytes_per_token_per_gpu, weight_bytes_per_gpu)
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,11 @@ class RooflineCost:
     stage idles (pp - 1) / pp of it). Collectives (docs/hardware.md), on the GPU's link:
     tensor parallelism all-reduces each rank's T / dp tokens' activations (hidden x 2 bytes) twice
     per layer (ring: 2 (tp - 1) / tp x bytes / link bandwidth + latency), once in a MoE layer
-    whose experts are spread (ep > 1), where dispatch and combine are two all-to-alls of each
-    GPU's T / ep tokens x k x hidden x 2 bytes x (ep - 1) / ep (each + latency); pipeline stages
-    hand T x hidden x 2 bytes over pp - 1 times (each + latency).
+    under data-parallel attention, whose experts' inputs and outputs are exchanged instead: an
+    all-gather of the T tokens and a reduce-scatter of their outputs over the dp ranks, each
+    (dp - 1) / dp x T x hidden x 2 bytes / link bandwidth + latency; pipeline stages hand
+    T x hidden x 2 bytes over pp - 1 times (each + latency). Attention: MLA's prefill pairs at
+    2 x heads x (qk + v head sizes), its decode pairs at 2 x heads x (latent + kv_lora_rank).
     The max is written as (a + b + |a - b|) / 2 so the model also evaluates on arrays.
     """
     model: Model
@@ -57,14 +59,19 @@ class RooflineCost:
         set_ = object.__setattr__
         ratio = gemm_rate / g.flops if gemm_rate != g.flops else 1.0
         set_(self, "_attn_flops", 4.0 * m.layers * m.heads * m.head_dim * ratio)
+        # MLA (vLLM's mla_attention.py): prefill expanded, 2 h (qk + v) per pair and layer; decode
+        # absorbed into the latent, 2 h (kv_lora_rank + rope) for QK and 2 h kv_lora_rank for AV
+        qk, v, rank = m.mla_dims
+        set_(self, "_mla", (2.0 * m.layers * m.heads * (qk + v) * ratio,
+                            2.0 * m.layers * m.heads * (m.head_dim + rank) * ratio) if m.mla else None)
         set_(self, "_flop_rate", gemm_rate * self.compute_efficiency * parallel)
         set_(self, "_byte_rate", g.bandwidth * self.memory_efficiency)
         kv = kv_bytes_per_token_per_gpu(m, replace(lay, pp=1))     # every stage's layers, in turn
         set_(self, "_kv_bytes", kv if lay.dp == 1 else kv / lay.dp)
         set_(self, "_gemm_flops", 2.0 * m.active)     # per computed token
         set_(self, "_dense", not m.experts)
-        weights = weight_bytes_per_gpu(m, lay) * lay.pp
-        experts = m.expert_params * WEIGHT_BYTES[lay.weight_dtype] / parallel if m.experts else 0.0
+        weights = weight_bytes_per_gpu(m, lay) * lay.pp          # every stage's, in turn
+        experts = expert_bytes_per_gpu(m, lay)
         set_(self, "_weights", weights if not m.experts else weights - experts)
         set_(self, "_experts", experts)
         set_(self, "_miss", 1 - m.experts_per_token / m.experts if m.experts else 1.0)
@@ -72,8 +79,10 @@ class RooflineCost:
 
     def time(self, shape: BatchShape):
         tokens = shape.prefill_tokens + shape.decode_seqs
-        pairs = shape.prefill_attn + shape.decode_ctx
-        flops = self._gemm_flops * tokens + self._attn_flops * pairs
+        if self._mla is None:
+            flops = self._gemm_flops * tokens + self._attn_flops * (shape.prefill_attn + shape.decode_ctx)
+        else:
+            flops = self._gemm_flops * tokens + self._mla[0] * shape.prefill_attn + self._mla[1] * shape.decode_ctx
         if self._dense:
             weights = self._weights + 0 * tokens
         else:   # MoE: the experts the batch's tokens touch, in expectation
@@ -98,22 +107,25 @@ def _collectives(m: Model, g: GPU, lay: Layout) -> tuple[float, float] | None:
     """(seconds per token, seconds per iteration) of the collectives (RooflineCost), or None on
     one GPU. Each call costs its bytes through one GPU's link plus the link's latency once (a
     call on small messages is latency-bound: vLLM's custom all-reduce does it in one or two
-    shots). Ring all-reduce moves 2 (n - 1) / n of the bytes through each GPU's link (NCCL's
-    docs, "Performance": bus bandwidth); an all-to-all sends a GPU's share to the n - 1 others."""
+    shots). A ring all-reduce moves 2 (n - 1) / n of the bytes through each GPU's link, an
+    all-gather or a reduce-scatter (n - 1) / n (NCCL's docs, "Performance": bus bandwidth).
+    MoE: vLLM runs its expert-parallel exchange only with data-parallel attention
+    (fused_moe/config.py `use_all2all_kernels`: use_ep and dp_size > 1), by default as an
+    all-gather of the dp ranks' tokens and a reduce-scatter of the experts' outputs
+    (config/parallel.py, all2all_backend "allgather_reducescatter"); with ep = tp the experts'
+    partial outputs are all-reduced over the TP GPUs like a dense MLP's."""
     if lay.plain:
         return None
     act, bw, lat = ACT_BYTES * m.hidden, g.link_bandwidth, g.link_latency
     per_token = fixed = 0.0
-    spread = lay.ep > 1 and m.experts
-    moe = m.moe_layers if m.experts else 0
-    if lay.tp > 1:                      # after attention and after the MLP (not the spread experts)
-        reduces = 2 * m.layers - (moe if spread else 0)
+    exchange = m.moe_layers if m.experts and lay.dp > 1 else 0
+    if lay.tp > 1:                      # after attention and after the MLP (not the exchanged experts)
+        reduces = 2 * m.layers - exchange
         per_token += reduces * 2 * (lay.tp - 1) / lay.tp * act / (lay.dp * bw)
         fixed += reduces * lat
-    if spread:                          # dispatch and combine, per MoE layer
-        n = lay.ep
-        per_token += moe * 2 * m.experts_per_token * act * (n - 1) / (n * n) / bw
-        fixed += moe * 2 * lat
+    if exchange:                        # all-gather, then reduce-scatter, over the dp ranks
+        per_token += exchange * 2 * (lay.dp - 1) / lay.dp * act / bw
+        fixed += exchange * 2 * lat
     if lay.pp > 1:                      # the activations handed from stage to stage
         per_token += (lay.pp - 1) * act / bw
         fixed += (lay.pp - 1) * lat
@@ -147,7 +159,7 @@ class DenseTime:
         terms = (cost._gemm_flops, cost._attn_flops, cost._flop_rate, cost._weights, cost._kv_bytes,
                  cost._byte_rate, cost.overhead)
         floats, weights, kv_bytes = terms[:3] + terms[5:], terms[3], terms[4]
-        if (not cost._dense or cost._comm is not None or any(type(x) is not float for x in floats) or type(kv_bytes) is not int
+        if (not cost._dense or cost._comm is not None or cost._mla is not None or any(type(x) is not float for x in floats) or type(kv_bytes) is not int
                 or not 0 <= kv_bytes < 1 << 62 or type(weights) not in (int, float)
                 or type(weights) is int and not 0 <= weights < 1 << 62
                 or cost._flop_rate == 0 or cost._byte_rate == 0):
