@@ -185,7 +185,8 @@ def test_bundled_models_match_their_published_sizes():
     encoder, not read here)."""
     published = {"llama-3.1-8b": 8.03, "llama-3.1-70b": 70.6, "llama-3.1-405b": 405.9, "mixtral-8x7b": 46.7,
                  "mixtral-8x22b": 140.6, "deepseek-v3": 671, "qwen3-235b-a22b": 235.1, "qwen3-32b": 32.8,
-                 "gpt-oss-120b": 116.8, "gpt-oss-20b": 20.9, "qwen2-7b": 7.62, "kimi-k2": 1026}
+                 "gpt-oss-120b": 116.8, "gpt-oss-20b": 20.9, "qwen2-7b": 7.62, "kimi-k2": 1026,
+                 "mistral-small-24b": 23.57}
     for name, billions in published.items():
         assert get_model(name).params / 1e9 == pytest.approx(billions, rel=0.004), name
     assert get_model("llama-4-scout").active / 1e9 == pytest.approx(17.2, rel=0.01)
