@@ -106,6 +106,29 @@ def moe(torch, gpu, samples: int = 4) -> None:
               f"{m / r:17.2f}")
 
 
+def formats(torch, gpu) -> None:
+    """bf16 against FP8 (torch._scaled_mm, per-tensor scales) GEMMs: a large square one
+    (compute-bound: the format's FLOP rate) and a decode-shaped one (16 tokens x a 8192 x 28672
+    weight: bandwidth-bound, FP8 reads half the bytes), beside the roofline's charge."""
+    if "fp8" not in gpu.formats:
+        return
+    dev = "cuda"
+    print("format  shape                   measured ms  TFLOP/s  roofline ms")
+    for m, k, n in ((8192, 8192, 8192), (16, 8192, 28672)):
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        one = torch.ones((), device=dev, dtype=torch.float32)
+        for fmt, fn, rate, wbytes in (
+                ("bf16", lambda: a @ b.t(), gpu.flops, 2),
+                ("fp8", lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                 gpu.formats["fp8"], 1)):
+            t = timed(torch, fn)
+            flops = 2 * m * k * n
+            r = max(flops / (rate * CE), (k * n * wbytes) / (gpu.bandwidth * ME))
+            print(f"{fmt:6s}  {m:5d} x {k} x {n:5d}  {t * 1e3:11.4f}  {flops / t / 1e12:7.0f}  {r * 1e3:11.4f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", default="h200", help="the kvsched catalogue GPU to compare with")
@@ -119,6 +142,7 @@ def main() -> None:
     torch.manual_seed(0)
     dense(torch, gpu)
     moe(torch, gpu)
+    formats(torch, gpu)
 
 
 if __name__ == "__main__":
