@@ -75,7 +75,10 @@ def test_prices_bundled_and_a_user_s(tmp_path):
     p = tmp_path / "p.toml"
     p.write_text('source = "my contract"\ndate = "2026-11"\n[per_gpu_hour]\nh100-sxm = 1.5\n')
     mine = read_prices(p)
-    assert price_of(mine, "h100-sxm") == 1.5 and price_of(mine, "l40s") == price_of(t, "l40s")
+    assert price_of(mine, "h100-sxm") == 1.5
+    p.write_text('[per_gpu_hour]\nH100-SXM = 1.25\n')
+    assert price_of(read_prices(p), "h100-sxm") == 1.25
+    p.write_text('source = "my contract"\ndate = "2026-11"\n[per_gpu_hour]\nh100-sxm = 1.5\n') and price_of(mine, "l40s") == price_of(t, "l40s")
     with pytest.raises(KvschedError, match="no price per GPU-hour for gb200"):
         price_of(mine, "gb200")
     p.write_text("[per_gpu_hour]\nh100-sxm = -2\n")
@@ -155,7 +158,8 @@ def test_a_disaggregated_run_with_h100_prefill_and_l40s_decode():
     (["--pool", "prefill=h100-sxm:1"], "exactly two pools, named prefill and decode"),
     (["--pool", "a=h100-sxm:1", "--pool", "a=l40s:1"], "given twice"),
     (["--pool", "a=h100-sxm:1", "--replicas", "2"], "either --pool or --replicas"),
-    (["--pool", "a=h200:1", "--pool", "b=l4:1", "--cost", "eb-h200-qwen3-8b"], "use a cost model that reads the hardware"),
+    (["--pool", "a=h200:1", "--pool", "b=l4:1", "--cost", "eb-h200-qwen3-8b"], "use --cost roofline"),
+    (["--pool", "a=h100-sxm:1", "--pool", "b=l4:1", "--cost", "tiled-mistral-7b-rtx-6000-ada"], "use --cost roofline"),
     (["--pool", "a=l40s:2", "--kv-transfer-bandwidth", "10"], "or --pool prefill="),
     (["--pool", "a=h900:1"], "unknown GPU 'h900'"),
     (["--pool", "a=l40s:1:tp=3"], "does not divide"),
@@ -214,6 +218,18 @@ def test_kv_usage_of_mixed_kinds_is_each_against_its_own_capacity():
     rows = s["replica_breakdown"]
     assert max(x["peak_kv_usage"] for x in rows) == s["peak_kv_usage"] <= 1
     assert 0 < s["mean_kv_usage"] <= 1
+    assert s["kv_capacity_total_tokens"] == s["pools"][0]["kv_capacity_tokens"] + 2 * s["pools"][1]["kv_capacity_tokens"]
+
+
+def test_the_timeline_s_kv_share_of_mixed_kinds_stays_within_one(tmp_path):
+    from kvsched.report.folders import _run_folder
+    out = tmp_path / "o"
+    r = invoke("simulate", "--model", "llama-3.1-8b", "--pool", "big=h100-sxm:1:tp=2", "--pool", "small=l40s:2",
+               "--router", "least-outstanding", "--rate", "60", "--num-requests", "300", "--prompt-len", "fixed:4000",
+               "--output-len", "fixed:300", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    timeline = _run_folder(out, None).timeline
+    assert timeline and max(row[3] for row in timeline) <= 1
 
 
 def test_a_candidate_that_cannot_meet_the_slos_is_left_out(tmp_path):
@@ -230,6 +246,12 @@ def test_a_candidate_that_cannot_meet_the_slos_is_left_out(tmp_path):
     none = invoke("capacity", "--candidate", "tiny=l4", "--model", "llama-3.1-70b", "--rate", "2", "--slo",
                   "ttft:p99:5000", "--num-requests", "20")
     assert none.exit_code == 2 and "no --candidate meets the SLOs" in none.output
+    for args, message in [(["--candidate", "a=h100-sxm:tp=7", "--candidate", "b=h100-sxm"], "does not divide"),
+                          (["--candidate", "a=h200", "--candidate", "b=l4", "--cost", "eb-h200-qwen3-8b"],
+                           "use --cost roofline")]:
+        bad = invoke("capacity", *args, "--model", "qwen3-8b", "--rate", "2", "--slo", "ttft:p99:5000",
+                     "--num-requests", "20")
+        assert bad.exit_code == 2 and message in bad.output, bad.output
 
 
 def test_the_python_api_refuses_a_bare_pool_text():

@@ -178,11 +178,11 @@ def test_kv_heads_are_replicated_past_tp_and_capacity_grows_with_gpus():
     (Layout(tp=3), "llama-3.1-8b", "does not divide"),
     (Layout(ep=2), "llama-3.1-8b", "--ep 2 without --dp-attention"),
     (Layout(tp=2, ep=2), "llama-3.1-8b", "has no experts"),
-    (Layout(ep=3, tp=2, dp_attention=True), "qwen3-30b-a3b", "multiple of --tp"),
-    (Layout(dp_attention=True), "qwen3-30b-a3b", "multiple of --tp"),
+    (Layout(ep=3, tp=2, dp_attention=True), "qwen3-30b-a3b", "modelled with --tp 1"),
+    (Layout(ep=1, dp_attention=True), "qwen3-30b-a3b", "at least 2"),
     (Layout(pp=99), "llama-3.1-8b", "more than llama-3.1-8b's 32 layers"),
     (Layout(tp=16, ep=16), "mixtral-8x7b", "--ep 16 is more than mixtral-8x7b's 8 experts"),
-    (Layout(tp=2, ep=16, dp_attention=True), "mixtral-8x7b", "more than mixtral-8x7b's 8 experts"),
+    (Layout(ep=16, dp_attention=True), "mixtral-8x7b", "more than mixtral-8x7b's 8 experts"),
     (Layout(tp=7), "qwen2-7b", "neither divides nor is a multiple of qwen2-7b.s 4 KV heads"),
     (Layout(tp=6), "mixtral-8x22b", "neither divides nor is a multiple of mixtral-8x22b's 8 KV heads"),
     (Layout(kv_dtype=["fp8"]), "llama-3.1-8b", "--kv-dtype must be one of"),
@@ -202,3 +202,10 @@ def test_the_tiled_model_refuses_a_layout():
         make_cost_model("tiled", {}, m, g, Layout(tp=2))
     with pytest.raises(KvschedError, match="set layout with --tp"):
         make_cost_model("roofline", {"layout": "x"}, m, g)
+
+
+def test_an_mla_model_without_its_dims_is_refused():
+    import dataclasses
+    m = dataclasses.replace(get_model("deepseek-v3"), mla_dims=(0, 0, 0))
+    with pytest.raises(ValueError, match="needs mla_dims"):
+        RooflineCost(m, get_gpu("h200"), layout=Layout(tp=8, weight_dtype="fp8"))

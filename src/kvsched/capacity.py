@@ -36,6 +36,11 @@ from kvsched.point import Point, figures
 from kvsched.theory.plan import JUDGE_WINDOW, queue_verdict
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+class Infeasible(KvschedError):
+    """No cluster size meets the SLOs at the rate (a configuration that cannot serve it)."""
+
 STATS = {"mean": "mean", "p50": "median", "p90": "p90", "p99": "p99"}
 EXPAND = 1.25               # bracket growth while the upper end still meets the SLOs
 MAX_EXPANSIONS = 8          # 1.25^8 = 6x mu at most
@@ -308,7 +313,7 @@ def replicas_needed(point: Point, criteria: Criteria, rate: float, mu: float, ma
         while not meets(k + 1):
             k += 1
             if k >= limit:
-                raise KvschedError(f"no cluster of up to {limit} replicas meets the SLOs at {rate:g} req/s")
+                raise Infeasible(f"no cluster of up to {limit} replicas meets the SLOs at {rate:g} req/s")
         k += 1
     return {"rate": rate, "utilization": utilization, "closed_form_stability": stab, "closed_form_slo": slo,
             "simulated": k, "runs": [runs[j] for j in sorted(runs)]}

@@ -4,11 +4,13 @@ deployments", items 2 and 4). The formulas (docs/hardware.md gives each with its
 
 - GPUs per replica: tp x pp x dp, where dp = ep / tp with `dp_attention` (vLLM's
   --data-parallel-size with --enable-expert-parallel: attention data-parallel, experts spread
-  over all tp x dp GPUs) and 1 without it (ep is then 1, or tp: vLLM's --enable-expert-parallel
-  with tensor parallelism spreads whole experts over the tp GPUs instead of splitting each).
-- Weights per GPU: the non-expert weights split over tp x pp, the routed experts over
-  tp x dp x pp; embeddings and an untied LM head stay 16-bit under weight quantisation (vLLM's
-  quantisation methods leave VocabParallelEmbedding and ParallelLMHead unquantised).
+  over all dp GPUs; modelled with tp 1) and 1 without it (ep is then 1, or tp: vLLM's
+  --enable-expert-parallel with tensor parallelism spreads whole experts over the tp GPUs
+  instead of splitting each).
+- Weights per GPU: the non-expert weights split over tp x pp; the routed experts split over
+  tp x pp (ep 1), else the busiest GPU's ceil(E / ep) whole experts over pp; embeddings and an
+  untied LM head stay 16-bit under weight quantisation (vLLM's quantisation methods leave
+  VocabParallelEmbedding and ParallelLMHead unquantised).
 - KV bytes per token on one GPU: the busiest stage's ceil(layers / pp) layers, each holding
   max(1, kv_heads // tp) KV heads (vllm/config/model.py, `get_num_kv_heads`: heads are replicated
   when tp exceeds them); under MLA every TP rank holds the whole latent (`get_num_kv_heads`
@@ -57,6 +59,9 @@ class Layout:
         if not isinstance(self.dp_attention, bool):
             raise KvschedError(f"--dp-attention is true or false, got {self.dp_attention!r}")
         if self.dp_attention:
+            if self.tp > 1:     # vLLM then runs sequence-parallel MoE and more collectives (not modelled)
+                raise KvschedError(f"--dp-attention is modelled with --tp 1 (attention data-parallel over --ep "
+                                   f"ranks), got --tp {self.tp}: vLLM's sequence-parallel MoE for tp > 1 is not modelled")
             if self.ep < 2 or self.ep % self.tp:
                 raise KvschedError(f"--dp-attention needs --ep a multiple of --tp and at least 2 (ep = tp x the "
                                    f"attention's data-parallel ranks), got --ep {self.ep} --tp {self.tp}")

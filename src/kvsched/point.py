@@ -56,7 +56,9 @@ def figures(result: Result) -> dict[str, Any]:
     tpot = (rec.finished - rec.first_token)[multi] / (rec.output[multi] - 1) * 1000
     out["ttft_quantiles_ms"] = np.percentile(ttft, QUANTILES).tolist() if len(ttft) else []
     out["tpot_quantiles_ms"] = np.percentile(tpot, QUANTILES).tolist() if len(tpot) else []
-    out["timeline"] = binned_timeline(result.timeline, rec.kv_capacity_tokens) if result.timeline is not None else []
+    total = result.summary.get("kv_capacity_total_tokens")
+    out["timeline"] = binned_timeline(result.timeline, rec.kv_capacity_tokens, total=total) \
+        if result.timeline is not None else []
     return out
 
 
@@ -64,10 +66,11 @@ def _scalar(v: Any) -> bool:
     return v is None or isinstance(v, (bool, int, float, str, np.generic))
 
 
-def binned_timeline(rows, kv_capacity: int, bins: int = TIMELINE_BINS) -> list[list[float]]:
+def binned_timeline(rows, kv_capacity: int, bins: int = TIMELINE_BINS, total: int | None = None) -> list[list[float]]:
     """Rows (time, queue, running, KV tokens[, replica]) as `bins` equal time bins: each bin's
-    mean per replica, summed over replicas; KV as a share of all replicas' capacity. Empty
-    bins are left out."""
+    mean per replica, summed over replicas; KV as a share of all replicas' capacity (`total`
+    where replicas differ, kvsched/pools.py; else kv_capacity x replicas). Empty bins are left
+    out."""
     a = np.asarray(list(rows), dtype=np.float64)
     if len(a) == 0:
         return []
@@ -83,7 +86,8 @@ def binned_timeline(rows, kv_capacity: int, bins: int = TIMELINE_BINS) -> list[l
                  for c in (1, 2, 3)]
     used = count.reshape(bins, n_rep).sum(axis=1) > 0
     mid = t0 + (np.arange(bins) + 0.5) * width
-    return [[float(mid[k]), float(means[0][k]), float(means[1][k]), float(means[2][k]) / (kv_capacity * n_rep)]
+    held = total if total is not None else kv_capacity * n_rep
+    return [[float(mid[k]), float(means[0][k]), float(means[1][k]), float(means[2][k]) / held]
             for k in np.flatnonzero(used)]
 
 def check_rate(rate: float, flag: str = "rate") -> float:

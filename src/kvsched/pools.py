@@ -39,9 +39,10 @@ class Pool:
     layout: Layout
 
 
-def parse_pool(text: str, model: str, base: Layout) -> Pool:
-    """One --pool value, checked; `model` and `base` fill in what it leaves out."""
-    where = f"--pool {text!r}"
+def parse_pool(text: str, model: str, base: Layout, where: str | None = None) -> Pool:
+    """One --pool value, checked; `model` and `base` fill in what it leaves out; `where` names
+    it in errors (--pool TEXT)."""
+    where = where or f"--pool {text!r}"
     name, eq, rest = str(text).partition("=")
     if not eq or not name.strip():
         raise KvschedError(f"{where}: write NAME=GPU:COUNT[:tp=N][:pp=N][:ep=N][:dp-attention][:model=M]"
@@ -83,11 +84,7 @@ def parse_candidate(text: str, model: str, base: Layout) -> Pool:
     if not eq or not gpu:
         raise KvschedError(f"--candidate {text!r}: write NAME=GPU[:tp=N][:pp=N][:ep=N][:dp-attention][:model=M]"
                            "[:weight-dtype=D][:kv-dtype=D]")
-    try:
-        return parse_pool(f"{name}={gpu}:1" + (f":{options}" if colon else ""), model, base)
-    except KvschedError as exc:
-        raise KvschedError(str(exc).replace(f"--pool {name}={gpu}:1", f"--candidate {text}", 1)
-                           .replace("--pool", "--candidate")) from None
+    return parse_pool(f"{name}={gpu}:1" + (f":{options}" if colon else ""), model, base, f"--candidate {text!r}")
 
 
 def check_pools(pools: list[Pool]) -> bool:
@@ -134,18 +131,27 @@ def resolve(pools: list[Pool], scenario) -> list[Kind]:
             model, gpu, scenario.memory_utilization, scenario.block_size, layout)
         kinds.append(Kind(p, model, gpu, tokens, make_cost_model(scenario.cost, scenario.cost_params, model, gpu,
                                                                  layout)))
-    hardware = {(k.model.name, k.gpu.name) for k in kinds}
-    fixed = [k.pool.name for k in kinds if getattr(k.cost, "gpu", None) is None]
-    if len(hardware) > 1 and fixed:
-        raise KvschedError(f"--cost {scenario.cost} times every batch as one GPU and model were measured (or as "
-                           f"fixed numbers), but the pools run {len(hardware)} kinds of GPU or model: use a cost "
-                           "model that reads the hardware (roofline, tiled)")
+    check_reads_hardware(scenario.cost, [k.cost for k in kinds], {(k.model.name, k.gpu.name) for k in kinds},
+                         "the pools")
     if kinds[0].pool.name == "prefill":
         a, b = kinds
         if a.model != b.model or a.pool.layout.kv_dtype != b.pool.layout.kv_dtype:
             raise KvschedError("--pool prefill and decode must serve one model with one --kv-dtype: the decode "
                                f"pool takes over the prefill pool's KV ({a.model.name}, {b.model.name})")
     return kinds
+
+
+def check_reads_hardware(name: str, costs: list, hardware: set, what: str) -> None:
+    """Replicas of several GPUs or models need a cost model that reads them: the roofline, or a
+    user's with `model` and `gpu`; a calibration or a fitted preset times every batch as the
+    hardware it was fitted on."""
+    from kvsched.cost import RooflineCost
+    fitted = [c for c in costs if not isinstance(c, RooflineCost)
+              and (type(c).__module__.startswith("kvsched.") or getattr(c, "gpu", None) is None)]
+    if len(hardware) > 1 and fitted:
+        raise KvschedError(f"--cost {name} times every batch as the one GPU and model it was fitted on (or as fixed "
+                           f"numbers), but {what} run {len(hardware)} kinds of GPU or model: use --cost roofline "
+                           "(or a cost model of yours that reads model and gpu)")
 
 
 def link_gbps(kinds: list[Kind]) -> float:

@@ -41,7 +41,7 @@ def _read(p: Path) -> dict[str, Any]:
     if unknown:
         raise KvschedError(f"{p}: unknown key {sorted(unknown)[0]!r}; keys: source, date, per_gpu_hour")
     return {"source": str(data.get("source", p)), "date": str(data.get("date", "")),
-            "per_gpu_hour": {k: float(v) for k, v in prices.items()}}
+            "per_gpu_hour": {k.lower(): float(v) for k, v in prices.items()}}
 
 
 def price_of(table: dict[str, Any], gpu: str) -> float:

@@ -74,7 +74,7 @@ class Scenario:
         p, d = self.prefill_replicas, self.decode_replicas
         if self.pool:
             from kvsched.pools import ROLES, check_pools, parse_pool
-            if isinstance(self.pool, str) or not all(isinstance(text, str) for text in self.pool):
+            if not isinstance(self.pool, (tuple, list)) or not all(isinstance(text, str) for text in self.pool):
                 raise KvschedError(f"Scenario.pool must be a tuple of --pool texts, got {self.pool!r}")
             given = [parse_pool(text, self.model, self.layout) for text in self.pool]
             if check_pools(given):
@@ -145,7 +145,7 @@ class Scenario:
             return []
         if self.replicas != 1 or self.prefill_replicas or self.decode_replicas:
             raise KvschedError("give either --pool or --replicas/--prefill-replicas/--decode-replicas, not both")
-        if isinstance(self.pool, str) or not all(isinstance(text, str) for text in self.pool):
+        if not isinstance(self.pool, (tuple, list)) or not all(isinstance(text, str) for text in self.pool):
             raise KvschedError(f"Scenario.pool must be a tuple of --pool texts, got {self.pool!r}")
         pools = [parse_pool(text, self.model, self.layout) for text in self.pool]
         check_pools(pools)
@@ -466,6 +466,7 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
                      "block_size": cluster.replicas[0].kv.block_size}
     if kinds:
         records.extra["pools"] = [k.summary() for k in kinds]
+        records.extra["kv_capacity_total_tokens"] = sum(r.kv.capacity_tokens for r in cluster.replicas)
     elif scenario.layout != PLAIN:
         records.extra.update(layout_summary(scenario.layout))
     if replicas > 1:

@@ -158,6 +158,7 @@ def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], 
 def _cheapest(candidates: list[str], prices: Path | None, wopts, hw, copts, policies: str, *search) -> dict[str, Any]:
     """Each --candidate's replicas for --rate at the SLOs (a capacity search of one replica,
     then the fewest replicas meeting them in simulation), priced per GPU-hour; the cheapest."""
+    from kvsched.capacity import Infeasible
     from kvsched.hardware import get_gpu
     from kvsched.layout import layout_summary
     from kvsched.pools import parse_candidate
@@ -177,19 +178,23 @@ def _cheapest(candidates: list[str], prices: Path | None, wopts, hw, copts, poli
     names = [p.name for p in pools]
     if len(set(names)) < len(names):
         raise KvschedError("--candidate: each candidate needs its own name")
+    fits = _check_candidates(pools, hw)                             # bad input: an error before any search
     priced = [(p, price_of(table, get_gpu(p.gpu).name)) for p in pools]     # every price known before a search
     rows = []
-    for pool, usd in priced:
+    for (pool, usd), why in zip(priced, fits):
         lay = pool.layout
         mine = dataclasses.replace(hw, gpu=pool.gpu, model=pool.model, tp=lay.tp, pp=lay.pp, ep=lay.ep,
                                    dp_attention=lay.dp_attention, weight_dtype=lay.weight_dtype, kv_dtype=lay.kv_dtype)
         row = {"name": pool.name, "gpu": get_gpu(pool.gpu).name, "model": pool.model, **layout_summary(lay),
                "usd_per_gpu_hour": usd}
-        try:
-            res = _capacity(wopts, mine, copts, policies, *search)
-        except KvschedError as exc:         # this kind cannot meet the SLOs at the rate: not a candidate
+        if why is None:
+            try:
+                res = _capacity(wopts, mine, copts, policies, *search)
+            except Infeasible as exc:       # no cluster size meets the SLOs at the rate
+                why = str(exc)
+        if why is not None:
             rows.append({**row, "replicas": None, "gpus": None, "usd_per_hour": None, "max_rate_per_replica": None,
-                         "infeasible": str(exc)})
+                         "infeasible": why})
             continue
         found = next(iter(res["policies"].values()))
         found.pop("at_max_rate_runs", None)
@@ -203,6 +208,29 @@ def _cheapest(candidates: list[str], prices: Path | None, wopts, hw, copts, poli
     best = min(feasible, key=lambda r: (r["usd_per_hour"], names.index(r["name"])))
     return {"kind": "cheapest", "rate": wopts.rate, "policy": policies.strip(), "cheapest": best["name"],
             "candidates": rows, "prices": {"source": table["source"], "date": table["date"]}}
+
+
+def _check_candidates(pools: list, hw) -> list[str | None]:
+    """Each candidate's model, GPU, layout and cost model built as a run builds them (a bad one
+    is an error); per candidate, why its weights leave no KV cache (None: they fit)."""
+    from kvsched.cost import make_cost_model
+    from kvsched.hardware import get_gpu, get_model, usable_kv_tokens
+    from kvsched.params import parse_assignments
+    from kvsched.pools import check_reads_hardware
+    costs, hardware, fits = [], set(), []
+    for pool in pools:
+        model, gpu = get_model(pool.model), get_gpu(pool.gpu)
+        layout = pool.layout.check(model)
+        costs.append(make_cost_model(hw.cost, parse_assignments(hw.cost_set, "--cost-set"), model, gpu, layout))
+        hardware.add((model.name, gpu.name))
+        try:
+            if hw.kv_capacity is None:
+                usable_kv_tokens(model, gpu, hw.memory_utilization, hw.block_size, layout)
+            fits.append(None)
+        except KvschedError as exc:
+            fits.append(str(exc))
+    check_reads_hardware(hw.cost, costs, hardware, "the candidates")
+    return fits
 
 
 def _cheapest_table(p: dict[str, Any]) -> Table:

@@ -62,6 +62,8 @@ class RooflineCost:
         # MLA (vLLM's mla_attention.py): prefill expanded, 2 h (qk + v) per pair and layer; decode
         # absorbed into the latent, 2 h (kv_lora_rank + rope) for QK and 2 h kv_lora_rank for AV
         qk, v, rank = m.mla_dims
+        if m.mla and not (qk and v and rank):
+            raise ValueError(f"{m.name}: an MLA model needs mla_dims (qk and v head sizes, kv_lora_rank)")
         set_(self, "_mla", (2.0 * m.layers * m.heads * (qk + v) * ratio,
                             2.0 * m.layers * m.heads * (m.head_dim + rank) * ratio) if m.mla else None)
         set_(self, "_flop_rate", gemm_rate * self.compute_efficiency * parallel)

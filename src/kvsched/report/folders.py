@@ -188,7 +188,10 @@ def _run_folder(d: Path, label: Optional[str]) -> Run:
     _check_rows(d / "requests.csv", rows, counts)
     timeline = []
     if (d / "timeline.csv").is_file():
-        timeline = binned_timeline(_timeline_rows(d / "timeline.csv"), capacity)
+        total = summary.get("kv_capacity_total_tokens")
+        if total is not None:
+            total = _whole(summary, "kv_capacity_total_tokens", 1)
+        timeline = binned_timeline(_timeline_rows(d / "timeline.csv"), capacity, total=total)
     return Run(label, figures, _percentiles(ttft), _percentiles(tpot), timeline)
 
 

@@ -111,7 +111,7 @@ def _drain(f, where: _Where) -> None:
 
 
 def _tokens(where: _Where, name: str, value) -> int:
-    if type(value) is str and len(value) < 13 and value.isdigit() and value[0] != "0":   # the common case, fast
+    if type(value) is str and len(value) < 13 and value.isascii() and value.isdigit() and value[0] != "0":   # the common case, fast
         return int(value)
     if type(value) is int and 1 <= value <= MAX_TOKENS:
         return value

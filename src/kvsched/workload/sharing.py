@@ -146,7 +146,7 @@ def parse_sessions(value) -> Sessions:
         raise KvschedError(f"sessions {value!r}: give turns (an integer or a length distribution) and "
                            "optionally think (seconds or a distribution)")
     turns = table["turns"]
-    if isinstance(turns, str) and turns.isdigit():
+    if isinstance(turns, str) and turns.isascii() and turns.isdigit() and len(turns) < 19:
         turns = int(turns)
     if isinstance(turns, bool) or not isinstance(turns, (int, str)):
         raise KvschedError(f"sessions: turns must be an integer >= 1 or a length distribution, got {turns!r}")
