@@ -59,6 +59,10 @@ def test_a_user_gpu_file_and_its_errors(tmp_path):
                          ("memory_gib = nan\nbandwidth = 1e12\n[flops]\nbf16 = 1e14", "memory_gib must be"),
                          ("memory_gib = 1e308\nbandwidth = 1e12\n[flops]\nbf16 = 1e14", "memory_gib must be .* up to"),
                          ("memory_gib = 8\nbandwidth = 1e12\nlink_latency = 5\n[flops]\nbf16 = 1e14", "link_latency"),
+                         ("memory_gib = 8\nbandwidth = 1e12\n[flops]\nbf16 = 1e14\n[roofline]\nspeed = 1", "roofline. takes"),
+                         ("memory_gib = 8\nbandwidth = 1e12\n[flops]\nbf16 = 1e14\n[roofline]\noverhead = 2", "at most 1"),
+                         ("memory_gib = 8\nbandwidth = 1e12\n[flops]\nbf16 = 1e14\n[roofline]\ncompute_efficiency = 0",
+                          "compute_efficiency must be a positive"),
                          ("memory_gib = = 1", "not TOML")]:
         p.write_text(bad)
         with pytest.raises(KvschedError, match=message):
@@ -261,3 +265,15 @@ def test_the_python_api_refuses_a_bare_pool_text():
     w = synthetic(Fixed(8), Fixed(8), rate=5, n=5, seed=0)
     with pytest.raises(KvschedError, match="Scenario.pool must be a tuple"):
         simulate(Scenario(w, pool="a=h100-sxm:1"))
+
+
+def test_a_gpu_file_s_roofline_defaults():
+    """The H100 file sets the roofline's step overhead (fitted on real vLLM runs,
+    docs/fidelity.md); other GPUs keep the generic defaults; --cost-set still wins."""
+    from kvsched.cost.roofline import RooflineCost
+    from kvsched.hardware import get_model
+    m = get_model("llama-3.1-8b")
+    h100 = RooflineCost(m, get_gpu("h100-sxm"))
+    assert (h100.overhead, h100.compute_efficiency, h100.memory_efficiency) == (0.0015, 0.5, 0.8)
+    assert RooflineCost(m, get_gpu("a100-80gb")).overhead == 0.004
+    assert RooflineCost(m, get_gpu("h100-sxm"), overhead=0.004).overhead == 0.004

@@ -24,6 +24,7 @@ DATA = Path(__file__).parent / "data"
 FORMATS = ("bf16", "fp8", "fp4")        # number formats a GPU file may give FLOP/s for
 LINKS = ("nvlink", "xgmi", "pcie")
 LARGEST = {"memory_gib": 1e7, "link_latency": 1.0}      # a GPU file's bounds (others: 1e20 per second)
+ROOFLINE_KEYS = ("compute_efficiency", "memory_efficiency", "overhead")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class GPU:
     link_bandwidth: float = 32e9    # bytes/s each way per GPU
     link_latency: float = 1e-5      # seconds per collective call
     network_bandwidth: float = 25e9     # bytes/s per GPU between replicas (KV transfer)
+    roofline: Mapping[str, float] = field(default_factory=dict)   # the roofline's defaults measured on this GPU
 
     @property
     def memory_bytes(self) -> float:
@@ -139,7 +141,7 @@ def read_gpu(path: str | Path) -> GPU:
     except tomllib.TOMLDecodeError as exc:
         raise KvschedError(f"{p}: not TOML: {exc}") from None
     known = {"name", "memory_gib", "bandwidth", "link", "link_bandwidth", "link_latency", "network_bandwidth",
-             "flops"}
+             "flops", "roofline"}
     for key in data:
         if key not in known:
             raise KvschedError(f"{p}: unknown key {key!r}; keys: {', '.join(sorted(known))}")
@@ -170,6 +172,14 @@ def read_gpu(path: str | Path) -> GPU:
         raise KvschedError(f"{p}: link must be one of {', '.join(LINKS)}, got {link!r}")
     extra = {k: number(k, data[k], positive=k != "link_latency")
              for k in ("link_bandwidth", "link_latency", "network_bandwidth") if k in data}
+    roof = data.get("roofline", {})
+    if not isinstance(roof, dict) or set(roof) - set(ROOFLINE_KEYS):
+        raise KvschedError(f"{p}: [roofline] takes {', '.join(ROOFLINE_KEYS)} (the roofline's defaults on this GPU)")
+    for key, v in roof.items():
+        ok = number(f"roofline.{key}", v, positive=key != "overhead")
+        if ok > 1:
+            raise KvschedError(f"{p}: roofline.{key} must be at most 1, got {v!r}")
+    extra["roofline"] = {k: float(v) for k, v in roof.items()}
     return GPU(name, number("memory_gib", data["memory_gib"]), number("bandwidth", data["bandwidth"]),
                formats["bf16"], formats, link, **extra)
 

@@ -14,6 +14,9 @@ from kvsched.layout import (ACT_BYTES, COMPUTE_FORMAT, PLAIN, Layout, expert_byt
                             kv_bytes_per_token_per_gpu, weight_bytes_per_gpu)
 
 
+DEFAULTS = {"compute_efficiency": 0.5, "memory_efficiency": 0.8, "overhead": 0.004}
+
+
 @dataclass(frozen=True)
 class RooflineCost:
     """time = overhead + max(FLOPs / (flops * compute_efficiency),
@@ -39,13 +42,19 @@ class RooflineCost:
     """
     model: Model
     gpu: GPU
-    compute_efficiency: float = field(default=0.5, metadata={"help": "achieved / peak FLOP/s"})
-    memory_efficiency: float = field(default=0.8, metadata={"help": "achieved / peak bandwidth"})
-    overhead: float = field(default=0.004, metadata={"help": "per-iteration CPU/launch seconds"})
+    compute_efficiency: float | None = field(default=None, metadata={
+        "help": "achieved / peak FLOP/s (default: the GPU file's [roofline], else 0.5)"})
+    memory_efficiency: float | None = field(default=None, metadata={
+        "help": "achieved / peak bandwidth (default: the GPU file's [roofline], else 0.8)"})
+    overhead: float | None = field(default=None, metadata={
+        "help": "per-iteration CPU/launch seconds (default: the GPU file's [roofline], else 0.004)"})
     layout: Layout = field(default=PLAIN, metadata={"help": "set with --tp, --pp, --ep, --dp-attention, "
                                                             "--weight-dtype, --kv-dtype"})
 
     def __post_init__(self) -> None:
+        for name, default in DEFAULTS.items():        # None: the GPU's measured default, else the generic one
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.gpu.roofline.get(name, default))
         for name in ("compute_efficiency", "memory_efficiency"):
             v = getattr(self, name)
             if not 0 < v <= 1:
