@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from kvsched.client import DEFAULT as DEFAULT_CLIENT, parse_client_path  # noqa: E402
 from kvsched.layout import Layout  # noqa: E402
 from kvsched.run import Scenario, simulate  # noqa: E402
 from kvsched.workload.request import Ragged, Segments, Workload  # noqa: E402
@@ -109,17 +110,14 @@ def stage_workload(template: str, stage: int, seed: int) -> tuple[np.ndarray, Wo
     return arrival, w
 
 
-FRONT = {"const_ms": 0.0, "steps": 0.0}     # --front: a trial client-side term (issue item 1, not yet in kvsched)
+CLIENT = {"path": DEFAULT_CLIENT}     # kvsched's client path (kvsched/client.py); --client-path sets it
 
 
 def client_times(r, w: Workload) -> tuple[np.ndarray, np.ndarray]:
-    """E2E and TTFT (ms) with the trial front-end term: const_ms plus `steps` of the request's
-    own mean inter-token gap (the engine step that returns a token to the client)."""
-    e2e = (r.finished - r.arrival) * 1000
-    ttft = (r.first_token - r.arrival) * 1000
-    gap = (e2e - ttft) / np.maximum(w.output - 1, 1)
-    extra = FRONT["const_ms"] + FRONT["steps"] * gap
-    return e2e + extra, ttft + extra
+    """E2E and TTFT (ms) as a client sees them (kvsched/client.py; the engine's with `off`)."""
+    path = CLIENT["path"]
+    delay = path.delay(r.prompt, r.output, r.first_token, r.finished) if path is not None else 0.0
+    return (r.finished + delay - r.arrival) * 1000, (r.first_token + delay - r.arrival) * 1000
 
 
 def figures(result, w: Workload) -> dict[str, float]:
@@ -165,10 +163,10 @@ def main() -> None:
     ap.add_argument("--records", type=Path, default=RECORDS)
     ap.add_argument("--seeds", type=int, default=1, help="arrival seeds averaged per run")
     ap.add_argument("--cost-set", action="append", default=[], help="roofline parameter key=value")
-    ap.add_argument("--front", default=None, help="trial client-side term CONST_MS:STEPS added to TTFT and E2E")
+    ap.add_argument("--client-path", default=None, help="off, or key=value of front_s, front_per_prompt_token_s, "
+                                                        "output_steps (kvsched's --client-path)")
     args = ap.parse_args()
-    if args.front:
-        FRONT["const_ms"], FRONT["steps"] = (float(x) for x in args.front.split(":"))
+    CLIENT["path"] = parse_client_path(args.client_path)
     if not args.records.is_file():
         sys.exit(f"no records at {args.records} (the sim-to-real benchmark's train/val CSV; give --records)")
     from kvsched.params import parse_assignments

@@ -22,7 +22,7 @@ runner = CliRunner()
 PD11 = ["--prompt-len", "uniform:10:1600", "--output-len", "uniform:10:1600", "--num-requests", "800",
         "--cost", "constant", "--cost-set", "b=0.0372", "--kv-capacity", "131000", "--block-size", "1",
         "--set", "long_prefill_token_threshold=512", "--chunk-size", "512", "--seeds", "2", "--tolerance", "0.05",
-        "--jobs", "2"]
+        "--jobs", "2", "--client-path", "off"]      # the paper's engine time
 # a small, quick constant-cost setting (mu about 60 req/s)
 SMALL = ["--prompt-len", "uniform:10:200", "--output-len", "uniform:10:200", "--num-requests", "300",
          "--cost", "constant", "--cost-set", "b=0.02", "--kv-capacity", "20000", "--block-size", "1",

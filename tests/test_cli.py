@@ -143,3 +143,18 @@ def test_console_script_runs_and_fails_cleanly():
     bad = subprocess.run([sys.executable, "-m", "kvsched", "simulate", "--rate", "-3"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr
+
+
+def test_client_path_flag():
+    """--client-path: the default adds the front end and output path to TTFT and E2E (engine_*
+    keep the engine's), off reports the engine's own, key=value sets the terms; bad text exits 2."""
+    default = json.loads(invoke("simulate", *SMALL, "--json").stdout)
+    off = json.loads(invoke("simulate", *SMALL, "--json", "--client-path", "off").stdout)
+    set_ = json.loads(invoke("simulate", *SMALL, "--json", "--client-path", "front_s=0.05,output_steps=0").stdout)
+    assert off["mean_ttft_ms"] == default["engine_mean_ttft_ms"] < default["mean_ttft_ms"]
+    assert set_["mean_ttft_ms"] == pytest.approx(off["mean_ttft_ms"] + 50)
+    assert off["mean_itl_ms"] == default["mean_itl_ms"] == set_["mean_itl_ms"]
+    for bad, message in [("speed=1", "write off, or key=value"), ("front_s=x", "must be a number"),
+                         ("front_s=-1", "from 0 to 1000")]:
+        r = invoke("simulate", *SMALL, "--client-path", bad)
+        assert r.exit_code == 2 and message in r.output, r.output

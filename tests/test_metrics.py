@@ -96,3 +96,27 @@ def test_summary_percentiles_do_not_import_numpy_ma():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(None, 1)
     assert out[0] == "False", out
     assert out[1].strip() == str(np.percentile(np.arange(1.0, 1001.0), [50, 90, 99]).tolist()), out
+
+
+def test_an_idle_server_s_ttft_is_front_end_prefill_and_output_path():
+    """Issue "Timing fidelity", Done-when: one request on an idle A100 (llama-3.1-8b, roofline):
+    the client's TTFT = the front end (5 ms) + the prefill step + the output path (one step, the
+    request's mean inter-token gap: its two decode steps); E2E grows by the same; the engine's
+    own figures are beside them; ITL is unchanged."""
+    from kvsched.cost.roofline import RooflineCost
+    from kvsched.cost.shape import BatchShape
+    from kvsched.run import Scenario, simulate
+    from kvsched.workload.synthetic import synthetic
+    w = synthetic(Fixed(512), Fixed(3), rate=1.0, n=1, seed=0)
+    cost = RooflineCost(get_model("llama-3.1-8b"), get_gpu("a100-80gb"))
+    prefill = cost.time(BatchShape(512, 1, 512 * 256.5, 512, 0, 0, ((0, 512),), False))
+    decodes = [cost.time(BatchShape(0, 0, 0, 0, 1, ctx, (), True if ctx == 513 else False)) for ctx in (513, 514)]
+    gap = sum(decodes) / 2
+    s = simulate(Scenario(w, model="llama-3.1-8b", gpu="a100-80gb")).summary
+    assert s["engine_mean_ttft_ms"] == pytest.approx(prefill * 1000, rel=1e-9)
+    assert s["mean_ttft_ms"] == pytest.approx((0.005 + prefill + gap) * 1000, rel=1e-9)
+    assert s["mean_e2el_ms"] - s["engine_mean_e2el_ms"] == pytest.approx((0.005 + gap) * 1000, rel=1e-9)
+    assert s["mean_itl_ms"] == pytest.approx(gap * 1000, rel=1e-9)
+    assert (s["client_front_s"], s["client_output_steps"]) == (0.005, 1.0)
+    off = simulate(Scenario(w, model="llama-3.1-8b", gpu="a100-80gb", client=None)).summary
+    assert off["mean_ttft_ms"] == s["engine_mean_ttft_ms"] and "engine_mean_ttft_ms" not in off

@@ -9,6 +9,7 @@ from per-tier gap histograms the replicas keep only then.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,6 +198,7 @@ class RunRecords:
     tier_index: np.ndarray | None = None
     tiers: tuple = ()
     tier_itl: list[GapHistogram] | None = None
+    client: Any = None          # kvsched.client.ClientPath: the summary's TTFT and E2E as a client sees them
 
 
 def percentiles(values: np.ndarray, qs: tuple[float, ...]) -> list[float]:
@@ -252,6 +254,26 @@ def _itl_stats(h: GapHistogram) -> dict[str, float]:
 
 def summarize(rec: RunRecords, goodput: Goodput | None = None, trim: int = 0,
               tbt_first_zero: bool = False) -> dict[str, Any]:
+    """`engine_summary` of the records as a client sees them (`rec.client`, kvsched/client.py:
+    every token later by the front end and output path; ITL unchanged), with the engine's own
+    TTFT and E2E beside them as engine_*; without a client path, the engine's figures."""
+    client = rec.client
+    if client is None:
+        return engine_summary(rec, goodput, trim, tbt_first_zero)
+    delay = client.delay(rec.prompt, rec.output, rec.first_token, rec.finished)
+    seen = dataclasses.replace(rec, first_token=rec.first_token + delay, finished=rec.finished + delay, client=None)
+    summary = engine_summary(seen, goodput, trim, tbt_first_zero)
+    engine = engine_summary(dataclasses.replace(rec, client=None), None, trim)
+    summary.update({f"engine_{k}": engine[k] for k in ENGINE_KEYS if k in engine})
+    summary.update({f"client_{k}": v for k, v in dataclasses.asdict(client).items()})
+    return summary
+
+
+ENGINE_KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms")
+
+
+def engine_summary(rec: RunRecords, goodput: Goodput | None = None, trim: int = 0,
+                   tbt_first_zero: bool = False) -> dict[str, Any]:
     """The run summary. `trim` drops the first and last `trim` requests (arrival order) and
     measures throughput over the window from the arrival of request trim+1 to that of the
     trim-th last, counting requests finished inside it (stability-capacity.txt, section 5.2).

@@ -24,6 +24,7 @@ from kvsched.errors import PASS_THROUGH, KvschedError
 from kvsched.files import remove, stale_temporaries, temp_prefix
 from kvsched.hardware import get_gpu, get_model, usable_kv_tokens
 from kvsched import pools
+from kvsched.client import DEFAULT as DEFAULT_CLIENT, ClientPath
 from kvsched.kvcache import PagedKV
 from kvsched.layout import PLAIN, Layout, kv_bytes_per_token, layout_summary
 from kvsched.limits import MAX_REPLICAS, check_count
@@ -67,6 +68,7 @@ class Scenario:
     prefix_caching: bool | None = None      # None: the policy's default (on for vllm-v1, as vLLM)
     layout: Layout = PLAIN                  # a replica's TP, PP, EP, DP attention, number formats (layout.py)
     pool: tuple[str, ...] = ()              # --pool NAME=GPU:COUNT[:...] (pools.py): replicas of several kinds
+    client: ClientPath | None = DEFAULT_CLIENT      # front end and output path (client.py); None: the engine's figures
 
     def pools(self) -> tuple[int, int]:
         """(replicas, prefill replicas), checked: whole numbers, within `limits.MAX_REPLICAS`
@@ -132,6 +134,8 @@ class Scenario:
             if not isinstance(getattr(self, name), (bool, np.bool_)):   # "off" would be true
                 raise KvschedError(f"Scenario.{name} must be True or False, got {getattr(self, name)!r}")
         self.pools()
+        if self.client is not None and not isinstance(self.client, ClientPath):
+            raise KvschedError(f"Scenario.client must be a ClientPath (kvsched.client) or None, got {self.client!r}")
         if not isinstance(self.layout, Layout):
             raise KvschedError(f"Scenario.layout must be a Layout (kvsched.layout), got {type(self.layout).__name__}")
         self.layout.check()
@@ -476,6 +480,7 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     if prefill:
         records.extra.update({"prefill_replicas": prefill, "decode_replicas": replicas - prefill,
                               "decode_policy": pols[-1].name})
+    records.client = scenario.client
     summary = summarize(records, scenario.goodput, scenario.trim, tbt_first_zero=scenario.tbt_first_zero)
     caches = [r.cache for r in cluster.replicas if r.cache is not None]
     if caches:

@@ -181,6 +181,7 @@ HARDWARE_FLAGS = {
     "dp_attention": (bool, typer.Option(False, "--dp-attention", help="MoE: attention data-parallel over --ep / --tp ranks")),
     "weight_dtype": (str, typer.Option("bf16", "--weight-dtype", help="weights: bf16, fp8, int4 (AWQ/GPTQ), nvfp4, mxfp4")),
     "kv_dtype": (str, typer.Option("auto", "--kv-dtype", help="KV cache: auto (the model's 16-bit), bf16, fp8")),
+    "client_path": (Optional[str], typer.Option(None, "--client-path", show_default="front_s=0.005,output_steps=1", help="what a client adds to TTFT and E2E beyond the engine: off (the engine's figures), or key=value of front_s, front_per_prompt_token_s, output_steps (docs/fidelity.md)")),
 }
 
 
@@ -201,9 +202,11 @@ class HardwareOptions:
     dp_attention: bool = False
     weight_dtype: str = "bf16"
     kv_dtype: str = "auto"
+    client_path: Optional[str] = None
 
     def scenario(self, workload, goodput: list[str] = (), trim: int = 0, strict: bool = False,
                  tbt_first_zero: bool = False) -> Scenario:
+        from kvsched.client import parse_client_path
         from kvsched.hardware import get_gpu, get_model
         from kvsched.metrics import Goodput
         from kvsched.params import parse_assignments
@@ -218,7 +221,7 @@ class HardwareOptions:
                         goodput=Goodput.parse(list(goodput)), trim=trim, strict=strict,
                         tbt_first_zero=tbt_first_zero,
                         prefix_caching=None if self.prefix_caching is None else self.prefix_caching == "on",
-                        layout=self.layout())
+                        layout=self.layout(), client=parse_client_path(self.client_path))
 
     def layout(self):
         """--tp, --pp, --ep, --dp-attention, --weight-dtype, --kv-dtype as a Layout (checked later)."""
