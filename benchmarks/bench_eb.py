@@ -55,7 +55,7 @@ def run(w, policy: str, params: dict, preset: str = "eb-h200-qwen3-8b", switch_s
     if trim is None:
         c = int(w.concurrency.max()) if w.closed_loop else 0
         trim = 2 * c if len(w) >= 8 * c else c
-    sc = Scenario(w, model="qwen3-8b", gpu=PRESET_GPU[preset], cost=preset, trim=trim,
+    sc = Scenario(w, model="qwen3-8b", gpu=PRESET_GPU[preset], cost=preset, trim=trim, client=None,
                   cost_params={"switch_s": switch_s} if switch_s else {})
     return simulate(sc, policy, params)
 

@@ -90,7 +90,7 @@ def simulate(w, cost: Path, limits: Limits, policy: str, params: dict) -> dict:
     from kvsched.run import Scenario
     from kvsched.run import simulate as sim
     pol = engine_policy(policy, params, limits.max_num_batched_tokens, limits.max_num_seqs)
-    scenario = Scenario(w, model="llama-3-8b", gpu="a100-80gb", cost=str(cost),
+    scenario = Scenario(w, model="llama-3-8b", gpu="a100-80gb", cost=str(cost), client=None,
                         kv_capacity=(limits.num_gpu_blocks - 1) * limits.block_size, block_size=limits.block_size,
                         max_model_len=limits.max_model_len)
     return sim(scenario, pol).summary

@@ -65,7 +65,7 @@ PAPER_CAPACITY = {0.05: (1.15, 1.45), 0.5: (1.15, 1.4), 0.95: (1.15, 1.25)}
 
 
 def scenario(w, m: float, **extra) -> Scenario:
-    return Scenario(w, model="mistral-7b", gpu="rtx-6000-ada", cost=COST, kv_capacity=KV_TOKENS, block_size=16,
+    return Scenario(w, model="mistral-7b", gpu="rtx-6000-ada", cost=COST, kv_capacity=KV_TOKENS, block_size=16, client=None,
                     max_model_len=8192, cost_params={"decode_attn_token_s": DECODE_ATTN * m}, tbt_first_zero=True,
                     **extra)
 
@@ -243,7 +243,7 @@ def section_e(m: float) -> None:
                                      ("RAD, KV of Assumption 4", ("rad", {"t_col": 128, "t_lcm": 128}), need),
                                      ("Sarathi(FCFS)", POLICIES["Sarathi(FCFS)"], KV_TOKENS),
                                      ("SLAI(SPF, dynamic)", POLICIES["SLAI(SPF, dynamic)"], KV_TOKENS)):
-            sc = Scenario(w, model="mistral-7b", gpu="rtx-6000-ada", cost=COST, kv_capacity=kv, block_size=16,
+            sc = Scenario(w, model="mistral-7b", gpu="rtx-6000-ada", cost=COST, kv_capacity=kv, block_size=16, client=None,
                           max_model_len=8192, cost_params=params)
             finished = simulate(sc, pol, pp).records.finished
             rate = work_rate(cm if not extra else paper, w, finished, 512)

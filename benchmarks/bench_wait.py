@@ -96,7 +96,8 @@ def section_a(scale: float, claims: list) -> None:
         rows = []
         results = {}
         for pol in (ours,) + BASELINES:
-            sc = Scenario(w, cost="linear", cost_params={"d0": d0, "d1": d1}, block_size=1, kv_capacity=math.ceil(cap))
+            sc = Scenario(w, cost="linear", cost_params={"d0": d0, "d1": d1}, block_size=1, kv_capacity=math.ceil(cap),
+                          client=None)
             t = time.perf_counter()
             res = simulate(sc, pol, {} if pol == ours else limits(pol, big, big))
             m = results[pol] = steady(res, w)
@@ -126,7 +127,7 @@ PAPER = {"wait-low-demand": (256, [0.05, 0.1, 0.2, 0.3, 0.4, 0.6], {"rule": "pra
 
 
 def paper_scenario(w) -> Scenario:
-    return Scenario(w, model="llama-2-7b", gpu="a100-80gb", cost="roofline")
+    return Scenario(w, model="llama-2-7b", gpu="a100-80gb", cost="roofline", client=None)
 
 
 def paper_run(w, policy: str, params: dict) -> dict | None:

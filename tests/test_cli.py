@@ -155,6 +155,7 @@ def test_client_path_flag():
     assert set_["mean_ttft_ms"] == pytest.approx(off["mean_ttft_ms"] + 50)
     assert off["mean_itl_ms"] == default["mean_itl_ms"] == set_["mean_itl_ms"]
     for bad, message in [("speed=1", "write off, or key=value"), ("front_s=x", "must be a number"),
-                         ("front_s=-1", "from 0 to 1000")]:
+                         ("front_s=-1", "from 0 to 1000"), ("front_s=1,front_s=2", "given twice"),
+                         ("front_s=1_0", "plain number")]:
         r = invoke("simulate", *SMALL, "--client-path", bad)
         assert r.exit_code == 2 and message in r.output, r.output

@@ -100,9 +100,10 @@ def test_summary_percentiles_do_not_import_numpy_ma():
 
 def test_an_idle_server_s_ttft_is_front_end_prefill_and_output_path():
     """Issue "Timing fidelity", Done-when: one request on an idle A100 (llama-3.1-8b, roofline):
-    the client's TTFT = the front end (5 ms) + the prefill step + the output path (one step, the
-    request's mean inter-token gap: its two decode steps); E2E grows by the same; the engine's
-    own figures are beside them; ITL is unchanged."""
+    the client's TTFT = the front end (5 ms) + the prefill step + the output-path term (fitted:
+    one of the request's mean inter-token gaps, its two decode steps'; kvsched/client.py); E2E
+    grows by the same; the engine's own figures are beside them; ITL and throughput are the
+    engine's, bit for bit."""
     from kvsched.cost.roofline import RooflineCost
     from kvsched.cost.shape import BatchShape
     from kvsched.run import Scenario, simulate
@@ -120,3 +121,5 @@ def test_an_idle_server_s_ttft_is_front_end_prefill_and_output_path():
     assert (s["client_front_s"], s["client_output_steps"]) == (0.005, 1.0)
     off = simulate(Scenario(w, model="llama-3.1-8b", gpu="a100-80gb", client=None)).summary
     assert off["mean_ttft_ms"] == s["engine_mean_ttft_ms"] and "engine_mean_ttft_ms" not in off
+    for key in ("mean_itl_ms", "mean_tpot_ms", "request_throughput", "duration", "simulated_seconds"):
+        assert s[key] == off[key], key

@@ -5,12 +5,17 @@ A request's first token and its last reach the client later than the engine comp
 - **front end** (`front_s`, `front_per_prompt_token_s`): the API server receiving the request,
   tokenising the prompt, and detokenising and streaming the tokens back. It is added once, to
   every token, since streaming overlaps decoding.
-- **output path** (`output_steps`): vLLM V1 schedules asynchronously. The engine core turns
-  step k's sampled tokens into outputs while step k + 1 runs, and the API server receives them
-  after that (vllm/v1/engine/core.py, `step_with_batch_queue`; `async_scheduling`). So a token
-  reaches the client about one engine step after the step that computed it.
-  - The step that follows is taken as the request's own mean inter-token gap; for a one-token
-    output, 0.
+- **output path** (`output_steps`): a fitted term, `output_steps` of the request's own mean
+  inter-token gap (0 for a one-token output). The measured TTFT exceeds the engine's queueing
+  plus prefill by about one step of the running batch, growing with the step time. Two
+  mechanisms plausibly contribute:
+  - vLLM V1's async scheduling (vllm/v1/engine/core.py, `step_with_batch_queue`): a request
+    that arrives while step k runs is scheduled into a later step, an input-side delay of up
+    to one step;
+  - the engine's output processing and the API server's streaming.
+
+  Neither is simulated step by step here. The term is an empirical, per-request stand-in
+  (docs/fidelity.md).
 
 ITL and TPOT are unchanged, since every token moves by the same amount. TTFT and E2E grow by
 front end + output path.
@@ -42,6 +47,11 @@ class ClientPath:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 <= v <= 1e3):
                 raise KvschedError(f"client path: {name} must be a number from 0 to 1000, got {v!r}")
 
+    def times(self, rec) -> tuple[np.ndarray, np.ndarray]:
+        """A run's (first token, finished) times as the client sees them (RunRecords `rec`)."""
+        d = self.delay(rec.prompt, rec.output, rec.first_token, rec.finished)
+        return rec.first_token + d, rec.finished + d
+
     def delay(self, prompt: np.ndarray, output: np.ndarray, first_token: np.ndarray,
               finished: np.ndarray) -> np.ndarray:
         """Seconds each request's tokens reach the client after the engine computed them."""
@@ -62,11 +72,16 @@ def parse_client_path(text: str | None) -> ClientPath | None:
     if text.strip() == "off":
         return None
     fields = {f: getattr(DEFAULT, f) for f in ("front_s", "front_per_prompt_token_s", "output_steps")}
+    seen: set[str] = set()
     for part in text.split(","):
         key, eq, value = part.strip().partition("=")
         if key not in fields or not eq:
             raise KvschedError(f"--client-path {text!r}: write off, or key=value of {', '.join(fields)} "
                                "(comma-separated)")
+        if key in seen or "_" in value:
+            raise KvschedError(f"--client-path {text!r}: {key} given twice" if key in seen else
+                               f"--client-path: {key} must be a plain number, got {value!r}")
+        seen.add(key)
         try:
             fields[key] = float(value)
         except ValueError:

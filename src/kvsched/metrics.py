@@ -260,11 +260,14 @@ def summarize(rec: RunRecords, goodput: Goodput | None = None, trim: int = 0,
     client = rec.client
     if client is None:
         return engine_summary(rec, goodput, trim, tbt_first_zero)
-    delay = client.delay(rec.prompt, rec.output, rec.first_token, rec.finished)
-    seen = dataclasses.replace(rec, first_token=rec.first_token + delay, finished=rec.finished + delay, client=None)
-    summary = engine_summary(seen, goodput, trim, tbt_first_zero)
-    engine = engine_summary(dataclasses.replace(rec, client=None), None, trim)
-    summary.update({f"engine_{k}": engine[k] for k in ENGINE_KEYS if k in engine})
+    first, finished = client.times(rec)
+    seen = engine_summary(dataclasses.replace(rec, first_token=first, finished=finished, client=None), goodput, trim,
+                          tbt_first_zero)
+    summary = engine_summary(dataclasses.replace(rec, client=None), goodput, trim, tbt_first_zero)
+    summary.update({f"engine_{k}": summary[k] for k in ENGINE_KEYS if k in summary})
+    # what the client's clock changes: latencies from arrival, and what is judged on them;
+    # throughput, TPOT and ITL stay the engine's (the same bit for bit)
+    summary.update({k: v for k, v in seen.items() if "ttft" in k or "e2el" in k or k in ("request_goodput", "tiers")})
     summary.update({f"client_{k}": v for k, v in dataclasses.asdict(client).items()})
     return summary
 

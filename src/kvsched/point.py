@@ -51,7 +51,8 @@ def figures(result: Result) -> dict[str, Any]:
             out[key] = value
     rec = result.records
     done = np.isfinite(rec.finished)
-    ttft = (rec.first_token - rec.arrival)[done] * 1000
+    first = rec.client.times(rec)[0] if rec.client is not None else rec.first_token    # as the summary's TTFT
+    ttft = (first - rec.arrival)[done] * 1000
     multi = done & (rec.output > 1)
     tpot = (rec.finished - rec.first_token)[multi] / (rec.output[multi] - 1) * 1000
     out["ttft_quantiles_ms"] = np.percentile(ttft, QUANTILES).tolist() if len(ttft) else []
