@@ -17,6 +17,7 @@ ROWS = [
     ("mean_tpot_ms", "mean TPOT ms"), ("median_tpot_ms", "median TPOT ms"), ("p99_tpot_ms", "p99 TPOT ms"),
     ("mean_itl_ms", "mean ITL ms"), ("median_itl_ms", "median ITL ms"), ("p99_itl_ms", "p99 ITL ms"),
     ("mean_e2el_ms", "mean E2EL ms"), ("p99_e2el_ms", "p99 E2EL ms"),
+    ("engine_mean_ttft_ms", "engine mean TTFT ms"), ("engine_mean_e2el_ms", "engine mean E2EL ms"),
     ("mean_kv_usage", "mean KV use"), ("peak_kv_usage", "peak KV use"),
     ("peak_queue_length", "peak queue"), ("preemptions", "preemptions"),
     ("iterations", "iterations"), ("simulated_seconds", "simulated s"), ("wall_seconds", "wall s"),
@@ -27,7 +28,7 @@ ROWS = [
     ("prefix_hit_rate", "prefix hit rate (tokens)"), ("prefix_block_hit_rate", "prefix hit rate (blocks)"),
     ("prefill_tokens_saved", "prefill tokens saved"), ("prefix_evictions", "cached blocks evicted"),
 ]
-OPTIONAL = {"replicas", "router", "prefill_replicas", "decode_replicas", "decode_policy", "mean_transfer_ms",
+OPTIONAL = {"engine_mean_ttft_ms", "engine_mean_e2el_ms", "replicas", "router", "prefill_replicas", "decode_replicas", "decode_policy", "mean_transfer_ms",
             "p99_transfer_ms", "prefill_busy_fraction", "decode_busy_fraction", "prefix_hit_rate",
             "prefix_block_hit_rate", "prefill_tokens_saved", "prefix_evictions"}   # shown when present
 PERCENT = {"mean_kv_usage", "peak_kv_usage", "prefix_hit_rate", "prefix_block_hit_rate", "prefill_busy_fraction", "decode_busy_fraction",
