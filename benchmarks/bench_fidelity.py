@@ -26,7 +26,12 @@ the 20260217 run under three workload labels with the same values; it is counted
 The README says some train/val runs used a CPU KV offload pool, but the CSV's cpu_offload
 column is empty for all 13, so none is flagged as unrepresented for it.
 
+Calibrated (`--calibrate`, on by default; about 2 min on 2 cores): each experiment is predicted
+with the point of GRID (overhead x memory_efficiency x front_s) that has the lowest MAPE on the
+other experiments' records (leave-one-experiment-out), so no record chooses its own constants.
+
     python benchmarks/bench_fidelity.py [--records PATH] [--seeds 1] [--cost-set key=value ...]
+                                        [--no-calibrate] [--workers 2] [--client-path ...]
 """
 from __future__ import annotations
 
@@ -37,6 +42,8 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
+from itertools import product
 from pathlib import Path
 
 import numpy as np
@@ -176,16 +183,99 @@ def mape(pairs: list[tuple[float, float]]) -> float:
     return statistics.mean(abs(p - a) / a * 100 for p, a in pairs) if pairs else math.nan
 
 
+def predict(experiments: dict, records: dict, seeds: int, cost_params: dict,
+            verbose: bool = False) -> tuple[dict, dict, list]:
+    """kvsched's figure for every record it can represent: (ours, skipped: folder -> reason,
+    KV blocks: (folder, kvsched's, vLLM's))."""
+    ours: dict[tuple, float] = {}
+    skipped = {}
+    blocks_seen: list[tuple[str, int, int]] = []
+    for folder, setup in experiments.items():
+        if setup["model"] not in MODELS or setup["hardware"] not in GPUS or setup["cpu_offload"] not in ("", "0", "False"):
+            skipped[folder] = "model, GPU or CPU offload not represented"
+            continue
+        runs = [run_experiment(setup, seed, cost_params) for seed in range(seeds)]
+        blocks = [r.pop("blocks") for r in runs][0]
+        exp_id = next((k for k in sorted(VLLM_BLOCKS, key=len, reverse=True) if folder.startswith(k + "-")), None)
+        if exp_id is not None:
+            blocks_seen.append((folder, blocks, VLLM_BLOCKS[exp_id]))
+        for stage in runs[0]:
+            for metric in METRICS:
+                ours[(folder, stage, metric)] = statistics.mean(r[stage][metric] for r in runs)
+            counted = counted_output(records, folder, stage)
+            if counted is not None:         # ITL over the tokens the client counted (module docstring)
+                e2e, ttft = ours[(folder, stage, "e2e_mean")], ours[(folder, stage, "ttft_mean")]
+                ours[(folder, stage, "itl_mean")] = (e2e - ttft) / (counted - 1)
+        if verbose:
+            print(f"{folder}: " + "  ".join(f"stage {s}: e2e {v['e2e_mean']:.0f} ttft {v['ttft_mean']:.1f} "
+                                            f"itl {v['itl_mean']:.2f}" for s, v in sorted(runs[0].items())), flush=True)
+    return ours, skipped, blocks_seen
+
+
+# the calibration grid (--calibrate): the constants the train/val runs can move, around the defaults
+GRID = {"overhead": (0.0005, 0.001, 0.0015), "memory_efficiency": (0.75, 0.8, 0.85), "front_s": (0.0025, 0.005, 0.01)}
+
+
+def _grid_point(job: tuple) -> tuple[tuple, dict]:
+    """One grid point's figures (a worker process: the client path is a module global)."""
+    point, experiments, records, seeds, cost_params = job
+    over, eff, front = point
+    CLIENT["path"] = replace(DEFAULT_CLIENT, front_s=front)
+    ours, _, _ = predict(experiments, records, seeds, {**cost_params, "overhead": over, "memory_efficiency": eff})
+    return point, ours
+
+
+def calibrated(experiments: dict, records: dict, seeds: int, cost_params: dict,
+               workers: int) -> tuple[dict, dict]:
+    """Leave-one-experiment-out calibration: for each experiment, the GRID point with the lowest
+    MAPE (mean over the metrics) on the other experiments' records, and its figures for this
+    one. Returns (figures, experiment -> chosen point)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from itertools import product
+    jobs = [(p, experiments, records, seeds, cost_params) for p in product(*GRID.values())]
+    with ProcessPoolExecutor(workers) as pool:
+        grid = dict(pool.map(_grid_point, jobs))
+    out, chosen = {}, {}
+    for folder in experiments:
+        def held_in_error(point: tuple) -> float:
+            figs = grid[point]
+            return statistics.mean(mape([(figs[k], records[k]["actual"]) for k in figs if k[2] == m and k[0] != folder])
+                                   for m in METRICS)
+        best = min(grid, key=held_in_error)
+        chosen[folder] = best
+        out.update({k: v for k, v in grid[best].items() if k[0] == folder})
+    return out, chosen
+
+
+def print_table(title: str, ours: dict, records: dict) -> None:
+    """MAPE per metric of `ours`, beside each other simulator on the records it predicts."""
+    simulators = sorted({s for rec in records.values() for s in rec if s != "actual"})
+    print(f"\n{title}\nMAPE %, each simulator on the records it predicts (n), kvsched on the same records")
+    print(f"{'metric':10s} {'kvsched (all)':>15s}" + "".join(f" {s[:22]:>24s}" for s in simulators))
+    for metric in METRICS:
+        keys = [k for k in records if k[2] == metric and k in ours]
+        cells = [f"{mape([(ours[k], records[k]['actual']) for k in keys]):6.2f} (n={len(keys):2d})"]
+        for s in simulators:
+            both = [k for k in keys if s in records[k]]
+            theirs = mape([(records[k][s], records[k]["actual"]) for k in both])
+            mine = mape([(ours[k], records[k]["actual"]) for k in both])
+            cells.append(f"{theirs:6.1f} vs {mine:5.1f} (n={len(both):2d})")
+        print(f"{metric:10s} {cells[0]:>15s}" + "".join(f" {c:>24s}" for c in cells[1:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=Path, default=RECORDS)
     ap.add_argument("--seeds", type=int, default=1, help="arrival seeds averaged per run")
     ap.add_argument("--cost-set", action="append", default=[], help="roofline parameter key=value")
+    ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                    help="also calibrate, leave-one-experiment-out over GRID (about 2 min on 2 cores)")
+    ap.add_argument("--workers", type=int, default=2, help="processes for the calibration grid")
     ap.add_argument("--client-path", default=None, help="off, or key=value of front_s, front_per_prompt_token_s, "
                                                         "output_steps (kvsched's --client-path)")
     args = ap.parse_args()
-    if args.seeds < 1:
-        sys.exit("--seeds must be at least 1")
+    if args.seeds < 1 or args.workers < 1:
+        sys.exit("--seeds and --workers must be at least 1")
     try:
         CLIENT["path"] = parse_client_path(args.client_path)
         run(args)
@@ -200,43 +290,18 @@ def run(args) -> None:
     cost_params = parse_assignments(args.cost_set, "--cost-set")
     experiments, records = read_records(args.records)
     t0 = time.perf_counter()
-    ours: dict[tuple, float] = {}
-    skipped = {}
-    blocks_seen: list[tuple[str, int, int]] = []
-    for folder, setup in experiments.items():
-        if setup["model"] not in MODELS or setup["hardware"] not in GPUS or setup["cpu_offload"] not in ("", "0", "False"):
-            skipped[folder] = "model, GPU or CPU offload not represented"
-            continue
-        runs = [run_experiment(setup, seed, cost_params) for seed in range(args.seeds)]
-        blocks = [r.pop("blocks") for r in runs][0]
-        exp_id = next((k for k in sorted(VLLM_BLOCKS, key=len, reverse=True) if folder.startswith(k + "-")), None)
-        if exp_id is not None:
-            blocks_seen.append((folder, blocks, VLLM_BLOCKS[exp_id]))
-        for stage in runs[0]:
-            for metric in METRICS:
-                ours[(folder, stage, metric)] = statistics.mean(r[stage][metric] for r in runs)
-            counted = counted_output(records, folder, stage)
-            if counted is not None:         # ITL over the tokens the client counted (module docstring)
-                e2e, ttft = ours[(folder, stage, "e2e_mean")], ours[(folder, stage, "ttft_mean")]
-                ours[(folder, stage, "itl_mean")] = (e2e - ttft) / (counted - 1)
-        print(f"{folder}: " + "  ".join(f"stage {s}: e2e {v['e2e_mean']:.0f} ttft {v['ttft_mean']:.1f} "
-                                        f"itl {v['itl_mean']:.2f}" for s, v in sorted(runs[0].items())), flush=True)
-    simulators = sorted({s for rec in records.values() for s in rec if s != "actual"})
+    ours, skipped, blocks_seen = predict(experiments, records, args.seeds, cost_params, verbose=True)
     print(f"\n{len(ours)} records of {len(records)} simulated in {time.perf_counter() - t0:.0f} s; "
           f"not represented: {skipped or 'none'}")
-    print("MAPE %, each simulator on the records it predicts (n), kvsched on the same records")
-    header = f"{'metric':10s} {'kvsched (all)':>15s}" + "".join(f" {s[:22]:>24s}" for s in simulators)
-    print(header)
-    for metric in METRICS:
-        keys = [k for k in records if k[2] == metric and k in ours]
-        cells = [f"{mape([(ours[k], records[k]['actual']) for k in keys]):6.2f} (n={len(keys):2d})"]
-        for s in simulators:
-            both = [k for k in keys if s in records[k]]
-            theirs = mape([(records[k][s], records[k]["actual"]) for k in both])
-            mine = mape([(ours[k], records[k]["actual"]) for k in both])
-            cells.append(f"{theirs:6.1f} vs {mine:5.1f} (n={len(both):2d})")
-        print(f"{metric:10s} {cells[0]:>15s}" + "".join(f" {c:>24s}" for c in cells[1:]))
-    print("\nKV blocks of 16 tokens: kvsched (memory x utilisation - weights) against vLLM's logged total_kv_blocks")
+    print_table("kvsched's defaults (no per-run settings)", ours, records)
+    if args.calibrate:
+        t1 = time.perf_counter()
+        fitted, chosen = calibrated(experiments, records, args.seeds, cost_params, args.workers)
+        print_table(f"kvsched calibrated, leave-one-experiment-out over a {len(list(product(*GRID.values())))}-point "
+                    f"grid of {', '.join(GRID)} ({time.perf_counter() - t1:.0f} s)", fitted, records)
+        for folder, point in chosen.items():
+            print(f"  {folder[:44]:44s} chosen on the others: " + ", ".join(f"{k}={v:g}" for k, v in zip(GRID, point)))
+    print("\nKV blocks of 16 tokens: kvsched (vLLM's memory profile, memory_profile.py) against vLLM's logged total_kv_blocks")
     for folder, mine, theirs in blocks_seen:
         print(f"  {folder[:44]:44s} {mine:8d} {theirs:8d} {100 * (mine - theirs) / theirs:+6.1f}%")
     print("\nper record: experiment, stage, metric, actual, kvsched, error %")

@@ -109,7 +109,9 @@ def test_dense_time_is_time_bit_for_bit_at_the_edges():
             with pytest.raises(ValueError, match="DenseTime.seconds"):
                 d.seconds(*bad)
         with pytest.raises(ValueError, match="DenseTime.batch"):
-            d.batch(3, 10.5, 10.5)
+            d.batch(3, 1, 10.5, 10.5)
+        with pytest.raises(ValueError, match="DenseTime.batch"):
+            d.batch(3, 1.0, 10, 10)
         assert c.decode_time(2, 10**19) == c.time(BatchShape(0, 0, 0, 0, 2, 10**19, (), False))   # beyond: Python
     moe = next(get_model(k) for k in MODELS if get_model(k).active_params is not None)
     assert DenseTime.of(RooflineCost(moe, gpu)) is None
@@ -125,8 +127,9 @@ def test_dense_time_of_mixed_batches_is_time_bit_for_bit():
     from kvsched.cost.shape import BatchShape
     from kvsched.hardware import MODELS, get_gpu, get_model
     rng = random.Random(1)
-    for name in MODELS:
-        c = RooflineCost(get_model(name), get_gpu("a100-80gb"))
+    cpu = ({}, {"cpu_per_request": 2e-4, "cpu_per_token": 1e-6}, {"cpu_per_request": 2e-4, "async_scheduling": False})
+    for name, extra in ((name, extra) for name in MODELS for extra in cpu):
+        c = RooflineCost(get_model(name), get_gpu("a100-80gb"), **extra)
         d = DenseTime.of(c)
         if d is None:
             continue
@@ -138,4 +141,26 @@ def test_dense_time_of_mixed_batches_is_time_bit_for_bit():
             nd = rng.randint(0 if chunks else 1, 512)
             dctx = rng.randint(nd, 4_000_000) if nd else 0
             shape = BatchShape(pt, len(chunks), pattn, pctx, nd, dctx, chunks, False)
-            assert d.batch(pt + nd, pattn + dctx, pctx + dctx) == c.time(shape), shape
+            assert d.batch(pt + nd, len(chunks) + nd, pattn + dctx, pctx + dctx) == c.time(shape), shape
+
+
+def test_roofline_cpu_step_overlaps_the_gpu_step_under_async_scheduling():
+    """RooflineCost: time = overhead + max(GPU, CPU) with async scheduling (vLLM's default),
+    overhead + GPU + CPU without; CPU = cpu_per_request x requests + cpu_per_token x tokens."""
+    from kvsched.cost.roofline import RooflineCost
+    from kvsched.cost.shape import BatchShape
+    from kvsched.hardware import get_gpu, get_model
+    m, g = get_model("llama-3.1-8b"), get_gpu("h100-sxm")
+    shape = BatchShape(100, 2, 100 * 50.5, 100, 30, 30_000, ((0, 60), (0, 40)), False)
+    bare = RooflineCost(m, g, overhead=0.001, cpu_per_request=0.0, cpu_per_token=0.0)
+    gpu = bare.time(shape) - 0.001
+    for per_req, per_tok in ((1e-3, 0.0), (0.0, 1e-4), (1e-6, 0.0)):
+        cpu = per_req * 32 + per_tok * 130
+        on = RooflineCost(m, g, overhead=0.001, cpu_per_request=per_req, cpu_per_token=per_tok)
+        off = RooflineCost(m, g, overhead=0.001, cpu_per_request=per_req, cpu_per_token=per_tok, async_scheduling=False)
+        assert on.time(shape) == pytest.approx(0.001 + max(gpu, cpu), rel=1e-12)
+        assert off.time(shape) == pytest.approx(0.001 + gpu + cpu, rel=1e-12)
+    assert RooflineCost(m, g, overhead=0.001, cpu_per_request=1e-6).time(shape) == bare.time(shape)  # hidden, bit for bit
+    for bad in ({"cpu_per_request": -1e-6}, {"cpu_per_token": float("nan")}, {"async_scheduling": "no"}):
+        with pytest.raises(ValueError):
+            RooflineCost(m, g, **bad)

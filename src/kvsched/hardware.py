@@ -217,18 +217,29 @@ def get_model(name: str) -> Model:
     raise KvschedError(f"unknown model {name!r}; known: {', '.join(MODELS)}; or a config.json (a path)")
 
 
-def kv_capacity_tokens(model: Model, gpu: GPU, memory_utilization: float = 0.9, layout=None) -> int:
-    """Tokens of KV cache that fit beside the weights (layout.py, `kv_capacity_tokens`; one bf16
-    GPU without a layout)."""
-    from kvsched.layout import PLAIN, kv_capacity_tokens as capacity
-    return capacity(model, gpu, memory_utilization, layout or PLAIN)
+def kv_capacity_tokens(model: Model, gpu: GPU, memory_utilization: float = 0.9, layout=None, limits=None) -> int:
+    """Tokens of KV cache vLLM's memory profile leaves (memory_profile.py, `kv_capacity_tokens`;
+    one bf16 GPU without a layout, vLLM's default limits for the GPU without `limits`)."""
+    from kvsched.layout import PLAIN
+    from kvsched.memory_profile import kv_capacity_tokens as capacity
+    return capacity(model, gpu, memory_utilization, layout or PLAIN, limits)
 
 
 def usable_kv_tokens(model: Model, gpu: GPU, memory_utilization: float = 0.9, block_size: int = 16,
-                     layout=None) -> int:
+                     layout=None, limits=None) -> int:
     """KV tokens a vLLM replica can use: of the G blocks that fit, block 0 is vLLM's null
     block, so (G - 1) x block_size."""
-    tokens = (kv_capacity_tokens(model, gpu, memory_utilization, layout) // block_size - 1) * block_size
+    tokens = (kv_capacity_tokens(model, gpu, memory_utilization, layout, limits) // block_size - 1) * block_size
     if tokens < block_size:
         raise KvschedError(f"{model.name} on {gpu.name} leaves no KV block beside vLLM's null block")
     return tokens
+
+
+def tokens_of_gpu_blocks(num_gpu_blocks: int, block_size: int) -> int:
+    """KV tokens of vLLM's `num_gpu_blocks` (its log, or --num-gpu-blocks-override): block 0 is
+    the null block, never allocated (vllm/v1/core/block_pool.py, `BlockPool.__init__`), so
+    (N - 1) x block size, as `usable_kv_tokens` counts it."""
+    if isinstance(num_gpu_blocks, bool) or not isinstance(num_gpu_blocks, int) or not 2 <= num_gpu_blocks <= 1 << 40:
+        raise KvschedError(f"--num-gpu-blocks must be a whole number from 2 to 2**40 (block 0 is vLLM's null "
+                           f"block), got {num_gpu_blocks!r}")
+    return (num_gpu_blocks - 1) * block_size

@@ -16,8 +16,9 @@ deployments", items 2 and 4). The formulas (docs/hardware.md gives each with its
   when tp exceeds them); under MLA every TP rank holds the whole latent (`get_num_kv_heads`
   returns 1), x the KV element bytes (`--kv-dtype fp8`: 1 byte, vllm/utils/torch_utils.py
   STR_DTYPE_TO_TORCH_DTYPE).
-- KV capacity of a replica: what fits beside one GPU's weights, x dp (each DP rank caches its
-  own requests; kvsched's one scheduler sees the ranks' caches as one, see docs/hardware.md).
+- KV capacity of a replica: what vLLM's memory profile leaves on one GPU (memory_profile.py), x dp
+  (each DP rank caches its own requests; kvsched's one scheduler sees the ranks' caches as one,
+  see docs/hardware.md).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from kvsched.errors import KvschedError
-from kvsched.hardware import GPU, Model
+from kvsched.hardware import Model
 
 # bytes per weight: the packed values plus their scales (AWQ/GPTQ int4: a 16-bit scale and a
 # 4-bit zero per group of 128; NVFP4: an FP8 scale per 16; MXFP4: an 8-bit scale per 32)
@@ -154,23 +155,6 @@ def kv_bytes_per_token(model: Model, layout: Layout) -> int:
     if layout.kv_dtype == "auto":
         return model.kv_bytes_per_token
     return model.kv_bytes_per_token * KV_BYTES[layout.kv_dtype] // model.dtype_bytes
-
-
-def kv_capacity_tokens(model: Model, gpu: GPU, memory_utilization: float = 0.9, layout: Layout = PLAIN) -> int:
-    """Tokens of KV cache that fit beside the weights in `memory_utilization` of each GPU, x dp.
-
-    Like vLLM's `gpu_memory_utilization`, less the weights; activation memory is not
-    modelled (vLLM also subtracts a profiled activation peak, a few percent)."""
-    if not 0 < memory_utilization <= 1:
-        raise KvschedError(f"memory utilization must be in (0, 1], got {memory_utilization}")
-    weights = weight_bytes_per_gpu(model, layout)
-    free = gpu.memory_bytes * memory_utilization - weights
-    if free <= 0:
-        on = f"{gpu.name}" + (f" with {layout.describe()}" if layout != PLAIN else "")
-        raise KvschedError(
-            f"{model.name} weights ({weights / 2**30:.1f} GiB per GPU) do not fit in "
-            f"{memory_utilization:.0%} of {on} ({gpu.memory_gib:g} GiB)")
-    return int(free // kv_bytes_per_token_per_gpu(model, layout)) * layout.dp
 
 
 def layout_summary(layout: Layout) -> dict:

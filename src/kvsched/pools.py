@@ -118,8 +118,9 @@ class Kind:
                 **layout_summary(self.pool.layout), "kv_capacity_tokens": self.tokens}
 
 
-def resolve(pools: list[Pool], scenario) -> list[Kind]:
-    """Each pool's Kind (prefill first when disaggregated), built as Scenario.resolve builds one."""
+def resolve(pools: list[Pool], scenario, limits=None) -> list[Kind]:
+    """Each pool's Kind (prefill first when disaggregated), built as Scenario.resolve builds one
+    (`limits`: the memory profile's engine limits for a GPU, as there)."""
     from kvsched.cost import make_cost_model
     if check_pools(pools):
         pools = sorted(pools, key=lambda p: ROLES.index(p.name))
@@ -128,7 +129,7 @@ def resolve(pools: list[Pool], scenario) -> list[Kind]:
         model, gpu = get_model(p.model), get_gpu(p.gpu)
         layout = p.layout.check(model)
         tokens = scenario.kv_capacity if scenario.kv_capacity is not None else usable_kv_tokens(
-            model, gpu, scenario.memory_utilization, scenario.block_size, layout)
+            model, gpu, scenario.memory_utilization, scenario.block_size, layout, limits(gpu) if limits else None)
         kinds.append(Kind(p, model, gpu, tokens, make_cost_model(scenario.cost, scenario.cost_params, model, gpu,
                                                                  layout)))
     check_reads_hardware(scenario.cost, [k.cost for k in kinds], {(k.model.name, k.gpu.name) for k in kinds},

@@ -13,6 +13,7 @@ import shutil
 import signal
 import tempfile
 from dataclasses import dataclass, field
+from functools import partial
 from numbers import Real
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -22,12 +23,13 @@ import numpy as np
 from kvsched.cost import make_cost_model
 from kvsched.errors import PASS_THROUGH, KvschedError
 from kvsched.files import remove, stale_temporaries, temp_prefix
-from kvsched.hardware import get_gpu, get_model, usable_kv_tokens
+from kvsched.hardware import GPU, get_gpu, get_model, usable_kv_tokens
 from kvsched import pools
 from kvsched.client import DEFAULT as DEFAULT_CLIENT, ClientPath
 from kvsched.kvcache import PagedKV
 from kvsched.layout import PLAIN, Layout, kv_bytes_per_token, layout_summary
 from kvsched.limits import MAX_REPLICAS, check_count
+from kvsched.memory_profile import EngineLimits, default_limits
 from kvsched.metrics import Goodput, RunRecords, summarize
 from kvsched.policies import Policy, make_policy
 from kvsched.sim.cluster import Cluster
@@ -142,8 +144,8 @@ class Scenario:
         if self.pool:
             self.kinds_of_pools()
 
-    def kinds_of_pools(self) -> list:
-        """--pool's kinds of replica (pools.py), or [] without pools."""
+    def kinds_of_pools(self, limits: Callable[[GPU], EngineLimits] | None = None) -> list:
+        """--pool's kinds of replica (pools.py), or [] without pools; `limits` as in `resolve`."""
         from kvsched.pools import check_pools, parse_pool, resolve
         if not self.pool:
             return []
@@ -153,16 +155,18 @@ class Scenario:
             raise KvschedError(f"Scenario.pool must be a tuple of --pool texts, got {self.pool!r}")
         pools = [parse_pool(text, self.model, self.layout) for text in self.pool]
         check_pools(pools)
-        return resolve(pools, self)
+        return resolve(pools, self, limits)
 
-    def resolve(self):
+    def resolve(self, limits: Callable[[GPU], EngineLimits] | None = None):
+        """(model, GPU, KV tokens, cost model). The KV tokens are --kv-capacity, else what vLLM's
+        memory profile leaves (memory_profile.py) with `limits` of the GPU (default: vLLM's)."""
         self.check()
         if self.pool:
             raise KvschedError("--pool (replicas of several kinds) works with kvsched simulate and compare")
         model, gpu = get_model(self.model), get_gpu(self.gpu)
         layout = self.layout.check(model)
         tokens = self.kv_capacity if self.kv_capacity is not None else usable_kv_tokens(
-            model, gpu, self.memory_utilization, self.block_size, layout)
+            model, gpu, self.memory_utilization, self.block_size, layout, limits(gpu) if limits else None)
         cost = make_cost_model(self.cost, self.cost_params, model, gpu, layout)
         return model, gpu, tokens, cost
 
@@ -431,7 +435,8 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     """
     if not isinstance(scenario.workload, Workload):
         raise KvschedError(f"Scenario.workload must be a Workload, got {type(scenario.workload).__name__}")
-    kinds = scenario.kinds_of_pools()
+    limits = partial(engine_limits, policy, policy_params)
+    kinds = scenario.kinds_of_pools(limits)
     if kinds:
         each = [k for k in kinds for _ in range(k.pool.count)]      # one per replica, prefill pool first
         replicas, prefill = len(each), kinds[0].pool.count if kinds[0].pool.name == "prefill" else 0
@@ -439,7 +444,7 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
         gpus, cost = [k.gpu for k in each], [k.cost for k in each]
         kv = [PagedKV(k.tokens, scenario.block_size) for k in each]
     else:
-        model, gpu, tokens, cost = scenario.resolve()
+        model, gpu, tokens, cost = scenario.resolve(limits)
         replicas, prefill = scenario.pools()
         gpus, kv = [gpu] * replicas, PagedKV(tokens, scenario.block_size)
     pols = [_policy(policy, policy_params, gpus[k], k) for k in range(prefill or replicas)]
@@ -506,6 +511,20 @@ def prefix_cache_summary(caches) -> dict[str, Any]:
     hb = sum(c.hit_blocks for c in caches)
     return {"prefix_hit_rate": h / q if q else 0.0, "prefix_block_hit_rate": hb / qb if qb else 0.0,
             "prefill_tokens_saved": h, "prefix_evictions": sum(c.evictions for c in caches)}
+
+
+def engine_limits(policy: str | Policy, params: dict[str, Any] | None, gpu: GPU) -> EngineLimits:
+    """The token budget and sequence cap of vLLM's memory profile (memory_profile.py): the run's
+    max_num_batched_tokens and max_num_seqs (its --set, or a policy object's own), else vLLM's
+    defaults for the GPU (a value the policy refuses is reported when the policy is built)."""
+    d = default_limits(gpu)
+    given = (params or {}) if isinstance(policy, str) else vars(policy) if hasattr(policy, "__dict__") else {}
+
+    def pick(key: str, default: int) -> int:
+        v = given.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 40 else default
+    return EngineLimits(pick("max_num_batched_tokens", d.max_num_batched_tokens),
+                        pick("max_num_seqs", d.max_num_seqs))
 
 
 def _policy(policy: str | Policy, params: dict[str, Any] | None, gpu, k: int) -> Policy:

@@ -1,5 +1,7 @@
 """`kvsched calibrate STEPLOG`: fit batch-time models to a measured step log and write a cost
-file for `--cost` (kvsched.cost.calibrate, docs/calibration.md)."""
+file for `--cost` (kvsched.cost.calibrate, docs/calibration.md). `kvsched calibrate
+--bench-serve FILE` / `--inference-perf FILE`: fit kvsched's timing constants to benchmark
+result files by simulating them (kvsched.cost.results_fit, cli/calibrate_results.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,23 +23,60 @@ KIND_LABELS = {"prefill": "prefill-only", "decode": "decode-only", "mixed": "mix
 
 
 @app.command("calibrate")
-def calibrate_cmd(steplog: Path = typer.Argument(..., help="step log CSV (KVSCHED_STEP_LOG of kvsched's vLLM adapter)"),
-                  models: str = typer.Option(",".join(CALIBRATION_MODELS), "--models", help=f"comma-separated models to fit: {', '.join(CALIBRATION_MODELS)}"),
+def calibrate_cmd(steplog: Optional[Path] = typer.Argument(None, help="step log CSV (KVSCHED_STEP_LOG of kvsched's vLLM adapter); or give result files instead"),
+                  models: Optional[str] = typer.Option(None, "--models", show_default=",".join(CALIBRATION_MODELS), help=f"comma-separated models to fit: {', '.join(CALIBRATION_MODELS)}"),
                   model: Optional[str] = typer.Option(None, "--model", help="catalogue model the log ran (roofline and tiled need it)"),
                   gpu: Optional[str] = typer.Option(None, "--gpu", help="catalogue GPU the log ran on (roofline and tiled need it)"),
                   skip: int = typer.Option(0, "--skip", help="drop the first N steps (warm-up)"),
                   out: Optional[Path] = typer.Option(None, "--out", help="write the cost file (JSON) of --use here, for --cost FILE"),
                   use: Optional[str] = typer.Option(None, "--use", help="the model --out writes (default: the lowest median relative error over all steps)"),
+                  bench_serve: list[Path] = typer.Option([], "--bench-serve", help="a `vllm bench serve --save-result` JSON file (repeatable), instead of STEPLOG"),
+                  inference_perf: list[Path] = typer.Option([], "--inference-perf", help="an inference-perf stage_N_lifecycle_metrics.json (repeatable), instead of STEPLOG"),
+                  fit: Optional[str] = typer.Option(None, "--fit", show_default="overhead,memory_efficiency,front_s", help="result files: the constants to fit, of overhead, memory_efficiency, compute_efficiency, front_s, output_steps"),
+                  max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="result files: the server's --max-num-seqs (default: vLLM's for the GPU)"),
+                  max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens", help="result files: the server's --max-num-batched-tokens (default: vLLM's for the GPU)"),
+                  num_gpu_blocks: Optional[int] = typer.Option(None, "--num-gpu-blocks", help="result files: num_gpu_blocks from the server's log (KV capacity; default: kvsched's estimate)"),
+                  block_size: int = typer.Option(16, "--block-size", help="result files: the server's KV block size in tokens"),
+                  tp: int = typer.Option(1, "--tp", help="result files: tensor-parallel GPUs of the server"),
+                  pp: int = typer.Option(1, "--pp", help="result files: pipeline stages of the server"),
+                  weight_dtype: str = typer.Option("bf16", "--weight-dtype", help="result files: weights' format (bf16, fp8, int4, nvfp4, mxfp4)"),
+                  kv_dtype: str = typer.Option("auto", "--kv-dtype", help="result files: KV cache format (auto, bf16, fp8)"),
+                  seed: int = typer.Option(0, "--seed", help="result files: seed of the rebuilt send times (the files do not record them)"),
                   json_: bool = JsonOpt) -> None:
     """Fit batch-time models (phase, linear; roofline and tiled with --model and --gpu) to a
     step log and report each one's relative error |predicted - measured| / measured, median
     and p90 per batch kind. JSON keys: source, source_sha256, skipped_steps, steps, kinds,
     model, gpu, best, use, out, models (per model: params, fallbacks, fixed, notes, errors; or
-    skipped: the reason)."""
+    skipped: the reason).
+
+    With --bench-serve or --inference-perf files instead of STEPLOG (one kind): rebuild each
+    run, simulate it with vllm-v1, and fit --fit of the roofline's overhead, memory_efficiency,
+    compute_efficiency and the client path's front_s, output_steps to the files' mean TTFT,
+    TPOT, ITL and E2E (docs/calibration.md, "Calibration from result files"). --out writes a
+    roofline cost file; the client path is printed as --client-path."""
+    sources = {"STEPLOG": steplog is not None, "--bench-serve": bool(bench_serve),
+               "--inference-perf": bool(inference_perf)}
+    if sum(sources.values()) != 1:
+        guard(lambda: _one_source(sources))
+        return
+    if steplog is None:
+        from kvsched.cli.calibrate_results import ResultsOptions, calibrate_results
+        opts = ResultsOptions(bench_serve, inference_perf, fit, model, gpu, max_num_seqs, max_num_batched_tokens,
+                              num_gpu_blocks, block_size, tp, pp, weight_dtype, kv_dtype, seed, out, json_)
+        guard(lambda: calibrate_results(opts, {"--models": models, "--skip": skip or None, "--use": use}))
+        return
+    results_only = {"--fit": fit, "--max-num-seqs": max_num_seqs, "--max-num-batched-tokens": max_num_batched_tokens,
+                    "--num-gpu-blocks": num_gpu_blocks, "--block-size": block_size != 16 or None,
+                    "--tp": tp != 1 or None, "--pp": pp != 1 or None, "--weight-dtype": weight_dtype != "bf16" or None,
+                    "--kv-dtype": kv_dtype != "auto" or None, "--seed": seed or None}
+
     def body() -> None:
         from kvsched.cost.calibrate import calibrate, read_step_log, write_cost_file
+        given = [flag for flag, v in results_only.items() if v is not None]
+        if given:
+            raise KvschedError(f"{given[0]} goes with --bench-serve or --inference-perf files, not a step log")
         from kvsched.hardware import get_gpu, get_model
-        names = _names(models)
+        names = _names(models if models is not None else ",".join(CALIBRATION_MODELS))
         if use is not None and use not in names:
             raise KvschedError(f"--use {use}: not among --models ({', '.join(names)})")
         if (model is None) != (gpu is None):
@@ -54,6 +93,13 @@ def calibrate_cmd(steplog: Path = typer.Argument(..., help="step log CSV (KVSCHE
         payload = {**cal.as_dict(), "use": chosen, "out": str(out) if out is not None else None}
         emit(payload, json_, lambda: _render(payload))
     guard(body)
+
+
+def _one_source(sources: dict[str, bool]) -> None:
+    given = [k for k, v in sources.items() if v]
+    if not given:
+        raise KvschedError("give a step log (STEPLOG), or result files: --bench-serve FILE or --inference-perf FILE")
+    raise KvschedError(f"give one kind of source, not {' and '.join(given)}")
 
 
 def _names(models: str) -> list[str]:

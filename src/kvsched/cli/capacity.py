@@ -224,7 +224,7 @@ def _check_candidates(pools: list, hw) -> list[str | None]:
         costs.append(make_cost_model(hw.cost, parse_assignments(hw.cost_set, "--cost-set"), model, gpu, layout))
         hardware.add((model.name, gpu.name))
         try:
-            if hw.kv_capacity is None:
+            if hw.kv_tokens() is None:
                 usable_kv_tokens(model, gpu, hw.memory_utilization, hw.block_size, layout)
             fits.append(None)
         except KvschedError as exc:

@@ -163,12 +163,13 @@ workload_flags = _flags(WORKLOAD_FLAGS, _workload_options, "wopts")
 ModelOpt = typer.Option("llama-3-8b", "--model",
                         help="a catalogue model (`kvsched info`) or a Hugging Face config.json (its path or folder)")
 GpuOpt = typer.Option("a100-80gb", "--gpu")
-KvCap = typer.Option(None, "--kv-capacity", help="KV capacity in tokens (default: from model, GPU and memory utilization)")
+KvCap = typer.Option(None, "--kv-capacity", help="KV capacity in tokens (default: what vLLM's memory profile leaves: docs/fidelity.md)")
 MemUtil = typer.Option(0.9, "--memory-utilization")
 HARDWARE_FLAGS = {
     "model": (str, ModelOpt),
     "gpu": (str, GpuOpt),
     "kv_capacity": (Optional[int], KvCap),
+    "num_gpu_blocks": (Optional[int], typer.Option(None, "--num-gpu-blocks", help="KV blocks as vLLM logs num_gpu_blocks (or sets them with --num-gpu-blocks-override): the KV capacity is (N - 1) x --block-size tokens, vLLM's block 0 being its null block")),
     "block_size": (int, typer.Option(16, "--block-size", help="KV block size in tokens (1 = token-granular)")),
     "memory_utilization": (float, MemUtil),
     "max_model_len": (Optional[int], typer.Option(None, "--max-model-len", help="default: the model's maximum")),
@@ -203,6 +204,17 @@ class HardwareOptions:
     weight_dtype: str = "bf16"
     kv_dtype: str = "auto"
     client_path: Optional[str] = None
+    num_gpu_blocks: Optional[int] = None
+
+    def kv_tokens(self) -> Optional[int]:
+        """--kv-capacity, or --num-gpu-blocks as tokens (hardware.py, `tokens_of_gpu_blocks`)."""
+        n = self.num_gpu_blocks
+        if n is None:
+            return self.kv_capacity
+        if self.kv_capacity is not None:
+            raise KvschedError("give --kv-capacity or --num-gpu-blocks, not both")
+        from kvsched.hardware import tokens_of_gpu_blocks
+        return tokens_of_gpu_blocks(n, self.block_size)
 
     def scenario(self, workload, goodput: list[str] = (), trim: int = 0, strict: bool = False,
                  tbt_first_zero: bool = False) -> Scenario:
@@ -216,7 +228,7 @@ class HardwareOptions:
             raise KvschedError(f"--prefix-caching must be on or off, got {self.prefix_caching!r}")
         return Scenario(workload, model=self.model, gpu=self.gpu, cost=self.cost,
                         cost_params=parse_assignments(self.cost_set, "--cost-set"),
-                        kv_capacity=self.kv_capacity, memory_utilization=self.memory_utilization,
+                        kv_capacity=self.kv_tokens(), memory_utilization=self.memory_utilization,
                         block_size=self.block_size, max_model_len=self.max_model_len,
                         goodput=Goodput.parse(list(goodput)), trim=trim, strict=strict,
                         tbt_first_zero=tbt_first_zero,

@@ -5,8 +5,8 @@ cimport cython
 
 @cython.final
 cdef class DenseTime:
-    cdef public double gemm, attn, flop_rate, weights, byte_rate, overhead
+    cdef public double gemm, attn, flop_rate, weights, byte_rate, overhead, cpu_request, cpu_token
     cdef public long long kv_bytes, weights_int, ctx_limit
-    cdef public bint int_weights
+    cdef public bint int_weights, overlap
 
-    cpdef double _batch(self, long long tokens, double pairs, long long ctx)    # cpdef: an interpreted engine module calls it too
+    cpdef double _batch(self, long long tokens, long long requests, double pairs, long long ctx)    # cpdef: an interpreted engine module calls it too

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 try:
     import cython
 except ModuleNotFoundError:                 # run as Python without Cython installed
@@ -14,13 +16,25 @@ from kvsched.layout import (ACT_BYTES, COMPUTE_FORMAT, PLAIN, Layout, expert_byt
                             kv_bytes_per_token_per_gpu, weight_bytes_per_gpu)
 
 
-DEFAULTS = {"compute_efficiency": 0.5, "memory_efficiency": 0.8, "overhead": 0.004}
+DEFAULTS = {"compute_efficiency": 0.5, "memory_efficiency": 0.8, "overhead": 0.004,
+            # the engine's CPU time per scheduled request: BLIS trained-physics beta_6, 4.42 us
+            # (inference-sim/inference-sim@f90a1e3 defaults.yaml trained_physics_coefficients)
+            "cpu_per_request": 4.42e-6, "cpu_per_token": 0.0}
 
 
 @dataclass(frozen=True)
 class RooflineCost:
-    """time = overhead + max(FLOPs / (flops * compute_efficiency),
-                             bytes / (bandwidth * memory_efficiency)) + collectives
+    """time = overhead + max(GPU, CPU) (async scheduling; overhead + GPU + CPU without it), with
+    GPU = max(FLOPs / (flops * compute_efficiency), bytes / (bandwidth * memory_efficiency))
+          + collectives
+    CPU = cpu_per_request x requests + cpu_per_token x tokens
+
+    CPU is the engine's own time per step that grows with the batch (scheduling, input
+    preparation, sampling, output processing). vLLM's async scheduling (vllm/config/vllm.py:
+    `async_scheduling` None becomes True where the executor supports it; vllm/v1/engine/core.py
+    `step_with_batch_queue`) prepares step k + 1 while the GPU runs step k, so the two overlap
+    and the slower one sets the pace; `async_scheduling=False` adds them. `overhead` is the
+    part that overlaps nothing (synchronisation, launches, the sampler's kernels).
 
     FLOPs: 2 * active parameters per computed token (the GEMMs, at the weight format's rate:
     layout.py COMPUTE_FORMAT) plus attention, 4 * layers * heads * head_dim per query-key pair
@@ -48,6 +62,12 @@ class RooflineCost:
         "help": "achieved / peak bandwidth (default: the GPU file's [roofline], else 0.8)"})
     overhead: float | None = field(default=None, metadata={
         "help": "per-iteration CPU/launch seconds (default: the GPU file's [roofline], else 0.004)"})
+    cpu_per_request: float | None = field(default=None, metadata={
+        "help": "engine CPU seconds per request in a step (default: the GPU file's [roofline], else 4.42e-6)"})
+    cpu_per_token: float | None = field(default=None, metadata={
+        "help": "engine CPU seconds per token in a step (default: the GPU file's [roofline], else 0)"})
+    async_scheduling: bool = field(default=True, metadata={
+        "help": "the CPU step overlaps the GPU step (vLLM's default); false adds them"})
     layout: Layout = field(default=PLAIN, metadata={"help": "set with --tp, --pp, --ep, --dp-attention, "
                                                             "--weight-dtype, --kv-dtype"})
 
@@ -61,6 +81,12 @@ class RooflineCost:
                 raise ValueError(f"{name} must be in (0, 1], got {v}")
         if self.overhead < 0:
             raise ValueError(f"overhead must be >= 0, got {self.overhead}")
+        for name in ("cpu_per_request", "cpu_per_token"):
+            v = getattr(self, name)
+            if not 0 <= v < float("inf"):
+                raise ValueError(f"{name} must be seconds >= 0, got {v}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
         m, lay, g = self.model, self.layout.check(self.model), self.gpu
         parallel = lay.tp * lay.dp                  # GPUs computing side by side
         gemm_rate = g.rate(COMPUTE_FORMAT[lay.weight_dtype])
@@ -105,6 +131,13 @@ class RooflineCost:
         if self._comm is not None:
             per_token, fixed = self._comm
             roof = roof + per_token * tokens + fixed
+        cpu = self.cpu_per_request * (shape.prefill_seqs + shape.decode_seqs) + self.cpu_per_token * tokens
+        if not self.async_scheduling:
+            roof = roof + cpu
+        elif isinstance(roof, np.ndarray) or isinstance(cpu, np.ndarray):
+            roof = np.maximum(roof, cpu)
+        elif cpu > roof:                    # as DenseTime: the GPU's time itself, bit for bit, when it is longer
+            roof = cpu
         return self.overhead + roof
 
     def decode_time(self, n: int, ctx: int, phase_switch: bool = False) -> float:
@@ -156,8 +189,10 @@ class DenseTime:
     compiled) with numbers it has checked. tests/test_cost.py compares it with `time`."""
 
     def __init__(self, gemm: float, attn: float, flop_rate: float, weights: float | int, kv_bytes: int,
-                 byte_rate: float, overhead: float) -> None:
+                 byte_rate: float, overhead: float, cpu_request: float = 0.0, cpu_token: float = 0.0,
+                 overlap: bool = True) -> None:
         self.gemm, self.attn, self.flop_rate, self.byte_rate, self.overhead = gemm, attn, flop_rate, byte_rate, overhead
+        self.cpu_request, self.cpu_token, self.overlap = cpu_request, cpu_token, overlap
         self.kv_bytes = kv_bytes
         self.int_weights = type(weights) is int
         self.weights = float(weights) if not self.int_weights else 0.0
@@ -168,39 +203,48 @@ class DenseTime:
     @staticmethod
     def of(cost: RooflineCost) -> DenseTime | None:
         terms = (cost._gemm_flops, cost._attn_flops, cost._flop_rate, cost._weights, cost._kv_bytes,
-                 cost._byte_rate, cost.overhead)
+                 cost._byte_rate, cost.overhead, cost.cpu_per_request, cost.cpu_per_token)
         floats, weights, kv_bytes = terms[:3] + terms[5:], terms[3], terms[4]
         if (not cost._dense or cost._comm is not None or cost._mla is not None or any(type(x) is not float for x in floats) or type(kv_bytes) is not int
                 or not 0 <= kv_bytes < 1 << 62 or type(weights) not in (int, float)
                 or type(weights) is int and not 0 <= weights < 1 << 62
                 or cost._flop_rate == 0 or cost._byte_rate == 0):
             return None
-        return DenseTime(*terms)
+        return DenseTime(*terms, cost.async_scheduling)
 
     def seconds(self, n: int, ctx: int) -> float:
         """A decode-only batch: n requests over ctx KV tokens (ints, 0 <= n <= ctx <= `ctx_limit`)."""
         if type(n) is not int or type(ctx) is not int or not 0 <= n <= ctx <= self.ctx_limit:
             raise ValueError(f"DenseTime.seconds({n!r}, {ctx!r}): needs ints 0 <= n <= ctx <= {self.ctx_limit}")
-        return self._batch(n, ctx, ctx)
+        return self._batch(n, n, ctx, ctx)
 
-    def batch(self, tokens: int, pairs: float, ctx: int) -> float:
-        """A batch of BatchShape `s`: tokens = s.prefill_tokens + s.decode_seqs, pairs =
-        s.prefill_attn + s.decode_ctx (as Python adds them: an int or a float), ctx =
-        s.prefill_ctx + s.decode_ctx; tokens and ctx ints in [0, `ctx_limit`]."""
-        if (type(tokens) is not int or type(ctx) is not int or type(pairs) not in (int, float)
-                or not (0 <= tokens <= self.ctx_limit and 0 <= ctx <= self.ctx_limit)):
-            raise ValueError(f"DenseTime.batch({tokens!r}, {pairs!r}, {ctx!r}): needs ints tokens, ctx in "
-                             f"[0, {self.ctx_limit}] and a number of pairs")
-        return self._batch(tokens, pairs, ctx)
+    def batch(self, tokens: int, requests: int, pairs: float, ctx: int) -> float:
+        """A batch of BatchShape `s`: tokens = s.prefill_tokens + s.decode_seqs, requests =
+        s.prefill_seqs + s.decode_seqs, pairs = s.prefill_attn + s.decode_ctx (as Python adds
+        them: an int or a float), ctx = s.prefill_ctx + s.decode_ctx; tokens, requests and ctx
+        ints in [0, `ctx_limit`]."""
+        if (type(tokens) is not int or type(ctx) is not int or type(requests) is not int
+                or type(pairs) not in (int, float)
+                or not (0 <= tokens <= self.ctx_limit and 0 <= ctx <= self.ctx_limit
+                        and 0 <= requests <= self.ctx_limit)):
+            raise ValueError(f"DenseTime.batch({tokens!r}, {requests!r}, {pairs!r}, {ctx!r}): needs ints tokens, "
+                             f"requests, ctx in [0, {self.ctx_limit}] and a number of pairs")
+        return self._batch(tokens, requests, pairs, ctx)
 
-    @cython.locals(compute=cython.double, memory=cython.double)
-    def _batch(self, tokens: int, pairs: float, ctx: int) -> float:
+    @cython.locals(compute=cython.double, memory=cython.double, roof=cython.double, cpu=cython.double)
+    def _batch(self, tokens: int, requests: int, pairs: float, ctx: int) -> float:
         """`batch` unchecked: the engine's call (sim/batch.py, sim/decode_run.py), a C call when
-        both are compiled, with ints tokens and ctx it keeps in [0, `ctx_limit`] (compiled, a
-        float would be truncated here: other callers use `batch` or `seconds`)."""
+        both are compiled, with ints tokens, requests and ctx it keeps in [0, `ctx_limit`]
+        (compiled, a float would be truncated here: other callers use `batch` or `seconds`)."""
         compute = (self.gemm * tokens + self.attn * pairs) / self.flop_rate
         if self.int_weights:                # Python's exact integer sum, then the division
             memory = (self.weights_int + 0 * tokens + self.kv_bytes * ctx) / self.byte_rate
         else:
             memory = (self.weights + 0 * tokens + self.kv_bytes * ctx) / self.byte_rate
-        return self.overhead + (compute + memory + abs(compute - memory)) / 2
+        roof = (compute + memory + abs(compute - memory)) / 2
+        cpu = self.cpu_request * requests + self.cpu_token * tokens
+        if not self.overlap:
+            roof = roof + cpu
+        elif cpu > roof:
+            roof = cpu
+        return self.overhead + roof

@@ -87,7 +87,7 @@ def execute(rep: Replica, plan: Plan) -> bool:
     dense = rep._dense_time
     touched = pctx + (dctx + nd)            # the shape's prefill_ctx + decode_ctx
     if dense is not None and touched <= dense.ctx_limit:     # the roofline's time of this shape, in C
-        dt = dense._batch(pt + nd, pattn + (dctx + nd), touched)
+        dt = dense._batch(pt + nd, len(shape_chunks) + nd, pattn + (dctx + nd), touched)
     else:
         try:
             dt_o = rep.cost.time(BatchShape(pt, len(shape_chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))

@@ -103,7 +103,7 @@ def plain_decodes(rep: Replica, c: Cohort, until: float) -> None:
         if track:                           # the router summary at the batch's start
             rep._snap = (rep.outstanding, held, rep.prefill_backlog)
         if dense is not None and ctx + n <= dense.ctx_limit:
-            dt = dense._batch(n, ctx + n, ctx + n)
+            dt = dense._batch(n, n, ctx + n, ctx + n)
         else:
             dt_o = decode_time(n, ctx + n, switch)
             dt = dt_o if type(dt_o) is float else seconds(dt_o)
