@@ -274,6 +274,6 @@ def test_a_gpu_file_s_roofline_defaults():
     from kvsched.hardware import get_model
     m = get_model("llama-3.1-8b")
     h100 = RooflineCost(m, get_gpu("h100-sxm"))
-    assert (h100.overhead, h100.compute_efficiency, h100.memory_efficiency) == (0.001, 0.5, 0.8)
+    assert (h100.overhead, h100.compute_efficiency, h100.memory_efficiency) == (0.0005, 0.5, 0.75)
     assert RooflineCost(m, get_gpu("a100-80gb")).overhead == 0.004
     assert RooflineCost(m, get_gpu("h100-sxm"), overhead=0.004).overhead == 0.004

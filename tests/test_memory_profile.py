@@ -74,3 +74,29 @@ def test_num_gpu_blocks_sets_the_capacity_as_vllm_does(tmp_path):
                        (["--num-gpu-blocks", "10", "--kv-capacity", "5000"], "not both")):
         r = runner.invoke(app, base + extra)
         assert r.exit_code == 2 and msg in r.output, r.output
+
+
+def test_the_cli_profiles_with_its_set_limits():
+    """--set's texts are typed by the policy before the profile reads them (review finding)."""
+    base = ["simulate", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--num-requests", "20", "--json",
+            "--set", "max_num_batched_tokens=2048"]
+    r = CliRunner().invoke(app, base + ["--set", "max_num_seqs=128"])
+    assert r.exit_code == 0, r.output
+    m, g = get_model("llama-3.1-8b"), get_gpu("h100-sxm")
+    expected = (kv_capacity_tokens(m, g, 0.9, limits=EngineLimits(2048, 128)) // 16 - 1) * 16
+    assert json.loads(r.stdout)["kv_capacity_tokens"] == expected == (451_279 // 16 - 1) * 16
+
+
+def test_a_gpu_file_sets_the_cpu_terms(tmp_path):
+    from kvsched.cost.roofline import RooflineCost
+    from kvsched.hardware import read_gpu
+    from kvsched.hardware import DATA
+    src = DATA / "gpus" / "h100-sxm.toml"
+    f = tmp_path / "mine.toml"
+    f.write_text(src.read_text().replace("[roofline]", "[roofline]\ncpu_per_request = 1e-5\ncpu_per_token = 0", 1))
+    g = read_gpu(f)
+    c = RooflineCost(get_model("llama-3.1-8b"), g)
+    assert (c.cpu_per_request, c.cpu_per_token) == (1e-5, 0.0)
+    f.write_text(src.read_text().replace("[roofline]", "[roofline]\ncpu_per_request = -1", 1))
+    with pytest.raises(KvschedError, match="cpu_per_request"):
+        read_gpu(f)

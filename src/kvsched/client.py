@@ -21,7 +21,7 @@ ITL and TPOT are unchanged, since every token moves by the same amount. TTFT and
 front end + output path.
 
 Defaults: `front_s` = 5 ms and `output_steps` = 1, chosen on the 13 train/val vLLM v0.15.1 runs
-of the public sim-to-real benchmark (docs/fidelity.md: TTFT MAPE 53.4% without them, 12.7% with
+of the public sim-to-real benchmark (docs/fidelity.md: TTFT MAPE 52.75% without them, 11.64% with
 them). Those runs do not separate tokenisation's share, since their prompts are all 550-1,034
 tokens, so `front_per_prompt_token_s` is 0 unless set.
 """

@@ -24,7 +24,8 @@ DATA = Path(__file__).parent / "data"
 FORMATS = ("bf16", "fp8", "fp4")        # number formats a GPU file may give FLOP/s for
 LINKS = ("nvlink", "xgmi", "pcie")
 LARGEST = {"memory_gib": 1e7, "link_latency": 1.0}      # a GPU file's bounds (others: 1e20 per second)
-ROOFLINE_KEYS = ("compute_efficiency", "memory_efficiency", "overhead")
+ROOFLINE_KEYS = ("compute_efficiency", "memory_efficiency", "overhead", "cpu_per_request", "cpu_per_token")
+EFFICIENCIES = ("compute_efficiency", "memory_efficiency")     # in (0, 1]; the others seconds >= 0
 
 
 @dataclass(frozen=True)
@@ -176,8 +177,8 @@ def read_gpu(path: str | Path) -> GPU:
     if not isinstance(roof, dict) or set(roof) - set(ROOFLINE_KEYS):
         raise KvschedError(f"{p}: [roofline] takes {', '.join(ROOFLINE_KEYS)} (the roofline's defaults on this GPU)")
     for key, v in roof.items():
-        ok = number(f"roofline.{key}", v, positive=key != "overhead")
-        if ok > 1:
+        ok = number(f"roofline.{key}", v, positive=key in EFFICIENCIES)
+        if ok > 1:                      # an efficiency, or seconds per step, request or token
             raise KvschedError(f"{p}: roofline.{key} must be at most 1, got {v!r}")
     extra["roofline"] = {k: float(v) for k, v in roof.items()}
     return GPU(name, number("memory_gib", data["memory_gib"]), number("bandwidth", data["bandwidth"]),
@@ -239,6 +240,8 @@ def tokens_of_gpu_blocks(num_gpu_blocks: int, block_size: int) -> int:
     """KV tokens of vLLM's `num_gpu_blocks` (its log, or --num-gpu-blocks-override): block 0 is
     the null block, never allocated (vllm/v1/core/block_pool.py, `BlockPool.__init__`), so
     (N - 1) x block size, as `usable_kv_tokens` counts it."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise KvschedError(f"--block-size must be >= 1 (a whole number of tokens), got {block_size!r}")
     if isinstance(num_gpu_blocks, bool) or not isinstance(num_gpu_blocks, int) or not 2 <= num_gpu_blocks <= 1 << 40:
         raise KvschedError(f"--num-gpu-blocks must be a whole number from 2 to 2**40 (block 0 is vLLM's null "
                            f"block), got {num_gpu_blocks!r}")

@@ -515,13 +515,13 @@ def prefix_cache_summary(caches) -> dict[str, Any]:
 
 def engine_limits(policy: str | Policy, params: dict[str, Any] | None, gpu: GPU) -> EngineLimits:
     """The token budget and sequence cap of vLLM's memory profile (memory_profile.py): the run's
-    max_num_batched_tokens and max_num_seqs (its --set, or a policy object's own), else vLLM's
-    defaults for the GPU (a value the policy refuses is reported when the policy is built)."""
+    policy's max_num_batched_tokens and max_num_seqs (built from its --set, so texts are typed
+    as the policy types them; or a policy object's own), else vLLM's defaults for the GPU."""
     d = default_limits(gpu)
-    given = (params or {}) if isinstance(policy, str) else vars(policy) if hasattr(policy, "__dict__") else {}
+    built = make_policy(policy, params or {}, gpu) if isinstance(policy, str) else policy   # --set's texts typed
 
     def pick(key: str, default: int) -> int:
-        v = given.get(key)
+        v = getattr(built, key, None)
         return v if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 40 else default
     return EngineLimits(pick("max_num_batched_tokens", d.max_num_batched_tokens),
                         pick("max_num_seqs", d.max_num_seqs))

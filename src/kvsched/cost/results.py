@@ -63,8 +63,10 @@ import numpy as np
 
 from kvsched.errors import KvschedError
 from kvsched.workload.arrivals import GammaArrivals
+from kvsched.workload.lengths import MAX_TOKENS
 from kvsched.workload.request import Workload
 
+MIN_RATE = 1e-6                 # requests/s (one in 11.6 days): the lowest rate a rebuilt run takes
 METRICS = ("mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "mean_e2el_ms")
 # inference-perf's latency summaries (seconds) under vLLM's names (ms)
 INFERENCE_PERF_METRICS = {"time_to_first_token": "mean_ttft_ms", "time_per_output_token": "mean_tpot_ms",
@@ -143,10 +145,12 @@ def _number(value: Any, key: str, where: str, *, low: float = 0.0, strict: bool 
 
 
 def _mean_length(total: float, count: int, key: str, where: str) -> int:
-    """A mean length in whole tokens (rounded half to even), at least 1."""
+    """A mean length in whole tokens (rounded half to even), at least 1, at most MAX_TOKENS."""
     mean = total / count
     if mean < 0.5:
         raise KvschedError(f"{where}: {key} gives a mean of {mean:g} tokens per request; a request needs >= 1")
+    if mean > MAX_TOKENS:
+        raise KvschedError(f"{where}: {key} gives a mean of {mean:g} tokens per request, more than {MAX_TOKENS}")
     return max(1, round(mean))
 
 
@@ -211,10 +215,10 @@ def read_bench_serve(path: str | Path, seed: int = 0) -> MeasuredRun:
 
 
 def _rate(value: Any, where: str) -> float:
-    """request_rate: a number > 0, or "inf" (vLLM writes an infinite rate as that string)."""
+    """request_rate: a number >= MIN_RATE, or "inf" (vLLM writes an infinite rate as that string)."""
     if isinstance(value, str) and value.strip().lower() in ("inf", "infinity"):
         return math.inf
-    return _number(value, "request_rate", where, strict=True, inf_ok=True)
+    return _number(value, "request_rate", where, low=MIN_RATE, inf_ok=True)
 
 
 def _bench_metrics(data: dict, where: str) -> dict[str, float]:
@@ -258,7 +262,8 @@ def _length_list(value: Any, key: str, where: str) -> np.ndarray:
     if not isinstance(value, list):
         raise KvschedError(f"{where}: {key} must be a list of token counts")
     for i, x in enumerate(value):
-        _number(x, f"{key}[{i}]", where, whole=True)
+        if _number(x, f"{key}[{i}]", where, whole=True) > MAX_TOKENS:
+            raise KvschedError(f"{where}: {key}[{i}] must be at most {MAX_TOKENS} tokens, got {x:g}")
     return np.array(value, dtype=np.int64)
 
 
@@ -293,7 +298,7 @@ def read_inference_perf(path: str | Path, seed: int = 0) -> MeasuredRun:
     if "requested_rate" not in load:
         raise KvschedError(f"{where}: missing key load_summary.requested_rate (a summary report mixes stages: "
                            "give the per-stage files, stage_N_lifecycle_metrics.json)")
-    rate = _number(load["requested_rate"], "load_summary.requested_rate", where, strict=True)
+    rate = _number(load["requested_rate"], "load_summary.requested_rate", where, low=MIN_RATE)
     w = Workload.build(inference_perf_arrivals(sent, rate, seed), p, o, source=f"inference-perf {where}")
     return MeasuredRun(where, "inference-perf", sha, w, measured,
                        f"{rate:g} req/s over {sent / rate:g} s, seed {seed} (constant load timer)", "means", notes)
