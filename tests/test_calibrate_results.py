@@ -113,6 +113,21 @@ def test_open_loop_rebuilt_as_vllm_sends_it(tmp_path):
     assert read_bench_serve(p).workload.arrival.max() == 0
 
 
+def test_save_detailed_start_times_are_the_send_times(tmp_path):
+    """--save-detailed's start_times (perf_counter at each send) become the arrivals, from the
+    first; a failed request (output_lens 0) is left out with its send time; a run limited by
+    both rate and concurrency is rebuilt from them."""
+    prompt, output = np.array([100, 200, 300, 400]), np.array([10, 0, 30, 40])
+    summary = {"duration": 1.0, "completed": 3, "total_input": 800, "total_output": 80, **{k: 10.0 for k in METRICS}}
+    data = {**bench_serve_result(summary, prompt, output, rate=2.0, concurrency=2), "failed": 1,
+            "start_times": [1000.5, 1000.25, 1001.75, 1001.0]}
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(data))
+    run = read_bench_serve(p)
+    assert run.workload.arrival.tolist() == [0.25, 0.75, 1.5] and run.workload.prompt.tolist() == [100, 400, 300]
+    assert "start_times" in run.arrivals
+
+
 INFERENCE_PERF = {   # inference_perf/reportgen/base.py summarize_requests at e8e0aa99 (seconds)
     "load_summary": {"count": 60, "schedule_delay": {"mean": 0.0004}, "send_duration": 59.7, "requested_rate": 1.0,
                      "achieved_rate": 1.0048},
@@ -160,6 +175,9 @@ GOOD = bench_serve_result({"duration": 1.0, "completed": 3, "total_input": 300, 
     (json.dumps({**GOOD, "max_concurrency": 1, "request_rate": 5}), "r.json: max_concurrency 1 with request_rate 5"),
     (json.dumps({k: v for k, v in GOOD.items() if k not in METRICS}), "r.json: missing key mean_ttft_ms"),
     (json.dumps({**GOOD, "ramp_up_strategy": "linear"}), "r.json: ramp_up_strategy 'linear'"),
+    (json.dumps({**GOOD, "request_rate": 5, "start_times": [1.0, 2.0]}), "r.json: start_times must be a list of 3"),
+    (json.dumps({**GOOD, "request_rate": 5, "start_times": [1.0, "x", 2.0]}), "r.json: start_times[1] must be a number"),
+    (json.dumps({**GOOD, "request_rate": 5, "start_times": [1.0, 1e300, 2.0]}), "r.json: start_times span"),
 ])
 def test_bad_bench_serve_file_is_one_line_exit_2(tmp_path, monkeypatch, text, needle):
     monkeypatch.chdir(tmp_path)
@@ -242,3 +260,19 @@ def _step_log(path: Path) -> Path:
         rows.append(f"{i},{c},1,{attn},{c},{n},{n * 100},0:{c},0,{c + n},{c + n},{0.004 + 3e-5 * c + 5e-5 * n!r}")
     path.write_text("\n".join(rows) + "\n")
     return path
+
+
+def test_memory_utilization_sizes_the_rebuilt_server(two_runs):
+    """--memory-utilization goes to the memory profile of the simulated server (none given: 0.9)."""
+    from kvsched.cost.results_fit import Setup, simulate_run
+    from kvsched.cost.results import read_bench_serve
+    run = read_bench_serve(two_runs[1])
+    values = {"overhead": 0.0025, "memory_efficiency": 0.65, "compute_efficiency": 0.5, "front_s": 0.008,
+              "output_steps": 1.0}
+    full = simulate_run(run, Setup("llama-3-8b", "h100-sxm"), values)
+    tight = simulate_run(run, Setup("llama-3-8b", "h100-sxm", memory_utilization=0.25), values)
+    assert full != tight                                            # a smaller KV cache queues more
+    r = invoke("calibrate", "--bench-serve", two_runs[0], *HW, "--memory-utilization", "1.5")
+    assert r.exit_code == 2 and "--memory-utilization must be in (0, 1]" in r.output
+    r = invoke("calibrate", "steps.csv", "--memory-utilization", "0.5")
+    assert r.exit_code == 2 and "--memory-utilization goes with --bench-serve or --inference-perf" in r.output

@@ -37,6 +37,7 @@ def calibrate_cmd(steplog: Optional[Path] = typer.Argument(None, help="step log 
                   max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens", help="result files: the server's --max-num-batched-tokens (default: vLLM's for the GPU)"),
                   num_gpu_blocks: Optional[int] = typer.Option(None, "--num-gpu-blocks", help="result files: num_gpu_blocks from the server's log (KV capacity; default: kvsched's estimate)"),
                   block_size: int = typer.Option(16, "--block-size", help="result files: the server's KV block size in tokens"),
+                  memory_utilization: float = typer.Option(0.9, "--memory-utilization", help="result files: the server's --gpu-memory-utilization (KV capacity by vLLM's memory profile, without --num-gpu-blocks)"),
                   tp: int = typer.Option(1, "--tp", help="result files: tensor-parallel GPUs of the server"),
                   pp: int = typer.Option(1, "--pp", help="result files: pipeline stages of the server"),
                   weight_dtype: str = typer.Option("bf16", "--weight-dtype", help="result files: weights' format (bf16, fp8, int4, nvfp4, mxfp4)"),
@@ -62,11 +63,13 @@ def calibrate_cmd(steplog: Optional[Path] = typer.Argument(None, help="step log 
     if steplog is None:
         from kvsched.cli.calibrate_results import ResultsOptions, calibrate_results
         opts = ResultsOptions(bench_serve, inference_perf, fit, model, gpu, max_num_seqs, max_num_batched_tokens,
-                              num_gpu_blocks, block_size, tp, pp, weight_dtype, kv_dtype, seed, out, json_)
+                              num_gpu_blocks, block_size, tp, pp, weight_dtype, kv_dtype, seed, out, json_,
+                              memory_utilization)
         guard(lambda: calibrate_results(opts, {"--models": models, "--skip": skip or None, "--use": use}))
         return
     results_only = {"--fit": fit, "--max-num-seqs": max_num_seqs, "--max-num-batched-tokens": max_num_batched_tokens,
                     "--num-gpu-blocks": num_gpu_blocks, "--block-size": block_size != 16 or None,
+                    "--memory-utilization": memory_utilization != 0.9 or None,
                     "--tp": tp != 1 or None, "--pp": pp != 1 or None, "--weight-dtype": weight_dtype != "bf16" or None,
                     "--kv-dtype": kv_dtype != "auto" or None, "--seed": seed or None}
 

@@ -34,6 +34,7 @@ class ResultsOptions:
     seed: int
     out: Optional[Path]
     json_: bool
+    memory_utilization: float = 0.9
 
     def files(self) -> tuple[str, list[Path]]:
         return ("bench-serve", self.bench_serve) if self.bench_serve else ("inference-perf", self.inference_perf)
@@ -83,7 +84,10 @@ def _setup(opts: ResultsOptions):
                                 ("max_num_batched_tokens", opts.max_num_batched_tokens)) if v is not None}
     make_policy("vllm-v1", dict(params), gpu)          # --max-num-seqs and the token budget checked here
     kv = tokens_of_gpu_blocks(opts.num_gpu_blocks, opts.block_size) if opts.num_gpu_blocks is not None else None
-    return Setup(model.name, gpu.name, layout, params, kv, opts.block_size)
+    u = opts.memory_utilization
+    if isinstance(u, bool) or not 0 < u <= 1:
+        raise KvschedError(f"--memory-utilization must be in (0, 1], got {u!r}")
+    return Setup(model.name, gpu.name, layout, params, kv, opts.block_size, u)
 
 
 def _render(s: dict) -> Group:

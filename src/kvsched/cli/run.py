@@ -207,7 +207,14 @@ def info_cmd(model: Optional[str] = typer.Option(None, "--model"), gpu: Optional
                       f"{m.kv_bytes_per_token / 1024:g}" + (" (MLA)" if m.mla else ""), str(m.max_len))
         console.print(t)
         if tokens is not None:
+            from kvsched.memory_profile import default_limits, profile
+            limits = default_limits(gpus[0])
+            terms = profile(models[0], gpus[0], memory_utilization, limits=limits)
             console.print(f"KV capacity of {models[0].name} on {gpus[0].name} at {memory_utilization:.0%} "
                           f"memory: {tokens:,} tokens; usable {usable:,} in blocks of 16 "
-                          f"(vLLM's null block left out, as simulate does) ({models[0].weight_bytes / 2**30:.1f} GiB of weights)")
+                          f"(vLLM's null block left out, as simulate does). vLLM's memory profile per GPU "
+                          f"(docs/fidelity.md): weights {terms['weights'] / 2**30:.2f} GiB, activation "
+                          f"{terms['activation'] / 2**30:.2f} GiB at vLLM's defaults of {limits.max_num_batched_tokens:,} "
+                          f"batched tokens and {limits.max_num_seqs:,} sequences (a run's --set changes it), CUDA "
+                          f"graphs and non-torch memory {terms['runtime'] / 2**30:.2f} GiB")
     guard(body)

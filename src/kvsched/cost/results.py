@@ -33,10 +33,12 @@ or null when no request streamed}, `prompt_len` (e8e0aa99) or `prompt_tokens` (7
 gaps of mean 1 / rate, scaled to sum to the stage's duration, taken here as count / rate.
 
 What a result file cannot give back, and its effect:
-- **the send times**: both tools draw them from an unrecorded random state, so kvsched draws
-  its own of the same process (`seed`); the fit then matches the means of a run like the one
-  measured, not the same run (at high load, where queueing depends on bursts, this adds noise
-  to the measured TTFT the fit cannot explain);
+- **the send times**, without `--save-detailed`: both tools draw them from an unrecorded random
+  state, so kvsched draws its own of the same process (`seed`); the fit then matches the means
+  of a run like the one measured, not the same run (at high load, where queueing depends on
+  bursts, this adds noise to the measured TTFT the fit cannot explain). With
+  `--save-detailed`, bench serve's `start_times` are the send times themselves and are used
+  (a finite rate; an infinite rate with `max_concurrency` stays a closed loop);
 - **the prompts' contents**: shared prefixes (a system prompt, inference-perf's
   shared_prefix data) hit vLLM's prefix cache, and the rebuilt prompts share nothing, so
   kvsched computes every prompt token and the fit makes prefill look slower than it was;
@@ -48,7 +50,8 @@ What a result file cannot give back, and its effect:
 - **the Poisson load type** of inference-perf is not recorded in its report; the constant
   timer is assumed.
 - A run both rate- and concurrency-limited (a finite `request_rate` with `max_concurrency`
-  below the number of requests) is refused: kvsched's closed loop issues on a free slot only.
+  below the number of requests) is rebuilt only from its `start_times`, else refused:
+  kvsched's closed loop issues on a free slot only.
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ from kvsched.workload.arrivals import GammaArrivals
 from kvsched.workload.lengths import MAX_TOKENS
 from kvsched.workload.request import Workload
 
+MAX_SPAN = 1e7                  # seconds (about 116 days): the longest run rebuilt from its send times
 MIN_RATE = 1e-6                 # requests/s (one in 11.6 days): the lowest rate a rebuilt run takes
 METRICS = ("mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "mean_e2el_ms")
 # inference-perf's latency summaries (seconds) under vLLM's names (ms)
@@ -198,12 +202,16 @@ def read_bench_serve(path: str | Path, seed: int = 0) -> MeasuredRun:
     if concurrency is not None:
         concurrency = int(_number(concurrency, "max_concurrency", where, low=1, whole=True))
     measured = _bench_metrics(data, where)
-    prompt, output, lengths, notes = _bench_lengths(data, completed, failed, where)
+    prompt, output, lengths, notes, ok = _bench_lengths(data, completed, failed, where)
     n = len(prompt)
-    if concurrency is not None and concurrency < n and math.isfinite(rate):
+    sent_at = _start_times(data, ok, where) if ok is not None else None
+    if sent_at is not None and math.isfinite(rate):
+        w = Workload.build(sent_at, prompt, output, source=f"bench serve {where}")
+        arrivals = "the file's start_times (--save-detailed), from the first"
+    elif concurrency is not None and concurrency < n and math.isfinite(rate):
         raise KvschedError(f"{where}: max_concurrency {concurrency} with request_rate {rate:g}: a run limited by "
-                           "both is not rebuilt (kvsched's closed loop issues on a free slot only)")
-    if concurrency is not None and concurrency < n:
+                           "both is rebuilt only from its start_times (vllm bench serve --save-detailed)")
+    elif concurrency is not None and concurrency < n:
         w = Workload.build(np.zeros(n), prompt, output, concurrency=concurrency, source=f"bench serve {where}")
         arrivals = f"closed loop at concurrency {concurrency} (max_concurrency, request_rate inf)"
     else:
@@ -230,10 +238,28 @@ def _bench_metrics(data: dict, where: str) -> dict[str, float]:
     return got
 
 
+def _start_times(data: dict, ok: np.ndarray, where: str) -> np.ndarray | None:
+    """The successful requests' send times (s, from the first one sent), or None without
+    start_times: vllm/benchmarks/serve.py writes each request's time.perf_counter() at its send
+    (`RequestFuncOutput.start_time`, backends in benchmarks/lib/endpoint_request_func.py) with
+    --save-detailed, in the order of input_lens."""
+    if data.get("start_times") is None:
+        return None
+    value = data["start_times"]
+    if not isinstance(value, list) or len(value) != len(ok):
+        raise KvschedError(f"{where}: start_times must be a list of {len(ok)} send times (one per request sent)")
+    t = np.array([_number(x, f"start_times[{i}]", where, low=-math.inf) for i, x in enumerate(value)], np.float64)
+    t = t[ok] - t.min()
+    if t.max() > MAX_SPAN:
+        raise KvschedError(f"{where}: start_times span {t.max():g} s, more than {MAX_SPAN:g} s")
+    return t
+
+
 def _bench_lengths(data: dict, completed: int, failed: int,
-                   where: str) -> tuple[np.ndarray, np.ndarray, str, list[str]]:
-    """(prompt, output, "per request" | "means", notes): --save-detailed's input_lens and
-    output_lens (successful requests: output_lens > 0), else the file's means."""
+                   where: str) -> tuple[np.ndarray, np.ndarray, str, list[str], np.ndarray | None]:
+    """(prompt, output, "per request" | "means", notes, the successful requests' mask or None):
+    --save-detailed's input_lens and output_lens (successful requests: output_lens > 0), else
+    the file's means."""
     notes = [f"{failed} failed request{'s' if failed != 1 else ''} left out (the metrics are over successful ones)"] \
         if failed else []
     if "input_lens" not in data and "output_lens" not in data:
@@ -241,7 +267,7 @@ def _bench_lengths(data: dict, completed: int, failed: int,
         total_out = _number(_get(data, "total_output_tokens", where), "total_output_tokens", where)
         p = _mean_length(total_in, completed, "total_input_tokens / completed", where)
         o = _mean_length(total_out, completed, "total_output_tokens / completed", where)
-        return np.full(completed, p, np.int64), np.full(completed, o, np.int64), "means", notes
+        return np.full(completed, p, np.int64), np.full(completed, o, np.int64), "means", notes, None
     lens = {k: _length_list(_get(data, k, where), k, where) for k in ("input_lens", "output_lens")}
     sent = completed + failed
     for k, v in lens.items():
@@ -255,7 +281,7 @@ def _bench_lengths(data: dict, completed: int, failed: int,
         raise KvschedError(f"{where}: output_lens holds no request with an output token")
     if (lens["input_lens"][ok] < 1).any():
         raise KvschedError(f"{where}: input_lens has a successful request with no prompt token")
-    return lens["input_lens"][ok], lens["output_lens"][ok], "per request", notes
+    return lens["input_lens"][ok], lens["output_lens"][ok], "per request", notes, ok
 
 
 def _length_list(value: Any, key: str, where: str) -> np.ndarray:

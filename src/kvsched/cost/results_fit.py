@@ -13,9 +13,12 @@ measured of every mean the files hold (TTFT, TPOT, ITL, E2E), with scipy's bound
 trust-region least squares (`least_squares`, trf) on finite differences of 1e-3 of each
 constant's unit. The simulation is an event simulation: its means are piecewise smooth in the
 constants (a batch's time is smooth, but which requests share a step can change), so the
-steps are wide enough to step over small jumps, and the fit starts from the defaults and from
-a fixed set of other points and keeps the lowest cost (ties: the first). Deterministic: the
-same files and options give the same fit, bit for bit.
+the cost has small jumps and local minima. The fit first simulates every point of a coarse
+grid over each constant's plausible range (GRID), then polishes the NSTART best points with
+least squares and keeps the lowest cost (ties: the first). In review, starting from the
+defaults alone stopped at 0.9-1.4 ms and 0.54-0.58 on two open-loop files made at 2.5 ms and
+0.65; the grid start reaches 2.0 ms and 0.61 (docs/calibration.md, "Its limits").
+Deterministic: the same files and options give the same fit, bit for bit.
 
 What the means can tell apart: a run's mean TPOT and ITL are both step time, and mean E2E is
 close to TTFT + (output - 1) x TPOT, so one file gives about two independent numbers. Fitting
@@ -44,7 +47,14 @@ DEFAULT_FIT = ("overhead", "memory_efficiency", "front_s")
 # bounds as RooflineCost (efficiencies in (0, 1], overhead >= 0) and ClientPath (0 to 1000) allow
 UNITS = {"overhead": (1e-3, 0.0, 1.0), "memory_efficiency": (1.0, 1e-3, 1.0), "compute_efficiency": (1.0, 1e-3, 1.0),
          "front_s": (1e-3, 0.0, 10.0), "output_steps": (1.0, 0.0, 10.0)}
-STARTS = (1.0, 0.5, 2.0)        # the defaults times these (clipped into the bounds): the fit's starting points
+# the coarse grid the fit starts from (module docstring): each constant's plausible range, log-spaced
+GRID = {"overhead": (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2),
+        "memory_efficiency": (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+        "compute_efficiency": (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8),
+        "front_s": (0.001, 0.002, 0.005, 0.01, 0.02, 0.05),
+        "output_steps": (0.0, 0.5, 1.0, 2.0)}
+NSTART = 3                      # grid points polished by least squares
+MAX_GRID = 400                  # grid points simulated at most (about 2 s per two small files)
 DIFF_STEP = 1e-3                # finite-difference step, a fraction of each constant's unit
 
 
@@ -55,14 +65,16 @@ class Setup:
     gpu: str
     layout: Layout = PLAIN
     policy_params: dict[str, int] = field(default_factory=dict)   # max_num_seqs, max_num_batched_tokens
-    kv_capacity: int | None = None      # tokens; None: kvsched's default for model and GPU
+    kv_capacity: int | None = None      # tokens; None: vLLM's memory profile (memory_profile.py)
     block_size: int = 16
+    memory_utilization: float = 0.9     # the server's --gpu-memory-utilization, for the memory profile
 
     def describe(self) -> dict[str, Any]:
         from kvsched.layout import layout_summary
         return {"model": self.model, "gpu": self.gpu, "layout": layout_summary(self.layout) if self.layout != PLAIN
                 else None, "policy": "vllm-v1", "policy_params": dict(self.policy_params),
-                "kv_capacity_tokens": self.kv_capacity, "block_size": self.block_size}
+                "kv_capacity_tokens": self.kv_capacity, "block_size": self.block_size,
+                "memory_utilization": self.memory_utilization}
 
 
 def defaults(setup: Setup) -> dict[str, float]:
@@ -81,7 +93,8 @@ def simulate_run(run: MeasuredRun, setup: Setup, values: dict[str, float]) -> di
                         front_per_prompt_token_s=DEFAULT_CLIENT.front_per_prompt_token_s)
     sc = Scenario(run.workload, model=setup.model, gpu=setup.gpu, cost="roofline",
                   cost_params={k: values[k] for k in ROOFLINE}, kv_capacity=setup.kv_capacity,
-                  block_size=setup.block_size, layout=setup.layout, client=client)
+                  block_size=setup.block_size, memory_utilization=setup.memory_utilization, layout=setup.layout,
+                  client=client)
     summary = simulate(sc, "vllm-v1", dict(setup.policy_params)).summary
     return {k: float(summary[k]) for k in run.measured}
 
@@ -187,15 +200,24 @@ def _residuals(runs: Sequence[MeasuredRun], setup: Setup, names: tuple[str, ...]
 
 def _solve(residuals: Callable[[np.ndarray], np.ndarray], names: tuple[str, ...],
            base: dict[str, float]) -> tuple[np.ndarray, np.ndarray]:
-    """(best x, its Jacobian) over the starting points STARTS x the defaults."""
+    """(best x, its Jacobian): least squares from the NSTART best points of GRID, the defaults
+    among them (module docstring)."""
+    import itertools
+
     from scipy.optimize import least_squares
     lower = np.array([UNITS[k][1] / UNITS[k][0] for k in names])
     upper = np.array([UNITS[k][2] / UNITS[k][0] for k in names])
-    x_default = np.array([base[k] / UNITS[k][0] for k in names])
+    points = [np.array([base[k] / UNITS[k][0] for k in names])]
+    axes = [GRID[k] for k in names]
+    while math.prod(len(a) for a in axes) > MAX_GRID:       # many constants: every other value of the longest
+        longest = max(range(len(axes)), key=lambda i: len(axes[i]))
+        axes[longest] = axes[longest][::2]
+    points += [np.array([v / UNITS[k][0] for k, v in zip(names, p)]) for p in itertools.product(*axes)]
+    points = [np.clip(x, lower, upper) for x in points]
+    costs = [float(np.sum(residuals(x) ** 2)) for x in points]
     best = None
-    for s in STARTS:
-        x0 = np.clip(np.where(x_default > 0, x_default, 1.0) * s, lower, upper)
-        r = least_squares(residuals, x0, bounds=(lower, upper), method="trf", diff_step=DIFF_STEP,
+    for i in np.argsort(costs, kind="stable")[:NSTART]:
+        r = least_squares(residuals, points[i], bounds=(lower, upper), method="trf", diff_step=DIFF_STEP,
                           xtol=1e-10, ftol=1e-12, gtol=1e-12, max_nfev=200)
         best = r if best is None or r.cost < best.cost else best
     return best.x, best.jac
