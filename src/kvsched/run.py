@@ -71,6 +71,8 @@ class Scenario:
     layout: Layout = PLAIN                  # a replica's TP, PP, EP, DP attention, number formats (layout.py)
     pool: tuple[str, ...] = ()              # --pool NAME=GPU:COUNT[:...] (pools.py): replicas of several kinds
     client: ClientPath | None = DEFAULT_CLIENT      # front end and output path (client.py); None: the engine's figures
+    preemption: str = "recompute"           # --preemption: recompute, or swap to --kv-tier host (sim/host_swap.py)
+    kv_tiers: tuple[str, ...] = ()          # --kv-tier KIND:GB:GBps[:latency_s] (sim/host_swap.py)
 
     def pools(self) -> tuple[int, int]:
         """(replicas, prefill replicas), checked: whole numbers, within `limits.MAX_REPLICAS`
@@ -141,8 +143,35 @@ class Scenario:
         if not isinstance(self.layout, Layout):
             raise KvschedError(f"Scenario.layout must be a Layout (kvsched.layout), got {type(self.layout).__name__}")
         self.layout.check()
+        self.host_tier()
         if self.pool:
             self.kinds_of_pools()
+
+    def host_tier(self):
+        """--kv-tier and --preemption, checked: the host tier that swap preemption uses, or None.
+        This slice models swap to host on one replica (docs/kv-tiers.md)."""
+        from kvsched.sim.host_swap import parse_kv_tier
+        if self.preemption not in ("recompute", "swap"):
+            raise KvschedError(f"--preemption must be recompute or swap, got {self.preemption!r}")
+        if not isinstance(self.kv_tiers, (tuple, list)):
+            raise KvschedError(f"Scenario.kv_tiers must be a tuple of --kv-tier texts, got {self.kv_tiers!r}")
+        tiers = [parse_kv_tier(t) for t in self.kv_tiers]
+        kinds = [t.kind for t in tiers]
+        if len(set(kinds)) < len(kinds):
+            raise KvschedError(f"--kv-tier: {kinds[0] if kinds.count(kinds[0]) > 1 else kinds[1]} given twice")
+        other = [k for k in kinds if k != "host"]
+        if other:
+            raise KvschedError(f"--kv-tier {other[0]}: only a host tier is modelled yet (swap preemption); "
+                               "disk and remote tiers are not")
+        if self.preemption == "swap" and not tiers:
+            raise KvschedError("--preemption swap needs a host tier to swap to: --kv-tier host:GB:GBps[:latency_s]")
+        if tiers and self.preemption != "swap":
+            raise KvschedError("--kv-tier host is used by --preemption swap (offloading the prefix cache to it is "
+                               "not modelled yet): give --preemption swap")
+        if tiers and (self.replicas != 1 or self.prefill_replicas or self.decode_replicas or self.pool):
+            raise KvschedError("--preemption swap is modelled on one replica (no --replicas, disaggregation or "
+                               "--pool yet)")
+        return tiers[0] if tiers else None
 
     def kinds_of_pools(self, limits: Callable[[GPU], EngineLimits] | None = None) -> list:
         """--pool's kinds of replica (pools.py), or [] without pools; `limits` as in `resolve`."""
@@ -467,6 +496,9 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
                       max_model_len=max_len, record_timeline=record_timeline, record_batches=record_batches,
                       strict=scenario.strict, stall_batches=scenario.stall_batches,
                       prefix_caching=prefix_caching_for(scenario, pols[0]))
+    tier = scenario.host_tier()
+    if tier is not None:
+        attach_host_swap(cluster.replicas[0], tier, kv_bytes_per_token(model, scenario.layout))
     records = cluster.run(progress)
     name = pols[0].name if hasattr(pols[0], "name") else type(pols[0]).__name__
     records.extra = {"policy": name, "cost_model": scenario.cost,
@@ -490,10 +522,32 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     caches = [r.cache for r in cluster.replicas if r.cache is not None]
     if caches:
         summary.update(prefix_cache_summary(caches))
+    if tier is not None:
+        summary.update(swap_summary(cluster.replicas[0]._swap, cluster.replicas[0].now))
     reports = [p.report() for p in pols if callable(getattr(p, "report", None))]
     if reports:                 # what the policy decided (e.g. WAIT's thresholds), per replica
         summary["policy_report"] = reports[0] if len(pols) == 1 else reports
     return Result(name, summary, records, cluster.timeline, cluster.batches, pols[0], pols)
+
+
+def attach_host_swap(rep, tier, kv_bytes_per_token: int) -> None:
+    """--preemption swap on replica `rep`: its host tier (sim/host_swap.py). A policy with an
+    `on_preempt` hook keeps its own state for a preempted request (it expects it back in the
+    queue), so it is refused."""
+    from kvsched.sim.host_swap import HostSwap
+    if rep._on_preempt is not None:
+        raise KvschedError(f"--preemption swap: policy {rep.name} handles preemption itself (on_preempt); "
+                           "swap is modelled for policies without that hook (vllm-v1, vllm-v0, sarathi, orca...)")
+    rep._swap = HostSwap(tier, rep.block_size * kv_bytes_per_token)
+
+
+def swap_summary(swap, duration: float) -> dict[str, Any]:
+    """summary.json's `tier_breakdown` (one object per tier) and the swap counters."""
+    figures = swap.summary(duration)
+    keys = ("name", "hit_rate", "bytes_in", "bytes_out", "capacity_bytes", "link_busy_fraction")
+    out = {"preemption": "swap", "tier_breakdown": [{k: figures[k] for k in keys}]}
+    out.update({k: v for k, v in figures.items() if k not in keys})
+    return out
 
 
 def prefix_caching_for(scenario: Scenario, policy) -> bool:

@@ -283,6 +283,8 @@ CLUSTER_FLAGS = {
     "decode_set": (list[str], typer.Option([], "--decode-set", help="decode policy parameter key=value (repeatable)")),
     "stall_batches": (int, typer.Option(DEFAULT_STALL_BATCHES, "--stall-batches", help="stop a policy after this many batches that preempt with no output token between them")),
     "pool": (list[str], typer.Option([], "--pool", help="replicas of one kind: NAME=GPU:COUNT[:tp=N][:pp=N][:ep=N][:dp-attention][:model=M][:weight-dtype=D][:kv-dtype=D] (repeatable; pools named prefill and decode disaggregate; docs/hardware.md)")),
+    "preemption": (str, typer.Option("recompute", "--preemption", help="a preempted decoder: recompute (vLLM v1), or swap its KV to --kv-tier host and back (vLLM v0's swap; docs/kv-tiers.md)")),
+    "kv_tier": (list[str], typer.Option([], "--kv-tier", help="a KV tier below the GPU: host:GB:GBps[:latency_s] (the replica's host memory and its link each way; used by --preemption swap)")),
 }
 
 
@@ -299,6 +301,8 @@ class ClusterOptions:
     decode_set: list[str]
     stall_batches: int
     pool: list[str] = dataclasses.field(default_factory=list)
+    preemption: str = "recompute"
+    kv_tier: list[str] = dataclasses.field(default_factory=list)
 
     def apply(self, sc: Scenario, seed: int, grid: bool = False) -> Scenario:
         """The scenario with these replicas, router (seeded by the workload --seed) and link;
@@ -327,8 +331,10 @@ class ClusterOptions:
         sc = dataclasses.replace(
             sc, replicas=self.replicas, router=self.router, router_seed=seed, router_params=router_params,
             prefill_replicas=self.prefill_replicas, decode_replicas=self.decode_replicas,
-            stall_batches=self.stall_batches, pool=tuple(self.pool), **link)
+            stall_batches=self.stall_batches, pool=tuple(self.pool), preemption=self.preemption,
+            kv_tiers=tuple(self.kv_tier), **link)
         sc.pools()
+        sc.host_tier()                                              # checks --preemption and --kv-tier
         sc.kinds_of_pools()                                         # checks --pool
         KVLink(25.0 if sc.kv_transfer_bandwidth is None else sc.kv_transfer_bandwidth, sc.kv_transfer_latency)
         return sc

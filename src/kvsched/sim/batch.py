@@ -18,7 +18,7 @@ from kvsched.errors import PASS_THROUGH, KvschedError, PlanError
 from kvsched.policies.base import Plan
 from kvsched.sim.decode_set import Cohort
 from kvsched.sim.kv_blocks import allocate, check, free_finished, take
-from kvsched.sim.lifecycle import admit, finish, leave_decode, preempt, prefill_complete
+from kvsched.sim.lifecycle import admit, finish, leave_decode, preempt, prefill_complete, swap_out
 from kvsched.sim.plan_check import check as check_plan, short
 from kvsched.sim.records import first_gaps, spill_logs, tier_first_gaps
 from kvsched.sim.requests import INF
@@ -40,8 +40,12 @@ def execute(rep: Replica, plan: Plan) -> bool:
     caching a shared prefix counts once per request.)"""
     victims, admitted, chunks, d = check_plan(plan, rep._face, rep.name, rep._plan_hooks)
     preempted = rep.preemptions
-    for i in victims:                       # preempt
-        preempt(rep, i)
+    swap = rep._swap
+    for i in victims:                       # preempt: recompute, or swap a decoder out (sim/host_swap.py)
+        if swap is not None and i in rep._where and i not in admitted:
+            swap_out(rep, i)
+        else:
+            preempt(rep, i)
     for i in admitted:                      # admit
         admit(rep, i)
     bs = rep.block_size

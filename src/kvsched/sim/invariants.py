@@ -73,6 +73,11 @@ def _kv_within_capacity(rep) -> None:
     if cache is not None and kv.used + cache.queued > kv.capacity_blocks:
         raise InvariantError("kv-within-capacity", f"replica {rep.index} holds {kv.used} KV blocks and "
                              f"{cache.queued} cached free ones; capacity is {kv.capacity_blocks}")
+    sw = rep._swap
+    if sw is not None and not (0 <= sw.used <= sw.capacity_blocks and sw.used == sum(sw.blocks.values())):
+        raise InvariantError("kv-within-capacity", f"replica {rep.index}'s host tier holds {sw.used} blocks for "
+                             f"{len(sw.blocks)} swapped requests ({sum(sw.blocks.values())}); capacity is "
+                             f"{sw.capacity_blocks}")
 
 
 def holdings(rep, transfers: dict[int, int]) -> dict[int, int]:
@@ -85,6 +90,9 @@ def holdings(rep, transfers: dict[int, int]) -> dict[int, int]:
         held[i] = c.progress(i)[0]
     for i in rep._landing:
         held[i] = r.computed[i]
+    if rep._swap is not None:               # swapped back in: GPU room reserved while the copy lands
+        for _, _, i in rep._swap.inflight:
+            held[i] = r.computed[i]
     held.update(transfers)
     return held
 

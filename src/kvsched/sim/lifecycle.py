@@ -1,5 +1,6 @@
 """A request's life on a replica (docs/architecture.md, "Replica"): admitted from the queue,
-preempted back to its front (recompute), its prefill complete (first token: it decodes here,
+preempted back to its front (recompute) or swapped out to host memory and back
+(sim/host_swap.py), its prefill complete (first token: it decodes here,
 is handed off, or is done), landed from a prefill replica, finished. The one place its status,
 the replica's queues and its counters change.
 """
@@ -15,7 +16,7 @@ except ModuleNotFoundError:                 # run as Python without Cython insta
 from kvsched.sim.decode_set import Cohort
 from kvsched.sim.kv_blocks import free
 from kvsched.sim.records import fold
-from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, TRANSFER, WAITING
+from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, SWAPPED, TRANSFER, WAITING
 
 if TYPE_CHECKING:
     from kvsched.sim.replica import Replica
@@ -63,6 +64,78 @@ def preempt(rep: Replica, i: int) -> None:
     rep.preemptions += 1
     if rep._on_preempt is not None:
         rep._call(rep._on_preempt, "on_preempt", i)
+
+
+@cython.locals(r="RequestTable")
+def swap_out(rep: Replica, i: int) -> None:
+    """Preempt decoding request i by swapping its KV to host memory (sim/host_swap.py); where
+    the host tier has no room, by recompute (`preempt`), counted as a fallback."""
+    sw = rep._swap
+    r = rep.reqs
+    bs = rep.block_size
+    blocks = -(-rep._where[i].kv_tokens(i) // bs)
+    if not sw.fits(blocks):
+        sw.fallbacks += 1
+        preempt(rep, i)
+        return
+    kv_tokens = leave_decode(rep, i)
+    free(rep, i, kv_tokens, False)
+    r.computed[i] = kv_tokens
+    r.status[i] = SWAPPED
+    del rep._running[i]
+    sw.copy_out(i, blocks, rep.now)
+    r.preempts[i] += 1
+    rep.preemptions += 1
+
+
+def swap_tick(rep: Replica) -> bool:
+    """At a step's start: swapped requests whose KV is back on the GPU join the decoders (as
+    landed ones do), then the oldest swapped-out ones get GPU room while it fits and their
+    copy-in starts. A replica with nothing else to run moves its clock to the next copy-in's
+    landing. True if it still has nothing to run (the step plans nothing)."""
+    sw = rep._swap
+    while True:
+        for i in sw.landed(rep.now):
+            rep._landing.append(i)
+            rep._blocked = False
+        while sw.out and rep.reserve(sw.out[0], rep.now):
+            sw.copy_in(sw.out.popleft(), rep.now)
+        idle = rep._blocked or not (rep._queue or rep._running or rep._landing)
+        if idle and sw.out and not sw.inflight:     # no room even on an idle GPU: it recomputes
+            swap_to_recompute(rep, sw.out.popleft())
+            continue
+        if not idle or not sw.inflight:
+            return idle
+        if sw.inflight[0][0] > rep.now:
+            rep.now = sw.inflight[0][0]
+
+
+@cython.locals(r="RequestTable")
+def swap_to_recompute(rep: Replica, i: int) -> None:
+    """Swapped-out request i goes back to the queue's front to recompute, as `preempt` sends a
+    decoder (its host copy dropped): what a swap-in that can never fit does."""
+    r = rep.reqs
+    sw = rep._swap
+    kv_tokens = r.computed[i]
+    sw.drop(i)
+    r.target[i] = r.prompt[i] + r.gen[i]
+    r.recomputed[i] += kv_tokens + 1
+    rep.prefill_backlog += r.target[i]
+    r.computed[i] = 0
+    r.status[i] = WAITING
+    rep._queue.appendleft(i)
+    rep._blocked = False
+
+
+def swap_wake(rep: Replica) -> float:
+    """When a replica with swapped requests (and perhaps nothing else) steps next: now if it
+    has work or room to give back, else the next copy-in's landing (`Replica.next_event_time`)."""
+    sw = rep._swap
+    if not (rep._blocked or not (rep._queue or rep._running or rep._landing)):
+        return rep.now
+    if sw.inflight:
+        return sw.inflight[0][0] if sw.inflight[0][0] > rep.now else rep.now
+    return rep.now if sw.out and not rep._blocked else INF
 
 
 @cython.locals(r="RequestTable")

@@ -37,7 +37,7 @@ from kvsched.sim.batch import execute
 from kvsched.sim.decode_run import decode_clock, decode_run, dense_time, idle_fits
 from kvsched.sim.decode_set import DecodeSet
 from kvsched.sim.kv_blocks import free, take
-from kvsched.sim.lifecycle import land_ready, move
+from kvsched.sim.lifecycle import land_ready, move, swap_tick, swap_wake
 from kvsched.sim.plan_check import PlanFace, short as _short
 from kvsched.sim.prefix_cache import PrefixCache
 from kvsched.sim.prefix_planner import HitPlanner, LazyPlanner
@@ -85,6 +85,7 @@ class Replica:
         self._running: dict[int, None] = {}
         self._prefilling: dict[int, None] = {}
         self.pulls: deque[int] = deque()        # decode role: handed-off requests waiting for KV room
+        self._swap = None                       # --preemption swap: the host tier (sim/host_swap.py, HostSwap)
         self._decoders = DecodeSet(bs, partial(move, self))
         # prefix caching (sim/prefix_cache.py): admitted requests whose hit is taken at their first chunk
         self.cache = PrefixCache(kv, reqs) if prefix_caching else None
@@ -172,6 +173,8 @@ class Replica:
 
     # ----- step API ----------------------------------------------------------------------
     def next_event_time(self) -> float:
+        if self._swap is not None and self._swap.busy():
+            return swap_wake(self)
         return INF if self._blocked or not (self._queue or self._running or self._landing) else self.now
 
     def accept(self, i: int, t: float) -> None:
@@ -233,6 +236,8 @@ class Replica:
         nothing (the replica then waits for the next event routed to it). With a policy that
         `decodes_when_idle`, decode-only batches run back to back while the clock is before
         `until` (the caller's next event: nothing else may happen before it)."""
+        if self._swap is not None and self._swap.busy() and swap_tick(self):
+            return False
         if self._landing:
             land_ready(self)
         if self._steady and not self._queue and idle_fits(self):

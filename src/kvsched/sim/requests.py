@@ -14,7 +14,7 @@ import numpy as np
 from kvsched.errors import KvschedError
 from kvsched.workload.request import Workload
 
-ARRIVING, WAITING, PREFILL, DECODE, DONE, REJECTED, TRANSFER = range(7)
+ARRIVING, WAITING, PREFILL, DECODE, DONE, REJECTED, TRANSFER, SWAPPED = range(8)   # SWAPPED: sim/host_swap.py
 INF = float("inf")
 
 
