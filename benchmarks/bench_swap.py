@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2000)
     args = ap.parse_args()
     if args.pressure <= 0 or args.output < 1 or args.kv_capacity < 1 or args.requests < 1:
-        sys.exit("--rate, --output, --kv-capacity and --requests must be positive")
+        sys.exit("--pressure, --output, --kv-capacity and --requests must be positive")
     cols = ("tok/s", "ttft", "p99 ttft", "e2e", "recomputed", "swaps", "GB to host", "wall s")
     print(f"llama-3-8b on h100-sxm, vllm-v1, {args.requests} requests in a closed loop asking for {args.pressure:g} x "
           f"the KV ({args.kv_capacity:,} tokens), {args.output} output tokens; ms for TTFT and E2E")

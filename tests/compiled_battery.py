@@ -225,6 +225,18 @@ scenario("disaggregated/sarathi/kv=8000")(lambda: run_print(workload(300, 10.0, 
                                                             decode_replicas=2, kv_capacity=8_000))
 
 
+# ----- swap preemption to a host tier (sim/host_swap.py) ---------------------------------
+
+for _name in ("vllm-v1", "vllm-v0", "sarathi"):
+    for _gb in (0.05, 50):
+        for _caching in (False, True):
+            scenario(f"swap/{_name}/host={_gb}/caching={_caching}")(lambda n=_name, g=_gb, c=_caching: run_print(
+                workload(300, 15.0, 7), n, kv_capacity=3_000, prefix_caching=c, preemption="swap",
+                kv_tiers=(f"host:{g}:16:0.0001",)))
+scenario("swap/closed-loop/vllm-v1")(lambda: run_print(closed_loop(), "vllm-v1", kv_capacity=3_000, preemption="swap",
+                                                       kv_tiers=("host:1:8:0.0001",)))
+
+
 # ----- shared prefixes: the prefix cache is not inert -----------------------------------
 
 for _name in ("vllm-v1", "sarathi"):

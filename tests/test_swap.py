@@ -1,5 +1,6 @@
 """Swap preemption to a host tier (sim/host_swap.py, docs/kv-tiers.md): hand-worked times, the
 invariants with swap on for every baseline policy, bad input, and nothing changed when off."""
+import dataclasses
 import json
 
 import numpy as np
@@ -72,13 +73,30 @@ def test_a_full_host_tier_falls_back_to_recompute():
     assert (r.summary["swap_outs"], r.summary["swap_fallbacks"]) == (0, 1)
 
 
-def test_off_is_bit_for_bit_the_recompute_run():
+def test_a_run_that_never_preempts_is_the_same_with_swap_on():
+    """Swap on and nothing preempted: the recompute run, bit for bit (the hooks change nothing)."""
     w = Workload.build(np.linspace(0, 2, 60), np.full(60, 300), np.full(60, 200))
-    sc = Scenario(w, model="llama-3-8b", gpu="a100-80gb", kv_capacity=8000, client=None)
-    a, b = simulate(sc, "vllm-v1").records, simulate(sc, "vllm-v1").records
-    for f in ("finished", "first_token", "recomputed", "itl_max"):
-        assert np.asarray(getattr(a, f)).tobytes() == np.asarray(getattr(b, f)).tobytes()
-    assert "tier_breakdown" not in simulate(sc, "vllm-v1").summary
+    sc = Scenario(w, model="llama-3-8b", gpu="a100-80gb", kv_capacity=80_000, client=None)
+    off = simulate(sc, "vllm-v1")
+    on = simulate(dataclasses.replace(sc, preemption="swap", kv_tiers=("host:1:16",)), "vllm-v1")
+    assert on.summary["swap_outs"] == 0 and off.summary["preemptions"] == 0
+    for f in ("finished", "first_token", "recomputed", "itl_max", "admitted"):
+        assert np.asarray(getattr(on.records, f)).tobytes() == np.asarray(getattr(off.records, f)).tobytes()
+    assert "tier_breakdown" not in off.summary
+
+
+@pytest.mark.parametrize("policy", ["vllm-v1", "vllm-v0", "sarathi"])
+def test_swapped_requests_come_back_within_max_num_seqs(policy, monkeypatch):
+    """Swap-ins take seats as vLLM v0's _schedule_swapped does (its budget's can_schedule):
+    never more running requests than max_num_seqs (review finding)."""
+    monkeypatch.setenv("KVSCHED_CHECK", "1")
+    rng = np.random.default_rng(3)
+    w = Workload.build(np.sort(rng.uniform(0, 0.3, 60)), rng.integers(20, 100, 60), rng.integers(50, 300, 60))
+    sc = Scenario(w, model="llama-3-8b", gpu="a100-80gb", kv_capacity=512, client=None, preemption="swap",
+                  kv_tiers=("host:1:16:0.0001",))
+    r = simulate(sc, policy, {"max_num_seqs": 4}, record_timeline=True)
+    assert r.summary["swap_outs"] > 0
+    assert max(row[2] for row in r.timeline) <= 4          # timeline rows: time, queue, running, KV used
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -121,7 +139,7 @@ def test_bad_scenarios_are_one_line_errors(kwargs, needle):
 
 @pytest.mark.parametrize("text,needle", [
     ("host", "write KIND:GB:GBps"), ("gpu:1:2", "write KIND:GB:GBps"), ("host:x:2", "GB must be a number"),
-    ("host:1:0", "GBps must be a finite number > 0"), ("host:1:2:-1", "latency_s must be a finite number >= 0"),
+    ("host:1:0", "GBps must be a finite number >= 1e-06"), ("host:1:2:-1", "latency_s must be a finite number >= 0"),
     ("host:nan:2", "GB must be a finite"), ("host:1:2:3:4", "write KIND:GB:GBps"),
 ])
 def test_bad_kv_tier_texts(text, needle):

@@ -537,7 +537,8 @@ def attach_host_swap(rep, tier, kv_bytes_per_token: int) -> None:
     from kvsched.sim.host_swap import HostSwap
     if rep._on_preempt is not None:
         raise KvschedError(f"--preemption swap: policy {rep.name} handles preemption itself (on_preempt); "
-                           "swap is modelled for policies without that hook (vllm-v1, vllm-v0, sarathi, orca...)")
+                           "swap is modelled for policies without that hook (vllm-v1, vllm-v0, sarathi, orca, "
+                           "request-level, the eb policies)")
     rep._swap = HostSwap(tier, rep.block_size * kv_bytes_per_token)
 
 

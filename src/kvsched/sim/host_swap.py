@@ -19,6 +19,11 @@ otherwise, each on purpose:
   may still admit into what is left.
 - **A full host tier** falls back to recompute for that victim and counts it (`fallbacks`).
   v0 raises an error ("lack of CPU swap space").
+- **The GPU blocks are reused during the copy-out.** They are freed at the batch's start
+  (the policy's plan counts on the room), while the copy to host holds the link afterwards.
+  v0 finishes the copy before the step's forward pass reuses them, so a step that swaps out
+  takes longer there; kvsched charges the copy to the victim's wait only. A copy-in starts
+  only once the copy-out has reached host, and GPU room is reserved for it only then.
 
 Each copy moves whole blocks, blocks x block size x KV bytes per token, on a FIFO link
 (sim/transfer.py, `KVLink`): it starts when the link is free and the data is ready, holds the
@@ -36,6 +41,7 @@ from kvsched.errors import KvschedError
 from kvsched.sim.transfer import KVLink
 
 TIER_KINDS = ("host", "disk", "remote")
+MIN_GBPS = 1e-6                 # 1 kB/s: slower links leave the simulated times' range
 
 
 @dataclass(frozen=True)
@@ -65,9 +71,11 @@ def parse_kv_tier(text: str) -> TierSpec:
             v = float(part)
         except ValueError:
             raise KvschedError(f"--kv-tier {text!r}: {name} must be a number, got {part!r}") from None
-        if not math.isfinite(v) or v < 0 or (name != "latency_s" and v <= 0) or v > 1e9:
+        low = {"GB": 0.0, "GBps": MIN_GBPS, "latency_s": 0.0}[name]
+        if not math.isfinite(v) or v < low or (name == "GB" and v <= 0) or v > 1e9:
             raise KvschedError(f"--kv-tier {text!r}: {name} must be a finite number "
-                               f"{'>= 0' if name == 'latency_s' else '> 0'} (at most 1e9), got {part!r}")
+                               f"{'>= 0' if name == 'latency_s' else '> 0' if name == 'GB' else f'>= {MIN_GBPS:g}'} "
+                               f"(at most 1e9), got {part!r}")
         values.append(v)
     return TierSpec(parts[0], *values)
 
@@ -84,6 +92,7 @@ class HostSwap:
         self.out: deque[int] = deque()              # swapped out, waiting for GPU room (oldest first)
         self.ready: dict[int, float] = {}           # request -> when its copy-out reaches host
         self.inflight: list[tuple[float, int, int]] = []    # (lands on GPU, sequence, request)
+        self.parked: deque[int] = deque()           # back on the GPU, waiting for a seat (max_num_seqs)
         self.blocks: dict[int, int] = {}            # request -> its host blocks
         self.swapped_at: dict[int, float] = {}      # request -> when it was swapped out
         self._seq = 0
@@ -92,7 +101,11 @@ class HostSwap:
         self.wait_s = 0.0                           # swap-out to back on the GPU, summed
 
     def busy(self) -> bool:
-        return bool(self.out or self.inflight)
+        return bool(self.out or self.inflight or self.parked)
+
+    def pending(self) -> int:
+        """Swapped requests that will take a seat: copying in, or back and waiting for one."""
+        return len(self.inflight) + len(self.parked)
 
     def fits(self, blocks: int) -> bool:
         return self.used + blocks <= self.capacity_blocks

@@ -91,7 +91,7 @@ def holdings(rep, transfers: dict[int, int]) -> dict[int, int]:
     for i in rep._landing:
         held[i] = r.computed[i]
     if rep._swap is not None:               # swapped back in: GPU room reserved while the copy lands
-        for _, _, i in rep._swap.inflight:
+        for i in [e[2] for e in rep._swap.inflight] + list(rep._swap.parked):
             held[i] = r.computed[i]
     held.update(transfers)
     return held

@@ -90,24 +90,37 @@ def swap_out(rep: Replica, i: int) -> None:
 
 def swap_tick(rep: Replica) -> bool:
     """At a step's start: swapped requests whose KV is back on the GPU join the decoders (as
-    landed ones do), then the oldest swapped-out ones get GPU room while it fits and their
-    copy-in starts. A replica with nothing else to run moves its clock to the next copy-in's
-    landing. True if it still has nothing to run (the step plans nothing)."""
+    landed ones do), then the oldest swapped-out ones whose copy has reached host get GPU
+    room while it fits (and while the policy's `max_num_seqs` has seats) and their copy-in
+    starts. A copy that lands while every seat is taken waits, its GPU room held, for the
+    first seat that frees (before the policy plans). A replica with nothing else to run moves its clock to the next landing on either
+    side. True if it has nothing to run (the step plans nothing)."""
     sw = rep._swap
+    seats = rep.policy.max_num_seqs if type(getattr(rep.policy, "max_num_seqs", None)) is int else 1 << 62
     while True:
-        for i in sw.landed(rep.now):
-            rep._landing.append(i)
+        sw.parked.extend(sw.landed(rep.now))
+        while sw.parked and len(rep._running) + len(rep._landing) < seats:     # back on the GPU: a seat each
+            rep._landing.append(sw.parked.popleft())
             rep._blocked = False
-        while sw.out and rep.reserve(sw.out[0], rep.now):
+        # oldest first, once its copy is on host, within the policy's seats (v0's _schedule_swapped budget)
+        while (sw.out and sw.ready[sw.out[0]] <= rep.now and len(rep._running) + len(rep._landing) + sw.pending() < seats
+               and rep.reserve(sw.out[0], rep.now)):
             sw.copy_in(sw.out.popleft(), rep.now)
         idle = rep._blocked or not (rep._queue or rep._running or rep._landing)
-        if idle and sw.out and not sw.inflight:     # no room even on an idle GPU: it recomputes
-            swap_to_recompute(rep, sw.out.popleft())
-            continue
-        if not idle or not sw.inflight:
-            return idle
-        if sw.inflight[0][0] > rep.now:
-            rep.now = sw.inflight[0][0]
+        if not idle:
+            return False
+        if sw.inflight:
+            if sw.inflight[0][0] > rep.now:
+                rep.now = sw.inflight[0][0]
+        elif sw.out:
+            if sw.ready[sw.out[0]] > rep.now:
+                rep.now = sw.ready[sw.out[0]]
+            elif not rep.reserve(sw.out[0], rep.now):   # no room even on an idle GPU: it recomputes
+                swap_to_recompute(rep, sw.out.popleft())
+            else:
+                sw.copy_in(sw.out.popleft(), rep.now)
+        else:
+            return True
 
 
 @cython.locals(r="RequestTable")
@@ -133,9 +146,8 @@ def swap_wake(rep: Replica) -> float:
     sw = rep._swap
     if not (rep._blocked or not (rep._queue or rep._running or rep._landing)):
         return rep.now
-    if sw.inflight:
-        return sw.inflight[0][0] if sw.inflight[0][0] > rep.now else rep.now
-    return rep.now if sw.out and not rep._blocked else INF
+    t = sw.inflight[0][0] if sw.inflight else sw.ready[sw.out[0]] if sw.out else INF
+    return t if t > rep.now else rep.now
 
 
 @cython.locals(r="RequestTable")
