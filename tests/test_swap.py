@@ -123,13 +123,31 @@ def test_invariants_hold_with_swap_on(seed, policy, caching, host_gb, monkeypatc
         assert s["swap_fallbacks"] == 0
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), replicas=st.sampled_from([2, 3, 5, 12]),
+       router=st.sampled_from(["round-robin", "least-kv", "least-outstanding"]), caching=st.booleans())
+def test_invariants_hold_with_swap_on_replicas_behind_a_router(seed, replicas, router, caching, monkeypatch):
+    """Each replica its own host tier: the invariants hold, every request finishes, and the
+    summary adds the replicas' swaps (sim/cluster.py wakes each for its landings)."""
+    monkeypatch.setenv("KVSCHED_CHECK", "1")
+    rng = np.random.default_rng(seed)
+    n = 80
+    w = Workload.build(np.sort(rng.uniform(0, 1, n)), rng.integers(20, 400, n), rng.integers(5, 300, n))
+    sc = Scenario(w, model="llama-3-8b", gpu="a100-80gb", kv_capacity=1024, client=None, prefix_caching=caching,
+                  replicas=replicas, router=router, preemption="swap", kv_tiers=("host:0.05:4:0.0001",))
+    s = simulate(sc, "vllm-v1").summary
+    assert s["completed"] + s.get("rejected", 0) == n and s["swap_ins"] == s["swap_outs"] > 0
+    assert s["tier_breakdown"][0]["capacity_bytes"] == replicas * int(0.05e9 // (16 * KV)) * 16 * KV
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     ({"preemption": "swap"}, "--preemption swap needs a host tier"),
     ({"kv_tiers": ("host:1:16",)}, "give --preemption swap"),
     ({"preemption": "spill", "kv_tiers": ("host:1:16",)}, "--preemption must be recompute or swap"),
     ({"preemption": "swap", "kv_tiers": ("disk:100:3",)}, "only a host tier is modelled yet"),
     ({"preemption": "swap", "kv_tiers": ("host:1:16", "host:2:16")}, "host given twice"),
-    ({"preemption": "swap", "kv_tiers": ("host:1:16",), "replicas": 2}, "modelled on one replica"),
+    ({"preemption": "swap", "kv_tiers": ("host:1:16",), "prefill_replicas": 1, "decode_replicas": 1},
+     "no disaggregation or --pool yet"),
 ])
 def test_bad_scenarios_are_one_line_errors(kwargs, needle):
     w = Workload.build(np.array([0.0]), np.array([10]), np.array([5]))

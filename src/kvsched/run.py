@@ -149,7 +149,8 @@ class Scenario:
 
     def host_tier(self):
         """--kv-tier and --preemption, checked: the host tier that swap preemption uses, or None.
-        This slice models swap to host on one replica (docs/kv-tiers.md)."""
+        This slice models swap to host on replicas of one kind, each with its own host tier
+        (docs/kv-tiers.md)."""
         from kvsched.sim.host_swap import parse_kv_tier
         if self.preemption not in ("recompute", "swap"):
             raise KvschedError(f"--preemption must be recompute or swap, got {self.preemption!r}")
@@ -168,9 +169,9 @@ class Scenario:
         if tiers and self.preemption != "swap":
             raise KvschedError("--kv-tier host is used by --preemption swap (offloading the prefix cache to it is "
                                "not modelled yet): give --preemption swap")
-        if tiers and (self.replicas != 1 or self.prefill_replicas or self.decode_replicas or self.pool):
-            raise KvschedError("--preemption swap is modelled on one replica (no --replicas, disaggregation or "
-                               "--pool yet)")
+        if tiers and (self.prefill_replicas or self.decode_replicas or self.pool):
+            raise KvschedError("--preemption swap is modelled on replicas of one kind behind a router (no "
+                               "disaggregation or --pool yet)")
         return tiers[0] if tiers else None
 
     def kinds_of_pools(self, limits: Callable[[GPU], EngineLimits] | None = None) -> list:
@@ -497,8 +498,9 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
                       strict=scenario.strict, stall_batches=scenario.stall_batches,
                       prefix_caching=prefix_caching_for(scenario, pols[0]))
     tier = scenario.host_tier()
-    if tier is not None:
-        attach_host_swap(cluster.replicas[0], tier, kv_bytes_per_token(model, scenario.layout))
+    if tier is not None:                    # each replica its own host tier and links
+        for rep in cluster.replicas:
+            attach_host_swap(rep, tier, kv_bytes_per_token(model, scenario.layout))
     records = cluster.run(progress)
     name = pols[0].name if hasattr(pols[0], "name") else type(pols[0]).__name__
     records.extra = {"policy": name, "cost_model": scenario.cost,
@@ -523,7 +525,7 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     if caches:
         summary.update(prefix_cache_summary(caches))
     if tier is not None:
-        summary.update(swap_summary(cluster.replicas[0]._swap, cluster.replicas[0].now))
+        summary.update(swap_summary([r._swap for r in cluster.replicas], max(r.now for r in cluster.replicas)))
     reports = [p.report() for p in pols if callable(getattr(p, "report", None))]
     if reports:                 # what the policy decided (e.g. WAIT's thresholds), per replica
         summary["policy_report"] = reports[0] if len(pols) == 1 else reports
@@ -542,13 +544,20 @@ def attach_host_swap(rep, tier, kv_bytes_per_token: int) -> None:
     rep._swap = HostSwap(tier, rep.block_size * kv_bytes_per_token)
 
 
-def swap_summary(swap, duration: float) -> dict[str, Any]:
-    """summary.json's `tier_breakdown` (one object per tier) and the swap counters."""
-    figures = swap.summary(duration)
-    keys = ("name", "hit_rate", "bytes_in", "bytes_out", "capacity_bytes", "link_busy_fraction")
-    out = {"preemption": "swap", "tier_breakdown": [{k: figures[k] for k in keys}]}
-    out.update({k: v for k, v in figures.items() if k not in keys})
-    return out
+def swap_summary(swaps: list, duration: float) -> dict[str, Any]:
+    """summary.json's `tier_breakdown` (one object per tier, over every replica's) and the swap
+    counters (sim/host_swap.py, `HostSwap.summary`)."""
+    each = [sw.summary(duration) for sw in swaps]
+    total = {k: sum(f[k] for f in each) for k in ("bytes_in", "bytes_out", "capacity_bytes", "swap_outs",
+                                                  "swap_ins", "swap_fallbacks")}
+    busy = [f["link_busy_fraction"] for f in each]
+    waits = sum(sw.wait_s for sw in swaps)
+    tier = {"name": each[0]["name"], "hit_rate": None, "bytes_in": total["bytes_in"], "bytes_out": total["bytes_out"],
+            "capacity_bytes": total["capacity_bytes"],
+            "link_busy_fraction": None if None in busy else sum(busy) / len(busy)}
+    return {"preemption": "swap", "tier_breakdown": [tier], "swap_outs": total["swap_outs"],
+            "swap_ins": total["swap_ins"], "swap_fallbacks": total["swap_fallbacks"],
+            "mean_swap_wait_ms": 1000 * waits / total["swap_ins"] if total["swap_ins"] else None}
 
 
 def prefix_caching_for(scenario: Scenario, policy) -> bool:

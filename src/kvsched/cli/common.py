@@ -284,7 +284,7 @@ CLUSTER_FLAGS = {
     "stall_batches": (int, typer.Option(DEFAULT_STALL_BATCHES, "--stall-batches", help="stop a policy after this many batches that preempt with no output token between them")),
     "pool": (list[str], typer.Option([], "--pool", help="replicas of one kind: NAME=GPU:COUNT[:tp=N][:pp=N][:ep=N][:dp-attention][:model=M][:weight-dtype=D][:kv-dtype=D] (repeatable; pools named prefill and decode disaggregate; docs/hardware.md)")),
     "preemption": (str, typer.Option("recompute", "--preemption", help="a preempted decoder: recompute (vLLM v1), or swap its KV to --kv-tier host and back (vLLM v0's swap; docs/kv-tiers.md)")),
-    "kv_tier": (list[str], typer.Option([], "--kv-tier", help="a KV tier below the GPU: host:GB:GBps[:latency_s] (the replica's host memory and its link each way; used by --preemption swap)")),
+    "kv_tier": (list[str], typer.Option([], "--kv-tier", help="a KV tier below the GPU: host:GB:GBps[:latency_s] (each replica's host memory and its link each way; used by --preemption swap)")),
 }
 
 
