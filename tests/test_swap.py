@@ -180,3 +180,20 @@ def test_the_cli_takes_the_flags():
     assert s["swap_outs"] > 0 and s["swap_ins"] == s["swap_outs"] and s["tier_breakdown"][0]["name"] == "host"
     r = CliRunner().invoke(app, base + ["--preemption", "swap"])
     assert r.exit_code == 2 and "needs a host tier" in r.output
+
+
+@pytest.mark.parametrize("policy", ["vllm-v0", "vllm-v1"])
+def test_vllm_v0_admits_no_prompt_while_a_request_is_swapped_out(policy):
+    """v0's _schedule_default schedules prefills only when its swapped queue is empty: C (10
+    tokens, 1 block) arrives at 0.5 s while B is swapped out and would fit beside A. vllm-v0
+    admits it only once B is running again; vllm-v1 (no such rule) admits it at once. The
+    view's `swapped` counts B meanwhile."""
+    w = Workload.build(np.array([0.0, 0.0, 0.5]), np.array([24, 24, 10]), np.array([20, 20, 5]))
+    sc = Scenario(w, model="llama-3-8b", cost="constant", cost_params={"b": 0.05}, kv_capacity=64, block_size=16,
+                  prefix_caching=False, client=None, preemption="swap", kv_tiers=("host:1:16:0.001",))
+    rec = simulate(sc, policy).records
+    assert rec.recomputed[1] == 0 and rec.preemptions[1] == 1
+    if policy == "vllm-v0":
+        assert rec.admitted[2] > 1.0                     # after B's copy-in (A finished near 1.0 s)
+    else:
+        assert rec.admitted[2] < 0.6

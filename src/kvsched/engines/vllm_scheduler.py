@@ -65,6 +65,7 @@ class VllmView:
     declared_types = None
     prefix_caching = False          # the adapter refuses vLLM's prefix caching (docs/prefix-caching.md)
     prefix_hit_rate = None
+    swapped = 0                     # vLLM v1 preempts by recompute only
 
     @staticmethod
     def prefix_planner() -> None:

@@ -72,6 +72,8 @@ class ServerView(Protocol):
                                       # replica's share of arrivals (even split assumed); else None
     prefix_caching: bool              # whether the replica caches prefixes (docs/prefix-caching.md)
     prefix_hit_rate: float | None     # share of looked-up prompt tokens taken from the cache so far
+    swapped: int                      # requests swapped out to host memory here, to resume (--preemption
+                                      # swap, docs/kv-tiers.md); 0 without swap
 
     def blocks_for(self, tokens: int) -> int: ...
     def arrival(self, i: int) -> float: ...

@@ -305,7 +305,9 @@ class VllmV0(_Base):
     for the prompt beyond a watermark of free blocks), the step is prefill-only; otherwise
     it is decode-only, preempting the newest requests if decodes do not fit. A prompt
     longer than the budget runs alone (vLLM v0 would refuse it). The watermark applies
-    only while requests run, so a lone request that fits is never starved."""
+    only while requests run, so a lone request that fits is never starved. While any
+    request is swapped out (--preemption swap), no new prompt is admitted, as v0's
+    `_schedule_default` schedules prefills only when its swapped queue is empty."""
     max_num_batched_tokens: int | None = field(default=None, metadata={"range": "[1, inf)", "help": "token budget per prefill step"})
     max_num_seqs: int | None = field(default=None, metadata={"range": "[1, inf)", "help": "max running requests"})
     watermark: float = field(default=0.01, metadata={"range": "[0, 1)", "help": "fraction of KV blocks kept free at admission"})
@@ -324,7 +326,8 @@ class VllmV0(_Base):
             hits.decodes(0)                     # an admission step is prefill-only
         admit, chunks = admit_whole_prompts(
             v, v.kv_free_blocks, self.max_num_batched_tokens, self.max_num_seqs - len(v.running),
-            int(self.watermark * v.kv_capacity_blocks) if v.num_decoding else 0, alone_ok=True, hits=hits)
+            int(self.watermark * v.kv_capacity_blocks) if v.num_decoding else 0, alone_ok=True,
+            hits=hits) if not v.swapped else ([], [])
         if admit:
             return Plan(admit, chunks, False, [])
         victims, _, nd = make_room(v, release=hits.preempt if hits is not None else None)

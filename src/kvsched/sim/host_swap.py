@@ -15,8 +15,9 @@ otherwise, each on purpose:
 - **Resumption.** At every step's start the swapped requests, oldest first, get GPU room
   beside the decoders and one decode step of them all (`Replica.reserve`, the rule of a
   disaggregated landing) before the policy plans. v0 schedules the swapped queue before new
-  prefills and admits no new prefill while any request is swapped out; kvsched's policies
-  may still admit into what is left.
+  prefills and admits no new prefill while any request is swapped out: kvsched's `vllm-v0`
+  does the same through the view's `swapped`; other policies may still admit into what is
+  left.
 - **A full host tier** falls back to recompute for that victim and counts it (`fallbacks`).
   v0 raises an error ("lack of CPU swap space").
 - **The GPU blocks are reused during the copy-out.** They are freed at the batch's start

@@ -288,6 +288,12 @@ class ReplicaView:
         return _R(self).prefix_hit_rate
 
     @property
+    def swapped(self) -> int:
+        """Requests swapped out here and not yet running again (sim/host_swap.py)."""
+        sw = _R(self)._swap
+        return 0 if sw is None else len(sw.out) + sw.pending()
+
+    @property
     def arrivals_pending(self) -> bool:
         return _wide(self, "arrivals_pending")._arrivals.pending
 
