@@ -545,19 +545,18 @@ def attach_host_swap(rep, tier, kv_bytes_per_token: int) -> None:
 
 
 def swap_summary(swaps: list, duration: float) -> dict[str, Any]:
-    """summary.json's `tier_breakdown` (one object per tier, over every replica's) and the swap
-    counters (sim/host_swap.py, `HostSwap.summary`)."""
-    each = [sw.summary(duration) for sw in swaps]
-    total = {k: sum(f[k] for f in each) for k in ("bytes_in", "bytes_out", "capacity_bytes", "swap_outs",
-                                                  "swap_ins", "swap_fallbacks")}
-    busy = [f["link_busy_fraction"] for f in each]
-    waits = sum(sw.wait_s for sw in swaps)
-    tier = {"name": each[0]["name"], "hit_rate": None, "bytes_in": total["bytes_in"], "bytes_out": total["bytes_out"],
-            "capacity_bytes": total["capacity_bytes"],
-            "link_busy_fraction": None if None in busy else sum(busy) / len(busy)}
-    return {"preemption": "swap", "tier_breakdown": [tier], "swap_outs": total["swap_outs"],
-            "swap_ins": total["swap_ins"], "swap_fallbacks": total["swap_fallbacks"],
-            "mean_swap_wait_ms": 1000 * waits / total["swap_ins"] if total["swap_ins"] else None}
+    """summary.json's `tier_breakdown` (one object per tier, over every replica's; the links'
+    busy time over both directions of every replica's for the run) and the swap counters
+    (sim/host_swap.py, `HostSwap`)."""
+    ins = sum(sw.ins for sw in swaps)
+    tier = {"name": swaps[0].spec.kind, "hit_rate": None, "bytes_in": sum(sw.bytes_in for sw in swaps),
+            "bytes_out": sum(sw.bytes_out for sw in swaps),
+            "capacity_bytes": sum(sw.capacity_blocks * sw.block_bytes for sw in swaps),
+            "link_busy_fraction": sum(sw.link_busy() / (2 * duration) for sw in swaps) / len(swaps)
+            if duration > 0 else None}
+    return {"preemption": "swap", "tier_breakdown": [tier], "swap_outs": sum(sw.outs for sw in swaps),
+            "swap_ins": ins, "swap_fallbacks": sum(sw.fallbacks for sw in swaps),
+            "mean_swap_wait_ms": 1000 * sum(sw.wait_s for sw in swaps) / ins if ins else None}
 
 
 def prefix_caching_for(scenario: Scenario, policy) -> bool:

@@ -149,11 +149,6 @@ class HostSwap:
             done.append(i)
         return done
 
-    def summary(self, duration: float) -> dict:
-        """The tier's figures for summary.json (`tier_breakdown` and the swap counters)."""
-        busy = self.d2h.busy + self.h2d.busy
-        return {"name": self.spec.kind, "hit_rate": None, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-                "capacity_bytes": self.capacity_blocks * self.block_bytes, "swap_outs": self.outs,
-                "swap_ins": self.ins, "swap_fallbacks": self.fallbacks,
-                "mean_swap_wait_ms": 1000 * self.wait_s / self.ins if self.ins else None,
-                "link_busy_fraction": busy / (2 * duration) if duration > 0 else None}
+    def link_busy(self) -> float:
+        """Seconds either link was busy (both directions summed)."""
+        return self.d2h.busy + self.h2d.busy

@@ -9,6 +9,8 @@ from kvsched.sim.requests cimport RequestTable
 
 cpdef admit(Replica rep, i)
 cpdef preempt(Replica rep, i)
+cpdef requeue(Replica rep, i, recomputed, backlog)
+cpdef requeue_decoder(Replica rep, i, kv_tokens)
 cpdef prefill_complete(Replica rep, i, t)
 cpdef land_ready(Replica rep)
 cpdef finish(Replica rep, i, t, kv_tokens)

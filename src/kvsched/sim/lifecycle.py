@@ -46,24 +46,40 @@ def preempt(rep: Replica, i: int) -> None:
     r = rep.reqs
     if i in rep._where:                    # decoding
         kv_tokens = leave_decode(rep, i)
-        r.target[i] = r.prompt[i] + r.gen[i]
-        r.recomputed[i] += kv_tokens + 1
-        rep.prefill_backlog += r.target[i]
+        free(rep, i, kv_tokens, False)
+        requeue_decoder(rep, i, kv_tokens)
     else:                                   # prefilling (the check made sure it runs here)
         kv_tokens = r.computed[i]
         del rep._prefilling[i]
-        r.recomputed[i] += kv_tokens
-        rep.prefill_backlog += kv_tokens
+        free(rep, i, kv_tokens, False)
+        requeue(rep, i, kv_tokens, kv_tokens)
     rep._fresh.discard(i)
-    free(rep, i, kv_tokens, False)
-    r.computed[i] = 0
-    r.status[i] = WAITING
     del rep._running[i]
-    rep._queue.appendleft(i)
     r.preempts[i] += 1
     rep.preemptions += 1
     if rep._on_preempt is not None:
         rep._call(rep._on_preempt, "on_preempt", i)
+
+
+@cython.locals(r="RequestTable")
+def requeue(rep: Replica, i: int, recomputed: int, backlog: int) -> None:
+    """Request i, its KV gone, goes back to the queue's front: `recomputed` tokens to compute
+    again, `backlog` more prefill tokens waiting here."""
+    r = rep.reqs
+    r.recomputed[i] += recomputed
+    rep.prefill_backlog += backlog
+    r.computed[i] = 0
+    r.status[i] = WAITING
+    rep._queue.appendleft(i)
+
+
+@cython.locals(r="RequestTable")
+def requeue_decoder(rep: Replica, i: int, kv_tokens: int) -> None:
+    """Decoder i, its kv_tokens of KV gone, recomputes its prompt and its tokens so far
+    (vLLM's preemption by recompute): all of them, its last token's KV included."""
+    r = rep.reqs
+    r.target[i] = r.prompt[i] + r.gen[i]
+    requeue(rep, i, kv_tokens + 1, r.target[i])
 
 
 @cython.locals(r="RequestTable")
@@ -123,20 +139,11 @@ def swap_tick(rep: Replica) -> bool:
             return True
 
 
-@cython.locals(r="RequestTable")
 def swap_to_recompute(rep: Replica, i: int) -> None:
     """Swapped-out request i goes back to the queue's front to recompute, as `preempt` sends a
     decoder (its host copy dropped): what a swap-in that can never fit does."""
-    r = rep.reqs
-    sw = rep._swap
-    kv_tokens = r.computed[i]
-    sw.drop(i)
-    r.target[i] = r.prompt[i] + r.gen[i]
-    r.recomputed[i] += kv_tokens + 1
-    rep.prefill_backlog += r.target[i]
-    r.computed[i] = 0
-    r.status[i] = WAITING
-    rep._queue.appendleft(i)
+    rep._swap.drop(i)
+    requeue_decoder(rep, i, rep.reqs.computed[i])
     rep._blocked = False
 
 
