@@ -237,6 +237,19 @@ scenario("swap/closed-loop/vllm-v1")(lambda: run_print(closed_loop(), "vllm-v1",
                                                        kv_tiers=("host:1:8:0.0001",)))
 
 
+# ----- the prefix cache's tiers below the GPU (sim/kv_tiers.py) ---------------------------
+
+for _name in ("vllm-v1", "vllm-v0", "sarathi"):
+    for _tiers in (("host:0.2:16:0.0001",), ("host:0.05:16", "disk:0.3:2:0.001", "remote:1:1:0.002")):
+        for _write in ("evict", "through"):
+            scenario(f"tiers/{_name}/{len(_tiers)}-tiers/{_write}")(lambda n=_name, t=_tiers, wr=_write: run_print(
+                shared_prefixes(), n, prefix_caching=True, kv_capacity=4_000, kv_tiers=t, kv_write=wr,
+                replicas=2 if len(t) > 1 else 1))
+scenario("tiers/disaggregated/remote")(lambda: run_print(
+    shared_prefixes(), "vllm-v1", prefix_caching=True, kv_capacity=4_000, kv_tiers=("remote:1:0.5:0.002",),
+    kv_write="through", prefill_replicas=2, decode_replicas=1))
+
+
 # ----- shared prefixes: the prefix cache is not inert -----------------------------------
 
 for _name in ("vllm-v1", "sarathi"):

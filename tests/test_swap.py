@@ -141,13 +141,13 @@ def test_invariants_hold_with_swap_on_replicas_behind_a_router(seed, replicas, r
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    ({"preemption": "swap"}, "--preemption swap needs a host tier"),
-    ({"kv_tiers": ("host:1:16",)}, "give --preemption swap"),
+    ({"preemption": "swap"}, "--preemption swap needs exactly one tier, the host tier"),
+    ({"kv_tiers": ("host:1:16",), "prefix_caching": False}, "turn it on with --prefix-caching"),
     ({"preemption": "spill", "kv_tiers": ("host:1:16",)}, "--preemption must be recompute or swap"),
-    ({"preemption": "swap", "kv_tiers": ("disk:100:3",)}, "only a host tier is modelled yet"),
+    ({"preemption": "swap", "kv_tiers": ("disk:100:3",)}, "needs exactly one tier"),
     ({"preemption": "swap", "kv_tiers": ("host:1:16", "host:2:16")}, "host given twice"),
     ({"preemption": "swap", "kv_tiers": ("host:1:16",), "prefill_replicas": 1, "decode_replicas": 1},
-     "no disaggregation or --pool yet"),
+     "no disaggregation yet"),
 ])
 def test_bad_scenarios_are_one_line_errors(kwargs, needle):
     w = Workload.build(np.array([0.0]), np.array([10]), np.array([5]))
@@ -167,7 +167,7 @@ def test_bad_kv_tier_texts(text, needle):
 
 def test_a_policy_with_its_own_preemption_state_is_refused():
     w = Workload.build(np.array([0.0]), np.array([10]), np.array([5]))
-    with pytest.raises(KvschedError, match="handles preemption itself"):
+    with pytest.raises(KvschedError, match="keeps its own request state"):
         simulate(Scenario(w, model="llama-3-8b", client=None, preemption="swap", kv_tiers=("host:1:16",)), "wait")
 
 
@@ -179,7 +179,7 @@ def test_the_cli_takes_the_flags():
     s = json.loads(r.stdout)
     assert s["swap_outs"] > 0 and s["swap_ins"] == s["swap_outs"] and s["tier_breakdown"][0]["name"] == "host"
     r = CliRunner().invoke(app, base + ["--preemption", "swap"])
-    assert r.exit_code == 2 and "needs a host tier" in r.output
+    assert r.exit_code == 2 and "needs exactly one tier, the host tier" in r.output
 
 
 @pytest.mark.parametrize("policy", ["vllm-v0", "vllm-v1"])

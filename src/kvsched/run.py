@@ -72,7 +72,9 @@ class Scenario:
     pool: tuple[str, ...] = ()              # --pool NAME=GPU:COUNT[:...] (pools.py): replicas of several kinds
     client: ClientPath | None = DEFAULT_CLIENT      # front end and output path (client.py); None: the engine's figures
     preemption: str = "recompute"           # --preemption: recompute, or swap to --kv-tier host (sim/host_swap.py)
-    kv_tiers: tuple[str, ...] = ()          # --kv-tier KIND:GB:GBps[:latency_s] (sim/host_swap.py)
+    kv_tiers: tuple[str, ...] = ()          # --kv-tier KIND:GB:GBps[:latency_s]: swap's host tier, or the prefix
+                                            # cache's tiers below the GPU (sim/kv_tiers.py)
+    kv_write: str = "evict"                 # --kv-write: blocks go down when evicted, or `through` as computed
 
     def pools(self) -> tuple[int, int]:
         """(replicas, prefill replicas), checked: whole numbers, within `limits.MAX_REPLICAS`
@@ -148,31 +150,39 @@ class Scenario:
             self.kinds_of_pools()
 
     def host_tier(self):
-        """--kv-tier and --preemption, checked: the host tier that swap preemption uses, or None.
-        This slice models swap to host on replicas of one kind, each with its own host tier
-        (docs/kv-tiers.md)."""
+        """--kv-tier and --preemption, checked: the host tier that swap preemption uses, or None
+        (docs/kv-tiers.md). With --preemption recompute the tiers hold the prefix cache's
+        blocks instead (`offload_tiers`)."""
         from kvsched.sim.host_swap import parse_kv_tier
+        from kvsched.sim.kv_tiers import WRITE_MODES
         if self.preemption not in ("recompute", "swap"):
             raise KvschedError(f"--preemption must be recompute or swap, got {self.preemption!r}")
+        if self.kv_write not in WRITE_MODES:
+            raise KvschedError(f"--kv-write must be one of {', '.join(WRITE_MODES)}, got {self.kv_write!r}")
         if not isinstance(self.kv_tiers, (tuple, list)):
             raise KvschedError(f"Scenario.kv_tiers must be a tuple of --kv-tier texts, got {self.kv_tiers!r}")
         tiers = [parse_kv_tier(t) for t in self.kv_tiers]
         kinds = [t.kind for t in tiers]
         if len(set(kinds)) < len(kinds):
             raise KvschedError(f"--kv-tier: {kinds[0] if kinds.count(kinds[0]) > 1 else kinds[1]} given twice")
-        other = [k for k in kinds if k != "host"]
-        if other:
-            raise KvschedError(f"--kv-tier {other[0]}: only a host tier is modelled yet (swap preemption); "
-                               "disk and remote tiers are not")
-        if self.preemption == "swap" and not tiers:
-            raise KvschedError("--preemption swap needs a host tier to swap to: --kv-tier host:GB:GBps[:latency_s]")
-        if tiers and self.preemption != "swap":
-            raise KvschedError("--kv-tier host is used by --preemption swap (offloading the prefix cache to it is "
-                               "not modelled yet): give --preemption swap")
-        if tiers and (self.prefill_replicas or self.decode_replicas or self.pool):
+        if self.preemption == "swap" and kinds != ["host"]:
+            raise KvschedError("--preemption swap needs exactly one tier, the host tier it swaps to: --kv-tier "
+                               "host:GB:GBps[:latency_s] (offloading the prefix cache alongside swap is not modelled)")
+        if tiers and self.pool:
+            raise KvschedError("--kv-tier is not modelled with --pool (replicas of several kinds)")
+        if self.preemption == "swap" and (self.prefill_replicas or self.decode_replicas):
             raise KvschedError("--preemption swap is modelled on replicas of one kind behind a router (no "
-                               "disaggregation or --pool yet)")
-        return tiers[0] if tiers else None
+                               "disaggregation yet)")
+        if self.kv_write != "evict" and not (tiers and self.preemption == "recompute"):
+            raise KvschedError("--kv-write sets how the prefix cache's blocks go down to --kv-tier tiers: it needs "
+                               "a --kv-tier and --preemption recompute")
+        return tiers[0] if tiers and self.preemption == "swap" else None
+
+    def offload_tiers(self) -> tuple[str, ...]:
+        """The --kv-tier texts the prefix cache offloads to (sim/kv_tiers.py): all of them,
+        unless --preemption swap uses the host tier."""
+        self.host_tier()
+        return () if self.preemption == "swap" else tuple(self.kv_tiers)
 
     def kinds_of_pools(self, limits: Callable[[GPU], EngineLimits] | None = None) -> list:
         """--pool's kinds of replica (pools.py), or [] without pools; `limits` as in `resolve`."""
@@ -501,6 +511,10 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     if tier is not None:                    # each replica its own host tier and links
         for rep in cluster.replicas:
             attach_host_swap(rep, tier, kv_bytes_per_token(model, scenario.layout))
+    offload = scenario.offload_tiers()
+    if offload:                             # disaggregated: the prefill replicas, the ones that look prefixes up
+        attach_offload(cluster.replicas[:prefill] if prefill else cluster.replicas, offload, scenario.kv_write,
+                       kv_bytes_per_token(model, scenario.layout), cluster.links)
     records = cluster.run(progress)
     name = pols[0].name if hasattr(pols[0], "name") else type(pols[0]).__name__
     records.extra = {"policy": name, "cost_model": scenario.cost,
@@ -526,6 +540,8 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
         summary.update(prefix_cache_summary(caches))
     if tier is not None:
         summary.update(swap_summary([r._swap for r in cluster.replicas], max(r.now for r in cluster.replicas)))
+    if offload:
+        summary.update(offload_summary(cluster.replicas, records, max(r.now for r in cluster.replicas)))
     reports = [p.report() for p in pols if callable(getattr(p, "report", None))]
     if reports:                 # what the policy decided (e.g. WAIT's thresholds), per replica
         summary["policy_report"] = reports[0] if len(pols) == 1 else reports
@@ -537,11 +553,82 @@ def attach_host_swap(rep, tier, kv_bytes_per_token: int) -> None:
     `on_preempt` hook keeps its own state for a preempted request (it expects it back in the
     queue), so it is refused."""
     from kvsched.sim.host_swap import HostSwap
+    refuse_own_state(rep, "--preemption swap")
+    rep._swap = rep._side = HostSwap(tier, rep.block_size * kv_bytes_per_token)
+
+
+def refuse_own_state(rep, what: str) -> None:
+    """A policy with an `on_preempt` hook keeps its own state of the requests (its own queue,
+    or the KV it thinks they hold), which swaps and tier loads move behind its back: refused."""
     if rep._on_preempt is not None:
-        raise KvschedError(f"--preemption swap: policy {rep.name} handles preemption itself (on_preempt); "
-                           "swap is modelled for policies without that hook (vllm-v1, vllm-v0, sarathi, orca, "
-                           "request-level, the eb policies)")
-    rep._swap = HostSwap(tier, rep.block_size * kv_bytes_per_token)
+        raise KvschedError(f"{what}: policy {rep.name} keeps its own request state (on_preempt); it is modelled "
+                           "for policies without that hook (vllm-v1, vllm-v0, sarathi, orca, request-level, the "
+                           "eb policies)")
+
+
+def attach_offload(replicas: list, texts: tuple[str, ...], write: str, kv_bytes_per_token: int,
+                   links: list | None = None) -> None:
+    """--kv-tier with --preemption recompute: the prefix cache's tiers below the GPU on each
+    replica (sim/kv_tiers.py); a remote tier is one store shared by them all. `links`: the
+    prefill replicas' KV transfer links when disaggregated, which their remote tier's traffic
+    shares (the node's network link)."""
+    from kvsched.sim.kv_tiers import Offload, parse_tiers
+    if any(r.cache is None for r in replicas):
+        raise KvschedError("--kv-tier offloads the prefix cache: turn it on with --prefix-caching (or give "
+                           "--preemption swap to swap preempted requests to a host tier)")
+    for rep in replicas:
+        refuse_own_state(rep, "--kv-tier")
+    bs = replicas[0].block_size
+    for k, (rep, stores) in enumerate(zip(replicas, parse_tiers(texts, write, bs * kv_bytes_per_token, len(replicas)))):
+        rep._offload = rep._side = rep.cache.spill = Offload(stores, bs, write == "through",
+                                                             links[k] if links else None)
+        rep._offload.clock = rep
+
+
+def offload_summary(replicas: list, records, duration: float) -> dict[str, Any]:
+    """summary.json's `tier_breakdown` for the prefix cache's tiers (docs/kv-tiers.md): per tier
+    (a shared remote store once), its hit rate (prompt tokens loaded from it over the prompt
+    tokens looked up at admission, the denominator of `prefix_cache_hit_rate`), bytes written
+    in and read out, capacity, the links' busy fraction (both directions, averaged over the
+    replicas) and the loads that read from it; then `ttft_split_ms`."""
+    replicas = [r for r in replicas if r._offload is not None]     # disaggregated: the prefill replicas
+    offs = [r._offload for r in replicas]
+    query = sum(r.cache.query_tokens for r in replicas)
+    rows = []
+    for k, port in enumerate(offs[0].ports):
+        ports = [o.ports[k] for o in offs]
+        stores = list({id(p.store): p.store for p in ports}.values())
+        loads = sum(p.loads for p in ports)
+        rows.append({
+            "name": port.store.kind,
+            "hit_rate": sum(s.loaded_tokens for s in stores) / query if query else None,
+            "bytes_in": sum(s.bytes_in for s in stores), "bytes_out": sum(s.bytes_out for s in stores),
+            "capacity_bytes": sum(s.capacity_blocks * s.block_bytes for s in stores),
+            "link_busy_fraction": sum(p.busy_fraction(duration) for p in ports) / len(ports)
+            if duration > 0 else None,
+            "loads": loads, "mean_load_wait_ms": 1000 * sum(p.load_s for p in ports) / loads if loads else None,
+            "evictions": sum(s.evictions for s in stores)})
+    loads = sum(o.loads for o in offs)
+    waited = {i: s for o in offs for i, s in o.load_s.items()}
+    return {"kv_write": "through" if offs[0].through else "evict", "tier_breakdown": rows, "tier_loads": loads,
+            "mean_load_wait_ms": 1000 * sum(waited.values()) / loads if loads else None,
+            "ttft_split_ms": ttft_split(records, waited)}
+
+
+def ttft_split(records, loading: dict[int, float]) -> dict[str, dict[str, float] | None]:
+    """TTFT in three parts, mean and median over finished requests (ms): queueing (arrival to
+    admission, less the time spent loading from the tiers), loading, and prefill (admission to
+    the first token: chunks, and the batches they wait for)."""
+    adm, first, arr = records.admitted, records.first_token, records.arrival
+    done = np.flatnonzero(np.isfinite(first))
+    if not len(done):
+        return {"queueing": None, "loading": None, "prefill": None}
+    load = np.zeros(len(arr))
+    for i, s in loading.items():
+        load[i] = s
+    parts = {"queueing": adm[done] - arr[done] - load[done], "loading": load[done],
+             "prefill": first[done] - adm[done]}
+    return {k: {"mean": 1000 * float(v.mean()), "p50": 1000 * float(np.median(v))} for k, v in parts.items()}
 
 
 def swap_summary(swaps: list, duration: float) -> dict[str, Any]:

@@ -284,7 +284,8 @@ CLUSTER_FLAGS = {
     "stall_batches": (int, typer.Option(DEFAULT_STALL_BATCHES, "--stall-batches", help="stop a policy after this many batches that preempt with no output token between them")),
     "pool": (list[str], typer.Option([], "--pool", help="replicas of one kind: NAME=GPU:COUNT[:tp=N][:pp=N][:ep=N][:dp-attention][:model=M][:weight-dtype=D][:kv-dtype=D] (repeatable; pools named prefill and decode disaggregate; docs/hardware.md)")),
     "preemption": (str, typer.Option("recompute", "--preemption", help="a preempted decoder: recompute (vLLM v1), or swap its KV to --kv-tier host and back (vLLM v0's swap; docs/kv-tiers.md)")),
-    "kv_tier": (list[str], typer.Option([], "--kv-tier", help="a KV tier below the GPU: host:GB:GBps[:latency_s] (each replica's host memory and its link each way; used by --preemption swap)")),
+    "kv_tier": (list[str], typer.Option([], "--kv-tier", help="a KV tier below the GPU: KIND:GB:GBps[:latency_s], KIND host, disk (each replica's) or remote (one store for all); repeatable. With --prefix-caching the cache offloads to them and loads hits back; with --preemption swap, the host tier holds swapped KV (docs/kv-tiers.md)")),
+    "kv_write": (str, typer.Option("evict", "--kv-write", help="when prefix-cache blocks go down to the --kv-tier tiers: evict (when the GPU evicts them) or through (as they are computed)")),
 }
 
 
@@ -303,6 +304,7 @@ class ClusterOptions:
     pool: list[str] = dataclasses.field(default_factory=list)
     preemption: str = "recompute"
     kv_tier: list[str] = dataclasses.field(default_factory=list)
+    kv_write: str = "evict"
 
     def apply(self, sc: Scenario, seed: int, grid: bool = False) -> Scenario:
         """The scenario with these replicas, router (seeded by the workload --seed) and link;
@@ -332,7 +334,7 @@ class ClusterOptions:
             sc, replicas=self.replicas, router=self.router, router_seed=seed, router_params=router_params,
             prefill_replicas=self.prefill_replicas, decode_replicas=self.decode_replicas,
             stall_batches=self.stall_batches, pool=tuple(self.pool), preemption=self.preemption,
-            kv_tiers=tuple(self.kv_tier), **link)
+            kv_tiers=tuple(self.kv_tier), kv_write=self.kv_write, **link)
         sc.pools()
         sc.host_tier()                                              # checks --preemption and --kv-tier
         sc.kinds_of_pools()                                         # checks --pool

@@ -74,6 +74,7 @@ class ServerView(Protocol):
     prefix_hit_rate: float | None     # share of looked-up prompt tokens taken from the cache so far
     swapped: int                      # requests swapped out to host memory here, to resume (--preemption
                                       # swap, docs/kv-tiers.md); 0 without swap
+    tier_free_blocks: dict[str, int]  # free blocks of each KV tier below the GPU ({} without tiers)
 
     def blocks_for(self, tokens: int) -> int: ...
     def arrival(self, i: int) -> float: ...
@@ -90,6 +91,8 @@ class ServerView(Protocol):
     def tbt_slo(self, i: int) -> float: ...           # seconds; infinity when its tier has none
     def last_token_time(self, i: int) -> float | None: ...   # None before its first token
     def cached_tokens(self, i: int) -> int: ...       # prompt tokens of a waiting request cached now
+    def prefix_blocks(self, i: int) -> tuple[int, ...]: ...   # its cached prefix blocks: GPU, then each
+                                                      # tier below (tier_free_blocks' order); () without caching
     def prefix_planner(self): ...                     # a HitPlanner for the plan being built, or
                                                       # None without prefix caching (sim/prefix_cache.py)
 

@@ -77,15 +77,24 @@ def _check_limits(name: str, tokens: int, seqs: int) -> None:
                          "decode takes one token of the budget (vLLM rejects this too)")
 
 
-ORDERS = ("spf", "fcfs")
+ORDERS = ("spf", "fcfs", "lpm")
+LPM_QUEUE_LIMIT = 128       # SGLang's lpm falls back to FCFS beyond this many waiting requests
 
 
 def prefill_order(v: ServerView, order: str, user_priority: bool = False, aging: float = 0.0) -> list[int]:
     """Waiting requests in the order new prefills are considered: SPF (by the tokens left to
-    prefill, stable) or queue order, optionally by tier priority first and aged requests
-    first (shared by `slai` and `sarathi`; rad-slai.txt section 6 step 3)."""
+    prefill, stable), queue order, or LPM: the longest prefix cached on the GPU first, stable,
+    as SGLang's `lpm` (python/sglang/srt/managers/schedule_policy.py, `_sort_by_longest_prefix`
+    on the device match; FCFS beyond 128 waiting requests, as its `_determine_active_policy`):
+    a request whose prefix must first be loaded from a tier below, or computed, goes after
+    those whose prefix is on the GPU (the view's `prefix_blocks`). Optionally by tier priority
+    first and aged requests first (shared by `slai` and `sarathi`; rad-slai.txt section 6
+    step 3)."""
     queue = list(v.waiting)
-    if order == "spf":
+    if order == "lpm" and len(queue) <= LPM_QUEUE_LIMIT:
+        gpu = {i: (v.prefix_blocks(i) or (0,))[0] for i in queue}
+        queue.sort(key=lambda i: (v.tier_priority(i), -gpu[i]) if user_priority else -gpu[i])
+    elif order == "spf":
         queue.sort(key=(lambda i: (v.tier_priority(i), v.prefill_target(i))) if user_priority
                    else v.prefill_target)
     elif user_priority:
@@ -251,7 +260,7 @@ class Sarathi(_Base):
     here; a lone request that fits is never starved, as `vllm-v0`)."""
     chunk_size: int = field(default=512, metadata={"range": "[1, inf)", "help": "token budget per batch"})
     max_num_seqs: int = field(default=128, metadata={"range": "[1, inf)", "help": "max running requests"})
-    order: str = field(default="fcfs", metadata={"range": "fcfs|spf", "help": "new-prefill order: FCFS or shortest prompt first"})
+    order: str = field(default="fcfs", metadata={"range": "fcfs|spf|lpm", "help": "new-prefill order: FCFS, shortest prompt first, or longest prefix cached on the GPU first (SGLang's lpm)"})
     watermark: float = field(default=0.0, metadata={"range": "[0, 1)", "help": "share of KV blocks kept free at admission"})
     name = "sarathi"
     replica_local = True                    # reads only its own replica, shares nothing (base.py)
@@ -260,7 +269,7 @@ class Sarathi(_Base):
     def __post_init__(self) -> None:
         _check_limits(self.name, self.chunk_size, self.max_num_seqs)
         if self.order not in ORDERS:
-            raise ValueError(f"order must be fcfs or spf, got {self.order!r}")
+            raise ValueError(f"order must be fcfs, spf or lpm, got {self.order!r}")
 
     @cython.locals(reserve=cython.longlong, budget=cython.longlong, c=cython.longlong)
     def schedule(self, v: ServerView) -> Plan:

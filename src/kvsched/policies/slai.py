@@ -44,7 +44,7 @@ except ModuleNotFoundError:                 # run as Python without Cython insta
     from kvsched import cython_shim as cython
 
 from kvsched.policies.base import Plan, ServerView
-from kvsched.policies.baselines import (ORDERS, _Base, _check_limits, admit_reserving, prefill_order, reserved_blocks,
+from kvsched.policies.baselines import (_Base, _check_limits, admit_reserving, prefill_order, reserved_blocks,
                                         whole_count)
 
 
@@ -73,7 +73,7 @@ class Slai(_Base):
         tbt = self.default_tbt
         if isinstance(tbt, bool) or not isinstance(tbt, (int, float)) or not 0 < tbt < math.inf:
             raise ValueError(f"{self.name}: default_tbt must be a positive finite number of seconds, got {tbt!r}")
-        if self.order not in ORDERS:
+        if self.order not in ("spf", "fcfs"):
             raise ValueError(f"order must be spf or fcfs, got {self.order!r}")
         dynamic_set = [k for k in ("offset_low", "offset_high", "memory_limit") if getattr(self, k) is not None]
         if self.dynamic is None:

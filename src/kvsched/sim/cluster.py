@@ -313,9 +313,9 @@ class Cluster:
             t_arr = arrival[nxt] if closed is None and nxt < n else INF
             if single is not None:                  # next_event_time(), inline: this is the hot loop
                 rep = single
-                if rep._swap is None:
+                if rep._side is None:
                     t_rep = INF if rep._blocked or not (rep._queue or rep._running or rep._landing) else rep.now
-                else:                               # swapped requests wake it too (sim/host_swap.py)
+                else:                               # swaps and loads wake it too (sim/host_swap.py, kv_tiers.py)
                     t_rep = rep.next_event_time()
             elif scan:                              # a few replicas: the earliest, lowest index first
                 rep, t_rep, t_other = None, INF, INF
@@ -457,7 +457,7 @@ class Cluster:
 
     def _deadlock(self, closed: bool) -> None:
         stuck = [r for r in self.replicas if r._queue or r._running or r._landing
-                 or r._swap is not None and r._swap.busy()]
+                 or r._side is not None and r._side.busy()]
         if not stuck and any(r.pulls for r in self.back):
             raise KvschedError("disaggregation deadlock: requests wait for decode KV that never frees "
                                "(report this: it is a simulator bug)")

@@ -45,7 +45,7 @@ def decode_run(rep: Replica, until: float) -> None:
     """The batches `batch.execute` runs for Plan([], [], True, []), bit for bit, while the
     state stays idle (`idle_fits`) and the clock is before `until`; at least one.
     Without tiers or an `on_batch_end` hook they take the inlined `plain_decodes`."""
-    if rep.pulls or rep._swap is not None and rep._swap.busy():    # KV pulled or swapped in after every batch
+    if rep.pulls or rep._side is not None and rep._side.busy():    # KV pulled, swapped in or loaded after every batch
         until = 0.0
     if rep._on_batch_end is None and rep.tier_itl is None:
         c = rep._decoders.cohorts[0]

@@ -104,6 +104,14 @@ class HostSwap:
     def busy(self) -> bool:
         return bool(self.out or self.inflight or self.parked)
 
+    def tick(self, rep) -> bool:
+        from kvsched.sim.lifecycle import swap_tick
+        return swap_tick(rep)
+
+    def wake(self, rep) -> float:
+        from kvsched.sim.lifecycle import swap_wake
+        return swap_wake(rep)
+
     def pending(self) -> int:
         """Swapped requests that will take a seat: copying in, or back and waiting for one."""
         return len(self.inflight) + len(self.parked)

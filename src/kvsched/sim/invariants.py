@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from kvsched.errors import KvschedError
-from kvsched.sim.requests import DECODE, DONE, PREFILL, REJECTED, WAITING
+from kvsched.sim.requests import DECODE, DONE, LOADING, PREFILL, REJECTED, WAITING
 
 NAMES = ("kv-within-capacity", "tokens-conserved", "time-order", "all-accounted", "determinism",
          "compiled-equals-interpreted")
@@ -73,6 +73,13 @@ def _kv_within_capacity(rep) -> None:
     if cache is not None and kv.used + cache.queued > kv.capacity_blocks:
         raise InvariantError("kv-within-capacity", f"replica {rep.index} holds {kv.used} KV blocks and "
                              f"{cache.queued} cached free ones; capacity is {kv.capacity_blocks}")
+    off = rep._offload
+    if off is not None:
+        for p in off.ports:
+            s = p.store
+            if len(s.keys) > s.capacity_blocks:
+                raise InvariantError("kv-within-capacity", f"the {s.kind} tier holds {len(s.keys)} blocks; "
+                                     f"capacity is {s.capacity_blocks}")
     sw = rep._swap
     if sw is not None and not (0 <= sw.used <= sw.capacity_blocks and sw.used == sum(sw.blocks.values())):
         raise InvariantError("kv-within-capacity", f"replica {rep.index}'s host tier holds {sw.used} blocks for "
@@ -93,6 +100,12 @@ def holdings(rep, transfers: dict[int, int]) -> dict[int, int]:
     if rep._swap is not None:               # swapped back in: GPU room reserved while the copy lands
         for i in [e[2] for e in rep._swap.inflight] + list(rep._swap.parked):
             held[i] = r.computed[i]
+    if rep._offload is not None:            # loading from a tier: its cached prefix and the blocks loading
+        for i, (_, first, n, _) in rep._offload.loading.items():
+            held[i] = (first + n) * rep.block_size
+        for i, blocks in rep.cache.held.items():    # waiting, holding its loaded prefix
+            if r.status[i] == WAITING:
+                held[i] = len(blocks) * rep.block_size
     held.update(transfers)
     return held
 
@@ -143,6 +156,12 @@ def _tokens_conserved(rep, transfers: dict[int, int], step: int) -> None:
             raise InvariantError(name, f"request {i}'s prefill target {r.target[i]} is not its prompt "
                                  f"{r.prompt[i]} plus its {r.gen[i]} generated tokens")
         backlog += r.target[i] - r.computed[i]
+    if rep._offload is not None:            # loading: all its prefill still to come (its hit is taken at admission)
+        for i in rep._offload.loading:
+            if r.status[i] != LOADING or r.computed[i] != 0:
+                raise InvariantError(name, f"request {i} loads its prefix on replica {rep.index} with status "
+                                     f"{r.status[i]} and {r.computed[i]} tokens computed")
+            backlog += r.target[i]
     if whole and rep.prefill_backlog != backlog:
         raise InvariantError(name, f"replica {rep.index}'s prefill backlog is {rep.prefill_backlog} tokens; "
                              f"its requests have {backlog} left")

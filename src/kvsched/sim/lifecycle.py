@@ -1,11 +1,13 @@
 """A request's life on a replica (docs/architecture.md, "Replica"): admitted from the queue,
 preempted back to its front (recompute) or swapped out to host memory and back
-(sim/host_swap.py), its prefill complete (first token: it decodes here,
+(sim/host_swap.py), its cached prefix loaded from the tiers below the GPU (sim/kv_tiers.py),
+its prefill complete (first token: it decodes here,
 is handed off, or is done), landed from a prefill replica, finished. The one place its status,
 the replica's queues and its counters change.
 """
 from __future__ import annotations
 
+from itertools import islice
 from typing import TYPE_CHECKING
 
 try:
@@ -16,7 +18,7 @@ except ModuleNotFoundError:                 # run as Python without Cython insta
 from kvsched.sim.decode_set import Cohort
 from kvsched.sim.kv_blocks import free
 from kvsched.sim.records import fold
-from kvsched.sim.requests import DECODE, DONE, INF, PREFILL, SWAPPED, TRANSFER, WAITING
+from kvsched.sim.requests import DECODE, DONE, INF, LOADING, PREFILL, SWAPPED, TRANSFER, WAITING
 
 if TYPE_CHECKING:
     from kvsched.sim.replica import Replica
@@ -112,14 +114,16 @@ def swap_tick(rep: Replica) -> bool:
     first seat that frees (before the policy plans). A replica with nothing else to run moves its clock to the next landing on either
     side. True if it has nothing to run (the step plans nothing)."""
     sw = rep._swap
-    seats = rep.policy.max_num_seqs if type(getattr(rep.policy, "max_num_seqs", None)) is int else 1 << 62
+    if not sw.busy():
+        return False
+    seated = seats(rep)
     while True:
         sw.parked.extend(sw.landed(rep.now))
-        while sw.parked and len(rep._running) + len(rep._landing) < seats:     # back on the GPU: a seat each
+        while sw.parked and len(rep._running) + len(rep._landing) < seated:     # back on the GPU: a seat each
             rep._landing.append(sw.parked.popleft())
             rep._blocked = False
         # oldest first, once its copy is on host, within the policy's seats (v0's _schedule_swapped budget)
-        while (sw.out and sw.ready[sw.out[0]] <= rep.now and len(rep._running) + len(rep._landing) + sw.pending() < seats
+        while (sw.out and sw.ready[sw.out[0]] <= rep.now and len(rep._running) + len(rep._landing) + sw.pending() < seated
                and rep.reserve(sw.out[0], rep.now)):
             sw.copy_in(sw.out.popleft(), rep.now)
         idle = rep._blocked or not (rep._queue or rep._running or rep._landing)
@@ -154,6 +158,118 @@ def swap_wake(rep: Replica) -> float:
     if not (rep._blocked or not (rep._queue or rep._running or rep._landing)):
         return rep.now
     t = sw.inflight[0][0] if sw.inflight else sw.ready[sw.out[0]] if sw.out else INF
+    return t if t > rep.now else rep.now
+
+
+def seats(rep: Replica) -> int:
+    """The policy's `max_num_seqs` (running requests at most), or no limit."""
+    n = getattr(rep.policy, "max_num_seqs", None)
+    return n if type(n) is int else 1 << 62
+
+
+def load_tick(rep: Replica) -> bool:
+    """At a step's start, with tiers below the GPU (sim/kv_tiers.py): loads that have landed
+    put their requests back at the queue's front, their prefix now cached on the GPU; then
+    waiting requests at the queue's front whose cached prefix continues in a tier start
+    loading it (`load_start`). A replica with nothing else to run moves its clock to the next
+    landing. True if it has nothing to run (the step plans nothing)."""
+    off = rep._offload
+    while True:
+        if off.loading:
+            back = off.landed(rep.now)
+            for i, first, n in reversed(back):
+                load_land(rep, i, first, n)
+        if rep._queue:
+            load_scan(rep)
+        if not (rep._blocked or not (rep._queue or rep._running or rep._landing)):
+            return False
+        if not off.loading:
+            return True
+        t = off.next_landing()
+        if t > rep.now:
+            rep.now = t
+
+
+def load_scan(rep: Replica) -> None:
+    """The waiting requests at the queue's front, as many as the policy has seats free for
+    (vLLM's waiting loop stops at `max_num_running_reqs`), in order: one whose cached prefix
+    continues below the GPU starts loading it if its blocks fit beside the decoders' next step
+    and the blocks the running prefills still need for their whole prompts (vLLM 0.32's
+    `allocate_slots(..., reserved_blocks=)` for a load, scheduler.py); the first that does not
+    fit stops the scan (vLLM's loop breaks where `allocate_slots` fails). A request with
+    nothing below is left to the policy."""
+    cache, off, kv, bs = rep.cache, rep._offload, rep.kv, rep.block_size
+    free = seats(rep) - len(rep._running) - len(rep._landing)
+    if free <= 0:
+        return
+    target, computed = rep._target, rep._computed
+    reserve = rep._decoders.new_blocks
+    for j in rep._prefilling:
+        reserve += -(-target[j] // bs) - -(-computed[j] // bs)
+    held = cache.held
+    for i in list(islice(rep._queue, free)):
+        if i in held:                       # loaded already: the policy's to admit
+            continue
+        cap = cache.lookup_cap(i)
+        gpu = list(cache.walk(i))
+        g = len(gpu)
+        if g >= cap:
+            continue
+        keys = cache.keys(i, cap)
+        src = off.below(keys, g, cap)
+        if not src:
+            continue
+        need = len(src)
+        for b in gpu:
+            need += b.ref == 0
+        if kv.used + need + reserve > kv.capacity_blocks:
+            return
+        load_start(rep, i, gpu, keys, src)
+
+
+@cython.locals(r="RequestTable")
+def load_start(rep: Replica, i: int, gpu: list, keys: list, src: list) -> None:
+    """Waiting request i holds its cached prefix on the GPU (`gpu`) and new blocks for the
+    blocks the tiers hold (`src`), and waits while they load (vLLM: WAITING_FOR_REMOTE_KVS,
+    its blocks allocated by `allocate_slots`)."""
+    r = rep.reqs
+    cache = rep.cache
+    cache.pin(i, gpu)
+    rep._offload.start(i, keys, len(gpu), src)      # before the allocation's evictions write blocks down
+    cache.allocate(len(src))
+    rep._queue.remove(i)
+    r.status[i] = LOADING
+
+
+@cython.locals(r="RequestTable")
+def load_land(rep: Replica, i: int, first: int, n: int) -> None:
+    """Request i's load has landed: the loaded blocks are cached and the request, holding its
+    whole cached prefix, goes back to the queue's front (vLLM: `_update_waiting_for_remote_kv`
+    caches them, the request waits again with its blocks); its admission takes them as its hit
+    (`PrefixCache.hit`)."""
+    rep.cache.adopt(i, first, n)
+    rep.reqs.status[i] = WAITING
+    rep._queue.appendleft(i)
+    rep._blocked = False
+
+
+def load_unpin(rep: Replica) -> bool:
+    """The policy planned nothing: waiting requests holding a loaded prefix let go of it (kept
+    cached), so that the room they hold cannot stall the queue (a request ahead of them may need
+    it). True if any did (the policy plans again)."""
+    cache, status = rep.cache, rep._status
+    waiting = [i for i in cache.held if status[i] == WAITING]
+    for i in waiting:
+        cache.unpin(i)
+    return bool(waiting)
+
+
+def load_wake(rep: Replica) -> float:
+    """When a replica with loads in flight steps next: now if it has work, else the next
+    landing (`Replica.next_event_time`)."""
+    if not (rep._blocked or not (rep._queue or rep._running or rep._landing)):
+        return rep.now
+    t = rep._offload.next_landing()
     return t if t > rep.now else rep.now
 
 

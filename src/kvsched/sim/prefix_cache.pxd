@@ -10,10 +10,12 @@ cdef class PrefixCache:
     cdef public PagedKV kv
     cdef public RequestTable reqs
     cdef public object bs, free_q, queued, _sources, _share, _shared
-    cdef public object query_tokens, hit_tokens, query_blocks, hit_blocks, evictions
+    cdef public object query_tokens, hit_tokens, query_blocks, hit_blocks, evictions, spill
     cdef public dict map, dups, held, _keys
 
     cpdef miss(self, i)
+    cpdef pin(self, i, list blocks)
+    cpdef _unref(self, list blocks)
     cpdef allocate(self, n)
     cpdef free(self, i, kv_tokens, done)
     cpdef free_private(self, list done)

@@ -90,6 +90,7 @@ class PrefixCache:
         self.query_blocks = 0       # full blocks looked up (up to the hit cap)
         self.hit_blocks = 0
         self.evictions = 0
+        self.spill = None           # the tiers below (sim/kv_tiers.py, Offload): evicted or computed blocks go down
 
     # ----- keys ------------------------------------------------------------------------
     def keys(self, i: int, n: int, keep: bool = True) -> list[int]:
@@ -155,6 +156,7 @@ class PrefixCache:
         leave the free queue and count as used."""
         bs, target = self.bs, self.reqs.target[i]
         room = (target - chunk) // bs
+        loaded = self.held.pop(i, None)             # its prefix loaded from a tier (`adopt`), held till now
         taken: list[Block] = []
         looked = self.cap_blocks(i)
         if room > 0:
@@ -162,19 +164,51 @@ class PrefixCache:
                 taken.append(b)
                 if len(taken) >= room:
                     break
-        for b in taken:
-            if b.ref == 0:
-                del self.free_q[b]
-                self.queued -= 1
-                self.kv.used += 1
-            b.ref += 1
-        self.held[i] = taken
+        self.pin(i, taken)
+        if loaded is not None:
+            self.kv.used -= self._unref(loaded)
         h = len(taken) * bs
         self.query_tokens += target
         self.hit_tokens += h
         self.query_blocks += looked
         self.hit_blocks += len(taken)
         return h
+
+    def pin(self, i: int, blocks: list[Block]) -> None:
+        """Request i takes `blocks` (its cached prefix, from `walk`) before its prefix is loaded
+        from the tiers below (lifecycle.py, `load_tick`): held, so not evicted meanwhile."""
+        for b in blocks:
+            if b.ref == 0:
+                del self.free_q[b]
+                self.queued -= 1
+                self.kv.used += 1
+            b.ref += 1
+        self.held[i] = blocks
+
+    def adopt(self, i: int, first: int, n: int) -> None:
+        """Blocks first .. first + n - 1 of request i (allocated to it, private) now hold its
+        prefix loaded from a tier (lifecycle.py, `load_land`): cached under their keys and held
+        by the request until its admission's hit takes them (vLLM caches loaded blocks when the
+        load finishes and the request keeps them: scheduler.py, `_update_waiting_for_remote_kv`)."""
+        blocks = [Block(k, 1) for k in self.keys(i, first + n)[first:first + n]]
+        self.held.setdefault(i, []).extend(blocks)
+        self._insert(blocks)
+
+    def unpin(self, i: int) -> None:
+        """Waiting request i lets go of the prefix it holds (`adopt`): its blocks stay cached."""
+        self.kv.used -= self._unref(self.held.pop(i))
+
+    def _unref(self, blocks: list[Block]) -> int:
+        """Drop one reference to each of a request's blocks; those left unreferenced join the free
+        queue's tail, the request's last block first. Returns how many."""
+        q, n = self.free_q, 0
+        for b in reversed(blocks):
+            b.ref -= 1
+            if b.ref == 0:
+                q[b] = None
+                n += 1
+        self.queued += n
+        return n
 
     def register(self, i: int, start: int, chunk: int) -> None:
         """The blocks request i's chunk [start, start + chunk) fills are cached (by reference)."""
@@ -186,9 +220,12 @@ class PrefixCache:
             self._insert(blocks)
 
     def _insert(self, blocks: list[Block]) -> None:
-        """Cache blocks under their keys; a key already cached keeps its block first."""
+        """Cache blocks under their keys; a key already cached keeps its block first. With
+        write-through tiers (`--kv-write through`) the blocks go down as they are cached."""
         m = self.map
         keys = [b.key for b in blocks]
+        if self.spill is not None and self.spill.through:
+            self.spill.write(keys)
         if m.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
             m.update(zip(keys, blocks))
             return
@@ -217,6 +254,8 @@ class PrefixCache:
                 kv.used += n
                 return
             left = evict
+            spill = self.spill if self.spill is not None and not self.spill.through else None
+            gone: list[int] = []                        # keyed blocks evicted: written down (--kv-write evict)
             while left:
                 b = next(iter(q))
                 if type(b) is Run:
@@ -229,6 +268,8 @@ class PrefixCache:
                 del q[b]
                 left -= 1
                 k = b.key
+                if spill is not None:
+                    gone.append(k)
                 if k in dups:
                     rest = dups[k]
                     if m[k] is b:
@@ -241,6 +282,8 @@ class PrefixCache:
                     del m[k]
             self.evictions += evict
             self.queued -= evict
+            if gone:
+                spill.write(gone)
         kv.used += n
 
     def free(self, i: int, kv_tokens: int, done: bool) -> None:
@@ -260,12 +303,7 @@ class PrefixCache:
                 self._insert(blocks)
                 q.update(dict.fromkeys(blocks))
             self.queued += own
-        for b in reversed(held):
-            b.ref -= 1
-            if b.ref == 0:
-                q[b] = None
-                self.queued += 1
-                released += 1
+        released += self._unref(held)
         self.kv.used -= released
         if done:
             self._keys.pop(i, None)

@@ -37,7 +37,7 @@ from kvsched.sim.batch import execute
 from kvsched.sim.decode_run import decode_clock, decode_run, dense_time, idle_fits
 from kvsched.sim.decode_set import DecodeSet
 from kvsched.sim.kv_blocks import free, take
-from kvsched.sim.lifecycle import land_ready, move, swap_tick, swap_wake
+from kvsched.sim.lifecycle import land_ready, load_unpin, move
 from kvsched.sim.plan_check import PlanFace, short as _short
 from kvsched.sim.prefix_cache import PrefixCache
 from kvsched.sim.prefix_planner import HitPlanner, LazyPlanner
@@ -86,6 +86,8 @@ class Replica:
         self._prefilling: dict[int, None] = {}
         self.pulls: deque[int] = deque()        # decode role: handed-off requests waiting for KV room
         self._swap = None                       # --preemption swap: the host tier (sim/host_swap.py, HostSwap)
+        self._offload = None                    # the prefix cache's tiers below the GPU (sim/kv_tiers.py, Offload)
+        self._side = None                       # whichever of the two is set: its tick, busy and wake
         self._decoders = DecodeSet(bs, partial(move, self))
         # prefix caching (sim/prefix_cache.py): admitted requests whose hit is taken at their first chunk
         self.cache = PrefixCache(kv, reqs) if prefix_caching else None
@@ -173,8 +175,8 @@ class Replica:
 
     # ----- step API ----------------------------------------------------------------------
     def next_event_time(self) -> float:
-        if self._swap is not None and self._swap.busy():
-            return swap_wake(self)
+        if self._side is not None and self._side.busy():
+            return self._side.wake(self)
         return INF if self._blocked or not (self._queue or self._running or self._landing) else self.now
 
     def accept(self, i: int, t: float) -> None:
@@ -236,7 +238,7 @@ class Replica:
         nothing (the replica then waits for the next event routed to it). With a policy that
         `decodes_when_idle`, decode-only batches run back to back while the clock is before
         `until` (the caller's next event: nothing else may happen before it)."""
-        if self._swap is not None and self._swap.busy() and swap_tick(self):
+        if self._side is not None and self._side.tick(self):
             return False
         if self._landing:
             land_ready(self)
@@ -271,6 +273,8 @@ class Replica:
             raise PlanError(f"policy {self.name} gave a plan that cannot be read: {type(exc).__name__}: "
                             f"{_short(exc, 120)}") from exc
         if not ran:
+            if self._offload is not None and load_unpin(self):
+                return False                    # plan again with the room loaded prefixes held
             self._blocked = True
             return False
         if self._on_batch_end is not None:

@@ -14,7 +14,8 @@ import numpy as np
 from kvsched.errors import KvschedError
 from kvsched.workload.request import Workload
 
-ARRIVING, WAITING, PREFILL, DECODE, DONE, REJECTED, TRANSFER, SWAPPED = range(8)   # SWAPPED: sim/host_swap.py
+# SWAPPED: sim/host_swap.py; LOADING: its prefix loading from a tier below the GPU (sim/kv_tiers.py)
+ARRIVING, WAITING, PREFILL, DECODE, DONE, REJECTED, TRANSFER, SWAPPED, LOADING = range(9)
 INF = float("inf")
 
 

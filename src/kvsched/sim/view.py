@@ -294,6 +294,12 @@ class ReplicaView:
         return 0 if sw is None else len(sw.out) + sw.pending()
 
     @property
+    def tier_free_blocks(self) -> dict[str, int]:
+        """Free blocks in each tier below the GPU, by name ({} without tiers; sim/kv_tiers.py)."""
+        off = _R(self)._offload
+        return {} if off is None else off.free_blocks()
+
+    @property
     def arrivals_pending(self) -> bool:
         return _wide(self, "arrivals_pending")._arrivals.pending
 
@@ -399,6 +405,16 @@ class ReplicaView:
         """Prompt tokens of waiting request i that would hit the prefix cache now (0 without it)."""
         cache = _R(self).cache
         return cache.cached_tokens(i) if cache is not None else 0
+
+    def prefix_blocks(self, i: int) -> tuple[int, ...]:
+        """Waiting request i's cached prefix: its blocks on the GPU, then the blocks each tier
+        below would load after them (in tier_free_blocks' order); () without prefix caching."""
+        r = _R(self)
+        if r.cache is None:
+            return ()
+        if r._offload is None:
+            return (r.cache.cached_tokens(i) // r.block_size,)
+        return r._offload.prefix_blocks(r.cache, i)
 
     def prefix_planner(self) -> PlannerFace | None:
         """What a plan being built finds in the cache (None without prefix caching)."""

@@ -1,0 +1,236 @@
+"""The prefix cache's lower tiers: host memory, local disk and a remote store shared by the
+replicas (issue "The KV memory hierarchy", items 1, 2 and 5; docs/kv-tiers.md).
+
+A tier keeps whole KV blocks under their prefix-cache keys (sim/prefix_cache.py), in LRU
+order, up to its capacity. Blocks go down when the GPU's prefix cache evicts them
+(`--kv-write evict`, the default) or as soon as a prefill computes them (`--kv-write through`),
+into every tier that lacks them: the tiers are inclusive, as LMCache stores a chunk to each of
+its backends (lmcache/v1/cache_engine.py, `store`). A waiting request whose prefix continues
+below the GPU loads it back before it prefills (lifecycle.py, `load_tick`), as vLLM's
+scheduler does for a connector's asynchronous hit (vllm/v1/core/sched/scheduler.py,
+`WAITING_FOR_REMOTE_KVS`): its GPU blocks are allocated, the request waits while the blocks
+cross the link, and other requests run meanwhile.
+
+Links: each replica has its own two links to each tier (read: tier to GPU; write: GPU to
+tier), FIFO (sim/transfer.py, `KVLink`): a transfer starts when the link is free and its data
+is ready, holds it for bytes / bandwidth and lands `latency` later. So two loads on one link
+take, together, the sum of their bytes over the bandwidth, the second landing after the
+first (a processor-sharing link would land both at that sum; FIFO lands the first earlier and
+the second at the same time). A block becomes readable in a tier when its write lands there.
+
+The remote tier is one store for all replicas (one replica's blocks serve another's hits);
+its capacity is the store's, each replica's link to it has the bandwidth given. Host and disk
+tiers are each replica's own, of the size given (for a TP replica: the host memory its GPUs
+share, and the sum of their links).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvsched.errors import KvschedError
+from kvsched.sim.host_swap import TierSpec, parse_kv_tier
+from kvsched.sim.transfer import KVLink
+
+WRITE_MODES = ("evict", "through")
+ORDER = {"host": 0, "disk": 1, "remote": 2}     # a block is read from the fastest tier holding it
+
+
+class TierStore:
+    """One tier's blocks: key -> when its write lands there, least recently used first."""
+
+    def __init__(self, spec: TierSpec, block_bytes: int) -> None:
+        self.spec, self.kind = spec, spec.kind
+        self.block_bytes = block_bytes
+        self.capacity_blocks = int(spec.gb * 1e9 // block_bytes)
+        self.keys: OrderedDict[int, float] = OrderedDict()
+        self.bytes_in = self.bytes_out = 0      # written into the tier, read back from it
+        self.loaded_tokens = 0                  # prompt tokens loaded from here (its hits)
+        self.evictions = 0
+
+    def put(self, key: int, ready: float) -> None:
+        """Block `key`, readable from `ready` on, least recently used ones dropped to make room."""
+        keys = self.keys
+        keys[key] = ready
+        self.bytes_in += self.block_bytes
+        while len(keys) > self.capacity_blocks:
+            keys.popitem(last=False)
+            self.evictions += 1
+
+
+class Clock:
+    """A stand-in for the replica whose clock an `Offload` reads (tests drive it by hand)."""
+    __slots__ = ("now",)
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+
+class SharedLink:
+    """A path of its own bandwidth and latency whose transfers queue on another link's FIFO
+    (`base`): a disaggregated prefill replica's remote-tier traffic on the node's network link,
+    behind and ahead of its KV transfers to decode replicas, one transfer at a time."""
+    __slots__ = ("base", "bytes_per_s", "latency", "busy")
+
+    def __init__(self, base: KVLink, gbps: float, latency_s: float) -> None:
+        self.base, self.bytes_per_s, self.latency, self.busy = base, gbps * 1e9, latency_s, 0.0
+
+    def send(self, t: float, nbytes: float) -> float:
+        base = self.base
+        start = t if t > base.free_at else base.free_at
+        hold = nbytes / self.bytes_per_s
+        base.free_at = start + hold
+        base.busy += hold
+        self.busy += hold
+        return base.free_at + self.latency
+
+
+class Port:
+    """A replica's two links to one tier (with `network`, a remote tier's both directions
+    queue on that link: `SharedLink`)."""
+    __slots__ = ("store", "read", "write", "loads", "load_s")
+
+    def __init__(self, store: TierStore, network: KVLink | None = None) -> None:
+        spec = store.spec
+        self.store = store
+        if network is not None and store.kind == "remote":
+            self.read = self.write = SharedLink(network, spec.gbps, spec.latency_s)
+        else:
+            self.read, self.write = KVLink(spec.gbps, spec.latency_s), KVLink(spec.gbps, spec.latency_s)
+        self.loads = 0                          # loads that read from this tier
+        self.load_s = 0.0                       # their load times, summed
+
+    def busy_fraction(self, duration: float) -> float:
+        """Share of the run its link(s) carried this tier's transfers (both directions: two
+        links, or one shared)."""
+        if self.read is self.write:
+            return self.read.busy / duration
+        return (self.read.busy + self.write.busy) / (2 * duration)
+
+
+class Offload:
+    """One replica's tiers below the GPU (module docstring): the writes down, the lookups of a
+    waiting request's prefix below the GPU, and the loads in flight."""
+
+    def __init__(self, stores: list[TierStore], block_size: int, write_through: bool,
+                 network: KVLink | None = None) -> None:
+        self.ports = sorted((Port(s, network) for s in stores), key=lambda p: ORDER[p.store.kind])
+        self.block_bytes = stores[0].block_bytes
+        self.bs = block_size
+        self.through = write_through
+        self.clock = Clock()                    # its replica (`now`: the time of every write and load)
+        self.loading: dict[int, tuple[float, int, int, float]] = {}   # request -> (lands, GPU hit, loaded, start)
+        self.load_s: dict[int, float] = {}      # request -> seconds spent loading (all its loads)
+        self.loads = 0
+
+    def busy(self) -> bool:
+        return bool(self.loading)
+
+    def tick(self, rep) -> bool:
+        from kvsched.sim.lifecycle import load_tick
+        return load_tick(rep)
+
+    def wake(self, rep) -> float:
+        from kvsched.sim.lifecycle import load_wake
+        return load_wake(rep)
+
+    # ----- writes down -----------------------------------------------------------------
+    def write(self, keys: list[int]) -> None:
+        """Blocks `keys` leave the GPU's copy now (evicted, or computed with write-through):
+        each tier lacking one gets it over its write link; one it holds becomes most recent."""
+        bb, now = self.block_bytes, self.clock.now
+        for p in self.ports:
+            store, link = p.store, p.write
+            have = store.keys
+            for k in keys:
+                if k in have:
+                    have.move_to_end(k)
+                else:
+                    store.put(k, link.send(now, bb))
+
+    # ----- loads -------------------------------------------------------------------------
+    def below(self, keys: list[int], first: int, cap: int) -> list[int]:
+        """From block `first` on (up to `cap`), the tier each block of the prefix is read from
+        (an index into `ports`), as long as some tier holds it readable now."""
+        ports, now, out = self.ports, self.clock.now, []
+        for j in range(first, cap):
+            k = keys[j]
+            for n, p in enumerate(ports):
+                t = p.store.keys.get(k)
+                if t is not None and t <= now:
+                    out.append(n)
+                    break
+            else:
+                break
+        return out
+
+    def start(self, i: int, keys: list[int], first: int, src: list[int]) -> None:
+        """Load blocks first .. first + len(src) - 1 of request i (keys `keys`) from the tiers
+        `src` names (`below`: each is readable now). Each tier's blocks go as one transfer on
+        its read link; different tiers' links run in parallel; the load lands with the last."""
+        bb, now = self.block_bytes, self.clock.now
+        land = now
+        used = []
+        for n, p in enumerate(self.ports):
+            count = src.count(n)
+            if not count:
+                continue
+            have = p.store.keys
+            for j, s in enumerate(src):
+                if s == n:
+                    have.move_to_end(keys[first + j])
+            land = max(land, p.read.send(now, count * bb))
+            p.store.bytes_out += count * bb
+            p.store.loaded_tokens += count * self.bs
+            used.append(p)
+        for p in used:
+            p.loads += 1
+            p.load_s += land - now
+        self.loading[i] = (land, first, len(src), now)
+        self.loads += 1
+
+    def landed(self, now: float) -> list[tuple[int, int, int]]:
+        """(request, first block, blocks) of the loads landed by `now`, earliest first (ties by
+        request), taken off the loads in flight."""
+        done = sorted((v[0], i) for i, v in self.loading.items() if v[0] <= now)
+        out = []
+        for land, i in done:
+            _, first, n, start = self.loading.pop(i)
+            self.load_s[i] = self.load_s.get(i, 0.0) + (land - start)
+            out.append((i, first, n))
+        return out
+
+    def next_landing(self) -> float:
+        return min(v[0] for v in self.loading.values())
+
+    # ----- what policies read (the view's `prefix_blocks`, `tier_free_blocks`) --------------
+    def prefix_blocks(self, cache, i: int) -> tuple[int, ...]:
+        """Request i's cached prefix now: its blocks on the GPU, then those each tier would
+        load after them (in `ports` order), as `lifecycle.load_scan` would find them."""
+        cap = cache.lookup_cap(i)
+        g = cache.cached_tokens(i) // self.bs
+        counts = [0] * len(self.ports)
+        if g < cap:
+            for n in self.below(cache.keys(i, cap), g, cap):
+                counts[n] += 1
+        return (g, *counts)
+
+    def free_blocks(self) -> dict[str, int]:
+        return {p.store.kind: p.store.capacity_blocks - len(p.store.keys) for p in self.ports}
+
+
+def parse_tiers(texts, write: str, block_bytes: int, replicas: int) -> list[list[TierStore]]:
+    """--kv-tier values for prefix-cache offload: per replica, its tiers (host and disk its
+    own; one remote store shared by all)."""
+    if write not in WRITE_MODES:
+        raise KvschedError(f"--kv-write must be one of {', '.join(WRITE_MODES)}, got {write!r}")
+    specs = [parse_kv_tier(t) for t in texts]
+    kinds = [s.kind for s in specs]
+    for k in set(kinds):
+        if kinds.count(k) > 1:
+            raise KvschedError(f"--kv-tier {k} is given {kinds.count(k)} times: give each tier once")
+    for s in specs:
+        if int(s.gb * 1e9 // block_bytes) < 1:
+            raise KvschedError(f"--kv-tier {s.describe()}: {s.gb:g} GB holds no KV block "
+                               f"({block_bytes} bytes each)")
+    shared = {s.kind: TierStore(s, block_bytes) for s in specs if s.kind == "remote"}
+    return [[shared.get(s.kind) or TierStore(s, block_bytes) for s in specs] for _ in range(replicas)]
