@@ -86,8 +86,8 @@ def test_two_loads_on_one_link_queue_fifo():
     off.write(list(range(6)))               # six blocks written at t = 0 (each holds the write link)
     assert list(store.keys.values()) == pytest.approx([(k + 1) * BB / 16e9 + 0.001 for k in range(6)])
     off.clock.now = 1.0
-    off.start(0, [0, 1, 2], 0, [0, 0, 0])
-    off.start(1, [3, 4, 5], 0, [0, 0, 0])
+    off.start(0, [0, 1, 2], 0, [0, 0, 0], True)
+    off.start(1, [3, 4, 5], 0, [0, 0, 0], True)
     hold = 3 * BB / 16e9
     assert off.loading[0][0] == pytest.approx(1.0 + hold + 0.001, rel=1e-15)
     assert off.loading[1][0] == pytest.approx(1.0 + 2 * hold + 0.001, rel=1e-15)
@@ -138,21 +138,22 @@ def test_a_remote_store_serves_another_replicas_prefix(monkeypatch):
 
 
 def test_remote_traffic_and_disaggregated_transfers_share_the_network_link(monkeypatch):
-    """One prefill and one decode replica; A's 3 prefix blocks go to the remote store as its
-    prefill computes them (write-through, at t=0) over a 0.05 GB/s path that queues on the
-    prefill replica's KV link: A's KV transfer to the decode replica (ready at 0.05) waits
-    until the writes leave the link at 3 x 2,097,152 / 5e7 s, so A finishes that much later
-    than without the tier."""
+    """One prefill and one decode replica. A (one output token, so no transfer) computes a
+    3-block prefix by 0.05; with write-through its blocks go to the remote store at the batch's
+    end over a 0.05 GB/s path that queues on the prefill replica's KV link, holding it
+    3 x 2,097,152 / 5e7 s. B's KV transfer to the decode replica, ready at 0.10, waits for
+    them: B finishes exactly 0.05 + that - 0.10 s later than without the tier."""
     monkeypatch.setenv("KVSCHED_CHECK", "1")
-    w = workload([0.0], [68], [4], [[(7, 48)]])
+    w = workload([0.0, 0.05], [68, 20], [1, 4], [[(7, 48)], []])
     disagg = dict(prefill_replicas=1, decode_replicas=1, kv_transfer_bandwidth=5.0)
     base = simulate(scenario(w, capacity=1600, **disagg), "vllm-v1").records
     r = simulate(scenario(w, ("remote:10:0.05:0.002",), capacity=1600, kv_write="through", **disagg), "vllm-v1")
     writes = 3 * BB / 5e7
-    assert r.records.finished[0] == pytest.approx(base.finished[0] + (writes - 0.05), rel=1e-12)
+    assert r.records.finished[0] == base.finished[0] == 0.05
+    assert r.records.finished[1] == pytest.approx(base.finished[1] + (0.05 + writes - 0.10), rel=1e-12)
     row = r.summary["tier_breakdown"][0]
     assert row["bytes_in"] == 3 * BB
-    assert row["link_busy_fraction"] == pytest.approx(writes / r.records.finished[0], rel=1e-9)
+    assert row["link_busy_fraction"] == pytest.approx(writes / r.records.finished[1], rel=1e-9)
 
 
 def test_write_through_writes_blocks_as_they_are_computed():
@@ -205,7 +206,7 @@ def shared_workload(seed: int, n: int = 40) -> Workload:
 
 
 # distserve runs on disaggregated pools only; wait, nested-wait, rad and slai are refused (own state)
-POLICY_NAMES = ["vllm-v1", "vllm-v0", "sarathi", "orca", "request-level", "eb", "eb-adaptive", "eb-plus"]
+POLICY_NAMES = ["vllm-v1", "vllm-v0", "sarathi", "orca", "request-level"]     # eb*: refused (no prefix hits)
 PARAMS = {"nested-wait": {"segments": "60,240,1000"}}
 
 
@@ -299,6 +300,7 @@ def test_the_view_shows_each_tier_and_a_requests_blocks_per_tier():
     class Spy:
         name = "spy"
         max_num_seqs = 1
+        plans_prefix_hits = True
 
         def __init__(self):
             self.inner = VllmV1(max_num_batched_tokens=2048, max_num_seqs=1)
@@ -330,3 +332,73 @@ def test_lpm_orders_by_the_prefix_on_the_gpu_and_falls_back_to_fcfs(queue_len):
         assert order == sorted(range(queue_len), key=lambda i: -gpu[i])
     else:
         assert order == list(range(queue_len))
+
+
+def test_no_load_takes_the_room_of_a_request_ahead_of_it():
+    """Review finding: 60 requests whose prefixes went down to host arrive every 30 ms; H, a
+    305-token request with nothing below, arrives among them. Loads behind H must not take the
+    room H waits for: no request that arrived after H is admitted before it, as GPU-only."""
+    n = 60
+    arr, pr, out, seg = [], [], [], []
+    for k in range(n):                  # request k caches prefix k; later ones evict it (written down)
+        arr.append(0.1 * k); pr.append(68); out.append(2); seg.append([(100 + k, 48)])
+    arr.append(n * 0.1); pr.append(300); out.append(2); seg.append([])
+    t0 = n * 0.1 + 1
+    for k in range(n):
+        arr.append(t0 + 0.03 * k); pr.append(68); out.append(8); seg.append([(100 + k, 48)])
+        if k == 2:
+            arr.append(t0 + 0.03 * k + 0.001); pr.append(305); out.append(2); seg.append([])
+    w = workload(arr, pr, out, seg)
+    h = pr.index(305)
+    gpu_only = simulate(scenario(w, capacity=320), "vllm-v1").records
+    r = simulate(scenario(w, ("host:1:16:0.001",), capacity=320), "vllm-v1")
+    rec = r.records
+    assert r.summary["tier_loads"] > 0
+    assert not any(rec.admitted[i] < rec.admitted[h] for i in range(h + 1, len(arr)))
+    assert rec.admitted[h] <= gpu_only.admitted[h] + 0.1         # within a load and a batch
+
+
+def test_a_prefix_being_loaded_is_loaded_once(monkeypatch):
+    """Review finding: B1 and B2 (t=10) share A's prefix; C left its first block on the GPU (7
+    blocks) and sent blocks 1-2 to host. B1 loads them; B2 neither loads them again nor
+    computes them: it waits for B1's load, holding nothing (vLLM delays it), then both take
+    48 tokens as their hit and compute 20 each."""
+    monkeypatch.setenv("KVSCHED_CHECK", "1")
+    w = workload([0.0, 5.0, 10.0, 10.0], [68, 90, 68, 68], [4, 2, 4, 4], [[(7, 48)], [], [(7, 48)], [(7, 48)]])
+    r = simulate(scenario(w, ("host:1:16:0.001",), capacity=112), "vllm-v1", record_batches=True)
+    row = r.summary["tier_breakdown"][0]
+    assert row["loads"] == 1 and row["bytes_out"] == 2 * BB
+    assert [b[2] for b in r.batches if b[2]] == [68, 90, 40]
+    assert row["hit_rate"] == pytest.approx(32 / (68 + 90 + 68 + 68))     # B1's loaded blocks (B2's hit is B1's)
+
+
+def test_the_ttft_split_never_goes_negative_with_preemptions(monkeypatch):
+    """Review finding: reloads after a preemption belong to the prefill part, not to queueing."""
+    monkeypatch.setenv("KVSCHED_CHECK", "1")
+    rng = np.random.default_rng(4)
+    n = 80
+    w = Workload.build(np.sort(rng.uniform(0, 2, n)), rng.integers(20, 300, n), rng.integers(50, 300, n))
+    sc = Scenario(w, model="llama-3-8b", gpu="a100-80gb", kv_capacity=2048, prefix_caching=True, client=None,
+                  kv_tiers=("host:1:16",))
+    r = simulate(sc, "vllm-v1")
+    assert r.summary["preemptions"] > 0 and r.summary["tier_loads"] > 0
+    split = r.summary["ttft_split_ms"]
+    assert min(split[k]["p50"] for k in split) >= 0 and split["queueing"]["mean"] >= 0
+    total = sum(split[k]["mean"] for k in split)
+    assert total == pytest.approx(r.summary["mean_ttft_ms"], rel=1e-9)
+
+
+@pytest.mark.parametrize("policy", ["eb", "eb-adaptive", "eb-plus"])
+def test_policies_that_plan_from_token_zero_are_refused(policy):
+    """Review finding: eb plans its chunks without the cache, so every load was wasted."""
+    sc = Scenario(shared_workload(0), model="llama-3-8b", gpu="a100-80gb", kv_capacity=1024, prefix_caching=True,
+                  client=None, kv_tiers=("host:1:16",))
+    with pytest.raises(KvschedError, match="plans its chunks without the prefix cache's hits"):
+        simulate(sc, policy)
+
+
+def test_orca_without_a_token_budget_loads():
+    """Review finding: orca's budget 0 means none, not an exhausted one."""
+    sc = Scenario(shared_workload(3, 80), model="llama-3-8b", gpu="a100-80gb", kv_capacity=1024, prefix_caching=True,
+                  client=None, kv_tiers=("host:0.05:16",))
+    assert simulate(sc, "orca").summary["tier_loads"] > 0

@@ -197,3 +197,44 @@ def test_vllm_v0_admits_no_prompt_while_a_request_is_swapped_out(policy):
         assert rec.admitted[2] > 1.0                     # after B's copy-in (A finished near 1.0 s)
     else:
         assert rec.admitted[2] < 0.6
+
+
+class Choosing:
+    """vllm-v1 whose plans name the victims to swap (Plan.swap)."""
+    name = "choosing"
+
+    def __init__(self, swap):
+        from kvsched.policies.baselines import VllmV1
+        self.inner, self.swap = VllmV1(max_num_batched_tokens=2048, max_num_seqs=256), swap
+
+    def schedule(self, v):
+        p = self.inner.schedule(v)
+        p.swap = self.swap(p.preempt) if callable(self.swap) else self.swap
+        return p
+
+
+def test_a_policy_chooses_per_victim_through_the_plan(monkeypatch):
+    """Plan.swap = []: every victim recomputes, as without swap; None: every decoding victim
+    swaps, as by default; the victim itself: it swaps."""
+    monkeypatch.setenv("KVSCHED_CHECK", "1")
+    base = simulate(two_requests(), "vllm-v1").records
+    swapped = simulate(two_requests("swap", ("host:1:16:0.001",)), "vllm-v1").records
+    none = simulate(two_requests("swap", ("host:1:16:0.001",)), Choosing([]))
+    assert none.summary["swap_outs"] == 0 and none.summary["preemptions"] == 1
+    assert none.records.finished.tobytes() == base.finished.tobytes()
+    assert none.records.recomputed.tobytes() == base.recomputed.tobytes()
+    for choice in (None, list):
+        r = simulate(two_requests("swap", ("host:1:16:0.001",)), Choosing(choice))
+        assert r.summary["swap_outs"] == 1
+        assert r.records.finished.tobytes() == swapped.finished.tobytes()
+
+
+@pytest.mark.parametrize("preemption, choice, needle", [
+    ("recompute", [], "without --preemption swap"),
+    ("swap", [0, 1], "which its plan does not preempt"),
+    ("swap", 7, "must be a collection of request ids"),
+])
+def test_a_bad_swap_choice_is_the_policys_error(preemption, choice, needle):
+    tiers = ("host:1:16:0.001",) if preemption == "swap" else ()
+    with pytest.raises(KvschedError, match=needle):
+        simulate(dataclasses.replace(two_requests(preemption, tiers), prefix_caching=False), Choosing(choice))

@@ -578,6 +578,10 @@ def attach_offload(replicas: list, texts: tuple[str, ...], write: str, kv_bytes_
                            "--preemption swap to swap preempted requests to a host tier)")
     for rep in replicas:
         refuse_own_state(rep, "--kv-tier")
+        if not getattr(rep.policy, "plans_prefix_hits", False):
+            raise KvschedError(f"--kv-tier: policy {rep.name} plans its chunks without the prefix cache's hits (it "
+                               "does not declare plans_prefix_hits), so a prefix loaded from a tier would be computed "
+                               "again: tiers are modelled for vllm-v1, vllm-v0, sarathi, orca and request-level")
     bs = replicas[0].block_size
     for k, (rep, stores) in enumerate(zip(replicas, parse_tiers(texts, write, bs * kv_bytes_per_token, len(replicas)))):
         rep._offload = rep._side = rep.cache.spill = Offload(stores, bs, write == "through",

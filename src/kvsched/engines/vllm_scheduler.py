@@ -66,7 +66,7 @@ class VllmView:
     prefix_caching = False          # the adapter refuses vLLM's prefix caching (docs/prefix-caching.md)
     prefix_hit_rate = None
     swapped = 0                     # vLLM v1 preempts by recompute only
-    tier_free_blocks: dict[str, int] = {}   # no tiers below the GPU in the adapter
+    tier_free_blocks = ()           # no tiers below the GPU in the adapter
 
     @staticmethod
     def prefix_blocks(i: int) -> tuple[int, ...]:

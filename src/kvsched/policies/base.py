@@ -24,21 +24,27 @@ class Plan:
              False: none; or a collection of request ids in their decode phase: exactly
              those decode, the others stay paused with their KV held (their next
              inter-token gap spans the batches they sat out).
+    swap:    with --preemption swap (docs/kv-tiers.md), the victims whose KV is swapped to
+             host memory instead of recomputed (None, the default: every decoding victim);
+             the others recompute. Each must be in `preempt`.
     An empty plan (nothing to compute) means: wait for the next event (an arrival, KV freed).
     """
     admit: list[int] = field(default_factory=list)
     chunks: list[tuple[int, int]] = field(default_factory=list)
     decode: bool | Collection[int] = False
     preempt: list[int] = field(default_factory=list)
+    swap: Collection[int] | None = None
 
     def __init__(self, admit: list[int] = _FRESH, chunks: list[tuple[int, int]] = _FRESH,
-                 decode: bool | Collection[int] = False, preempt: list[int] = _FRESH) -> None:
+                 decode: bool | Collection[int] = False, preempt: list[int] = _FRESH,
+                 swap: Collection[int] | None = None) -> None:
         """The dataclass's own __init__, written out: the generated one would run as
         interpreted code even in the compiled build (kvsched/compiled.py), once per batch."""
         self.admit = [] if admit is _FRESH else admit
         self.chunks = [] if chunks is _FRESH else chunks
         self.decode = decode
         self.preempt = [] if preempt is _FRESH else preempt
+        self.swap = swap
 
 
 class ServerView(Protocol):
@@ -74,7 +80,8 @@ class ServerView(Protocol):
     prefix_hit_rate: float | None     # share of looked-up prompt tokens taken from the cache so far
     swapped: int                      # requests swapped out to host memory here, to resume (--preemption
                                       # swap, docs/kv-tiers.md); 0 without swap
-    tier_free_blocks: dict[str, int]  # free blocks of each KV tier below the GPU ({} without tiers)
+    tier_free_blocks: tuple[tuple[str, int], ...]   # (name, free blocks) of each KV tier below the GPU,
+                                      # fastest first; () without tiers
 
     def blocks_for(self, tokens: int) -> int: ...
     def arrival(self, i: int) -> float: ...
@@ -112,6 +119,11 @@ class Policy(Protocol):
     `schedule` must not declare it. The promise is about `schedule`: a subclass that
     overrides `schedule` loses an inherited flag unless it declares it again
     (`decodes_when_idle(policy)`).
+
+    `plans_prefix_hits = True` (optional, a class attribute) says the policy starts a waiting
+    request's first chunk after its cached prefix (`view.prefix_planner()`); the prefix
+    cache's tiers (--kv-tier, docs/kv-tiers.md) need it, since a prefix loaded from a tier
+    that the plan then computes from token 0 would be wasted.
 
     `replica_local = True` (optional, a class attribute of the policy's own class, not
     inherited) promises: the policy reads nothing of other replicas (not the view's

@@ -172,6 +172,7 @@ class VllmV1(_Base):
     long_prefill_token_threshold: int = field(default=0, metadata={"range": "[0, inf)", 
         "help": "cap on one request's prefill tokens per step, 0 = none (vLLM's option; the chunk s_hat of stability-capacity.txt)"})
     name = "vllm-v1"
+    plans_prefix_hits = True                # chunks start after the cached prefix (view.prefix_planner)
     replica_local = True                    # reads only its own replica, shares nothing (base.py)
     decodes_when_idle = True                # nothing waits or prefills: decode everyone (base.py)
 
@@ -263,6 +264,7 @@ class Sarathi(_Base):
     order: str = field(default="fcfs", metadata={"range": "fcfs|spf|lpm", "help": "new-prefill order: FCFS, shortest prompt first, or longest prefix cached on the GPU first (SGLang's lpm)"})
     watermark: float = field(default=0.0, metadata={"range": "[0, 1)", "help": "share of KV blocks kept free at admission"})
     name = "sarathi"
+    plans_prefix_hits = True                # chunks start after the cached prefix (view.prefix_planner)
     replica_local = True                    # reads only its own replica, shares nothing (base.py)
     decodes_when_idle = True                # nothing waits or prefills: decode everyone (base.py)
 
@@ -321,6 +323,7 @@ class VllmV0(_Base):
     max_num_seqs: int | None = field(default=None, metadata={"range": "[1, inf)", "help": "max running requests"})
     watermark: float = field(default=0.01, metadata={"range": "[0, 1)", "help": "fraction of KV blocks kept free at admission"})
     name = "vllm-v0"
+    plans_prefix_hits = True                # chunks start after the cached prefix (view.prefix_planner)
     replica_local = True                    # reads only its own replica, shares nothing (base.py)
     decodes_when_idle = True                # nothing waits or prefills: decode everyone (base.py)
 
@@ -383,6 +386,7 @@ class Orca(_Base):
     max_num_batched_tokens: int = field(default=0, metadata={"range": "[0, inf)", "help": "token budget per step, 0 = none (Orca's)"})
     max_num_seqs: int | None = field(default=None, metadata={"range": "[1, inf)", "help": "max running requests"})
     name = "orca"
+    plans_prefix_hits = True                # chunks start after the cached prefix (view.prefix_planner)
     replica_local = True                    # reads only its own replica, shares nothing (base.py)
     decodes_when_idle = True                # nothing waits or prefills: decode everyone (base.py)
 
@@ -413,6 +417,7 @@ class RequestLevel(_Base):
     decodes that outgrow KV preempt the newest (it rejoins the queue front)."""
     b: int = field(default=64, metadata={"range": "[1, inf)", "help": "requests per cycle"})
     name = "request-level"
+    plans_prefix_hits = True                # chunks start after the cached prefix (view.prefix_planner)
     replica_local = True                    # reads only its own replica, shares nothing (base.py)
     decodes_when_idle = True                # nothing waits or prefills: decode everyone (base.py)
 

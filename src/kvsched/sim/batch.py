@@ -19,7 +19,7 @@ from kvsched.policies.base import Plan
 from kvsched.sim.decode_set import Cohort
 from kvsched.sim.kv_blocks import allocate, check, free_finished, take
 from kvsched.sim.lifecycle import admit, finish, leave_decode, preempt, prefill_complete, swap_out
-from kvsched.sim.plan_check import check as check_plan, short
+from kvsched.sim.plan_check import check as check_plan, short, swap_choice
 from kvsched.sim.records import first_gaps, spill_logs, tier_first_gaps
 from kvsched.sim.requests import INF
 from kvsched.sim.rowlog import CHUNK
@@ -41,8 +41,11 @@ def execute(rep: Replica, plan: Plan) -> bool:
     victims, admitted, chunks, d = check_plan(plan, rep._face, rep.name, rep._plan_hooks)
     preempted = rep.preemptions
     swap = rep._swap
+    chosen = getattr(plan, "swap", None)    # the policy's choice of victims to swap (Plan.swap)
+    if chosen is not None:
+        chosen = swap_choice(chosen, victims, swap is not None, rep.name)
     for i in victims:                       # preempt: recompute, or swap a decoder out (sim/host_swap.py)
-        if swap is not None and i in rep._where and i not in admitted:
+        if swap is not None and i in rep._where and i not in admitted and (chosen is None or i in chosen):
             swap_out(rep, i)
         else:
             preempt(rep, i)

@@ -101,7 +101,7 @@ def holdings(rep, transfers: dict[int, int]) -> dict[int, int]:
         for i in [e[2] for e in rep._swap.inflight] + list(rep._swap.parked):
             held[i] = r.computed[i]
     if rep._offload is not None:            # loading from a tier: its cached prefix and the blocks loading
-        for i, (_, first, n, _) in rep._offload.loading.items():
+        for i, (_, first, n, *_) in rep._offload.loading.items():
             held[i] = (first + n) * rep.block_size
         for i, blocks in rep.cache.held.items():    # waiting, holding its loaded prefix
             if r.status[i] == WAITING:

@@ -44,7 +44,7 @@ class TierStore:
         self.capacity_blocks = int(spec.gb * 1e9 // block_bytes)
         self.keys: OrderedDict[int, float] = OrderedDict()
         self.bytes_in = self.bytes_out = 0      # written into the tier, read back from it
-        self.loaded_tokens = 0                  # prompt tokens loaded from here (its hits)
+        self.loaded_tokens = 0                  # prompt tokens loaded from here that admissions took (its hits)
         self.evictions = 0
 
     def put(self, key: int, ready: float) -> None:
@@ -100,11 +100,16 @@ class Port:
         self.load_s = 0.0                       # their load times, summed
 
     def busy_fraction(self, duration: float) -> float:
-        """Share of the run its link(s) carried this tier's transfers (both directions: two
-        links, or one shared)."""
+        """Share of the run [0, duration] its link(s) carried this tier's transfers (both
+        directions: two links, or one shared). A FIFO link's backlog past the run's end is one
+        busy stretch, so that part is left out exactly; on a `SharedLink` the stretch may hold
+        other traffic too, so the part left out is at most the tier's."""
+        def within(link) -> float:
+            base = link.base if isinstance(link, SharedLink) else link
+            return link.busy - min(link.busy, max(0.0, base.free_at - duration))
         if self.read is self.write:
-            return self.read.busy / duration
-        return (self.read.busy + self.write.busy) / (2 * duration)
+            return within(self.read) / duration
+        return (within(self.read) + within(self.write)) / (2 * duration)
 
 
 class Offload:
@@ -118,8 +123,12 @@ class Offload:
         self.bs = block_size
         self.through = write_through
         self.clock = Clock()                    # its replica (`now`: the time of every write and load)
-        self.loading: dict[int, tuple[float, int, int, float]] = {}   # request -> (lands, GPU hit, loaded, start)
-        self.load_s: dict[int, float] = {}      # request -> seconds spent loading (all its loads)
+        # request -> (lands, GPU hit, blocks loaded, start, before its first admission, keys loading)
+        self.loading: dict[int, tuple[float, int, int, float, bool, list[int]]] = {}
+        self.inflight: dict[int, float] = {}    # key -> when the load bringing it here lands
+        self.landed_src: dict[int, tuple[int, list[int]]] = {}   # request -> (GPU hit, tiers) of its landed load
+        self.load_s: dict[int, float] = {}      # request -> seconds loading before its first admission
+        self.deferred: list[int] = []           # write-through: keys computed this batch, written next step
         self.loads = 0
 
     def busy(self) -> bool:
@@ -135,8 +144,9 @@ class Offload:
 
     # ----- writes down -----------------------------------------------------------------
     def write(self, keys: list[int]) -> None:
-        """Blocks `keys` leave the GPU's copy now (evicted, or computed with write-through):
-        each tier lacking one gets it over its write link; one it holds becomes most recent."""
+        """Blocks `keys` go down now (evicted, or computed last batch with write-through): each
+        tier lacking one gets it over its write link, readable when the write lands; one it
+        holds becomes its most recent."""
         bb, now = self.block_bytes, self.clock.now
         for p in self.ports:
             store, link = p.store, p.write
@@ -146,6 +156,16 @@ class Offload:
                     have.move_to_end(k)
                 else:
                     store.put(k, link.send(now, bb))
+
+    def defer(self, keys: list[int]) -> None:
+        """Write-through: blocks keyed while a batch is planned are computed by its end, so they
+        go down at the next step's start (`flush`), as vLLM's worker submits a step's stores
+        at the next step (offloading/worker.py)."""
+        self.deferred.extend(keys)
+
+    def flush(self) -> None:
+        keys, self.deferred = self.deferred, []
+        self.write(keys)
 
     # ----- loads -------------------------------------------------------------------------
     def below(self, keys: list[int], first: int, cap: int) -> list[int]:
@@ -163,7 +183,18 @@ class Offload:
                 break
         return out
 
-    def start(self, i: int, keys: list[int], first: int, src: list[int]) -> None:
+    def loading_of(self, keys: list[int], first: int, n: int) -> float | None:
+        """When the last load here bringing some of blocks first .. first + n - 1 lands (None:
+        none is loading them)."""
+        inflight, t = self.inflight, None
+        if inflight:
+            for k in keys[first:first + n]:
+                x = inflight.get(k)
+                if x is not None and (t is None or x > t):
+                    t = x
+        return t
+
+    def start(self, i: int, keys: list[int], first: int, src: list[int], before_admission: bool) -> None:
         """Load blocks first .. first + len(src) - 1 of request i (keys `keys`) from the tiers
         `src` names (`below`: each is readable now). Each tier's blocks go as one transfer on
         its read link; different tiers' links run in parallel; the load lands with the last."""
@@ -180,24 +211,43 @@ class Offload:
                     have.move_to_end(keys[first + j])
             land = max(land, p.read.send(now, count * bb))
             p.store.bytes_out += count * bb
-            p.store.loaded_tokens += count * self.bs
             used.append(p)
         for p in used:
             p.loads += 1
             p.load_s += land - now
-        self.loading[i] = (land, first, len(src), now)
+        loading = keys[first:first + len(src)]
+        for k in loading:
+            self.inflight[k] = land
+        self.loading[i] = (land, first, len(src), now, before_admission, loading)
+        self.landed_src[i] = (first, src)
         self.loads += 1
+
+    def wait_for(self, i: int, first: int, land: float, before_admission: bool) -> None:
+        """Request i waits, loading nothing, for another request's load landing at `land`."""
+        self.loading[i] = (land, first, 0, self.clock.now, before_admission, [])
 
     def landed(self, now: float) -> list[tuple[int, int, int]]:
         """(request, first block, blocks) of the loads landed by `now`, earliest first (ties by
         request), taken off the loads in flight."""
         done = sorted((v[0], i) for i, v in self.loading.items() if v[0] <= now)
         out = []
+        inflight = self.inflight
         for land, i in done:
-            _, first, n, start = self.loading.pop(i)
-            self.load_s[i] = self.load_s.get(i, 0.0) + (land - start)
+            _, first, n, start, before, keys = self.loading.pop(i)
+            if before:
+                self.load_s[i] = self.load_s.get(i, 0.0) + (land - start)
+            for k in keys:
+                if inflight.get(k) == land:
+                    del inflight[k]
             out.append((i, first, n))
         return out
+
+    def used(self, i: int, blocks: int) -> None:
+        """Request i's admission took the first `blocks` blocks of its prefix (0: it let go of
+        it): the loaded ones among them count as the tiers' hits."""
+        first, src = self.landed_src.pop(i, (0, ()))
+        for n in src[:max(0, blocks - first)]:
+            self.ports[n].store.loaded_tokens += self.bs
 
     def next_landing(self) -> float:
         return min(v[0] for v in self.loading.values())
@@ -214,8 +264,8 @@ class Offload:
                 counts[n] += 1
         return (g, *counts)
 
-    def free_blocks(self) -> dict[str, int]:
-        return {p.store.kind: p.store.capacity_blocks - len(p.store.keys) for p in self.ports}
+    def free_blocks(self) -> tuple[tuple[str, int], ...]:
+        return tuple((p.store.kind, p.store.capacity_blocks - len(p.store.keys)) for p in self.ports)
 
 
 def parse_tiers(texts, write: str, block_bytes: int, replicas: int) -> list[list[TierStore]]:

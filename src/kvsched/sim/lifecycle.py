@@ -168,13 +168,16 @@ def seats(rep: Replica) -> int:
 
 
 def load_tick(rep: Replica) -> bool:
-    """At a step's start, with tiers below the GPU (sim/kv_tiers.py): loads that have landed
-    put their requests back at the queue's front, their prefix now cached on the GPU; then
-    waiting requests at the queue's front whose cached prefix continues in a tier start
-    loading it (`load_start`). A replica with nothing else to run moves its clock to the next
-    landing. True if it has nothing to run (the step plans nothing)."""
+    """At a step's start, with tiers below the GPU (sim/kv_tiers.py): blocks computed last batch
+    go down (`--kv-write through`); loads that have landed put their requests back at the
+    queue's front, their prefix now cached on the GPU; then waiting requests at the queue's
+    front whose cached prefix continues in a tier start loading it (`load_scan`). A replica
+    with nothing else to run moves its clock to the next landing. True if it has nothing to
+    run (the step plans nothing)."""
     off = rep._offload
     while True:
+        if off.deferred:
+            off.flush()
         if off.loading:
             back = off.landed(rep.now)
             for i, first, n in reversed(back):
@@ -191,52 +194,78 @@ def load_tick(rep: Replica) -> bool:
 
 
 def load_scan(rep: Replica) -> None:
-    """The waiting requests at the queue's front, as many as the policy has seats free for
-    (vLLM's waiting loop stops at `max_num_running_reqs`), in order: one whose cached prefix
-    continues below the GPU starts loading it if its blocks fit beside the decoders' next step
-    and the blocks the running prefills still need for their whole prompts (vLLM 0.32's
-    `allocate_slots(..., reserved_blocks=)` for a load, scheduler.py); the first that does not
-    fit stops the scan (vLLM's loop breaks where `allocate_slots` fails). A request with
-    nothing below is left to the policy."""
+    """vLLM 0.32's waiting loop (scheduler.py, `schedule`) as far as loads go: the waiting
+    requests in queue order, while the policy has seats and the step's token budget lasts,
+    each counting room for its whole prompt beyond its cached prefix (`scheduler_reserve_full_isl`)
+    beside the decoders' next step and the running prefills' remaining blocks
+    (`allocate_slots(..., reserved_blocks=)`):
+    - one holding a loaded prefix (vLLM's `kv_holding_waiting`, served first) or with nothing
+      below the GPU is the policy's to admit: its room and tokens are counted;
+    - one whose cached prefix continues in a tier starts loading it (`load_start`; no token
+      budget, no seat); if another request here is loading some of those blocks, it waits for
+      that load instead, holding nothing, whatever the room (vLLM delays it before any
+      allocation: offloading/scheduler.py, `get_num_new_matched_tokens` returns None);
+    - the first that does not fit ends the scan (vLLM's loop breaks where `allocate_slots`
+      fails), so no load takes the room of a request ahead of it."""
     cache, off, kv, bs = rep.cache, rep._offload, rep.kv, rep.block_size
     free = seats(rep) - len(rep._running) - len(rep._landing)
     if free <= 0:
         return
+    budget = getattr(rep.policy, "max_num_batched_tokens", None)     # 0 or None: none (orca's default)
+    budget = budget - rep._decoders.n if type(budget) is int and budget > 0 else 1 << 62
     target, computed = rep._target, rep._computed
-    reserve = rep._decoders.new_blocks
+    room = kv.capacity_blocks - kv.used - rep._decoders.new_blocks
     for j in rep._prefilling:
-        reserve += -(-target[j] // bs) - -(-computed[j] // bs)
+        room -= -(-target[j] // bs) - -(-computed[j] // bs)
     held = cache.held
     for i in list(islice(rep._queue, free)):
-        if i in held:                       # loaded already: the policy's to admit
+        if budget <= 0:
+            return
+        t = target[i]
+        pinned = held.get(i)
+        if pinned is not None:              # its load landed: the policy admits it first
+            room -= -(-t // bs) - len(pinned)
+            if room < 0:
+                return
+            budget -= t - len(pinned) * bs
             continue
         cap = cache.lookup_cap(i)
-        gpu = list(cache.walk(i))
+        gpu = list(cache.walk(i)) if cap > 0 else []
         g = len(gpu)
-        if g >= cap:
-            continue
-        keys = cache.keys(i, cap)
-        src = off.below(keys, g, cap)
-        if not src:
-            continue
-        need = len(src)
+        keys = cache.keys(i, cap) if g < cap else None
+        src = off.below(keys, g, cap) if keys is not None else None
+        if src:
+            wait = off.loading_of(keys, g, len(src))
+            if wait is not None:            # delayed, holding nothing, till that load lands
+                load_start(rep, i, [], keys, src, wait)
+                continue
+        need = -(-t // bs) - g
         for b in gpu:
             need += b.ref == 0
-        if kv.used + need + reserve > kv.capacity_blocks:
+        if need > room:
             return
-        load_start(rep, i, gpu, keys, src)
+        room -= need
+        if not src:
+            budget -= t - g * bs
+            continue
+        load_start(rep, i, gpu, keys, src, None)
 
 
 @cython.locals(r="RequestTable")
-def load_start(rep: Replica, i: int, gpu: list, keys: list, src: list) -> None:
+def load_start(rep: Replica, i: int, gpu: list, keys: list, src: list, wait) -> None:
     """Waiting request i holds its cached prefix on the GPU (`gpu`) and new blocks for the
     blocks the tiers hold (`src`), and waits while they load (vLLM: WAITING_FOR_REMOTE_KVS,
-    its blocks allocated by `allocate_slots`)."""
+    its blocks allocated by `allocate_slots`); or, with `wait` (when another request's load of
+    some of them lands here), waits for that load, holding and loading nothing (`gpu` empty)."""
     r = rep.reqs
-    cache = rep.cache
+    cache, off = rep.cache, rep._offload
     cache.pin(i, gpu)
-    rep._offload.start(i, keys, len(gpu), src)      # before the allocation's evictions write blocks down
-    cache.allocate(len(src))
+    first = r.admitted_c[i] == INF          # before its first admission: TTFT's loading part
+    if wait is None:
+        off.start(i, keys, len(gpu), src, first)    # before the allocation's evictions write blocks down
+        cache.allocate(len(src))
+    else:
+        off.wait_for(i, len(gpu), wait, first)
     rep._queue.remove(i)
     r.status[i] = LOADING
 

@@ -217,3 +217,20 @@ def _decoders(d, state: PlanState, gone: "set[int] | frozenset[int]", name: str)
         raise PlanError(f"policy {name} selected request {i} for decoding; it is not in its "
                         f"decode phase on replica {state.index}")
     return chosen
+
+
+def swap_choice(chosen, victims, swapping: bool, name: str) -> frozenset:
+    """`Plan.swap` checked: a collection of the plan's own victims, in a run that swaps
+    (--preemption swap)."""
+    if not swapping:
+        raise PlanError(f"policy {name} chose victims to swap (Plan.swap) in a run without --preemption swap")
+    try:
+        ids = frozenset(chosen)
+    except TypeError:
+        raise PlanError(f"policy {name}: Plan.swap must be a collection of request ids or None, "
+                        f"got {short(chosen)}") from None
+    extra = ids.difference(victims)
+    if extra:
+        raise PlanError(f"policy {name} chose request {short(next(iter(extra)))} to swap (Plan.swap), "
+                        "which its plan does not preempt")
+    return ids

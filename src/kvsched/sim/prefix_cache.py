@@ -167,6 +167,7 @@ class PrefixCache:
         self.pin(i, taken)
         if loaded is not None:
             self.kv.used -= self._unref(loaded)
+            self.spill.used(i, len(taken))
         h = len(taken) * bs
         self.query_tokens += target
         self.hit_tokens += h
@@ -197,6 +198,7 @@ class PrefixCache:
     def unpin(self, i: int) -> None:
         """Waiting request i lets go of the prefix it holds (`adopt`): its blocks stay cached."""
         self.kv.used -= self._unref(self.held.pop(i))
+        self.spill.used(i, 0)
 
     def _unref(self, blocks: list[Block]) -> int:
         """Drop one reference to each of a request's blocks; those left unreferenced join the free
@@ -225,7 +227,7 @@ class PrefixCache:
         m = self.map
         keys = [b.key for b in blocks]
         if self.spill is not None and self.spill.through:
-            self.spill.write(keys)
+            self.spill.defer(keys)
         if m.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
             m.update(zip(keys, blocks))
             return

@@ -186,7 +186,7 @@ class ReferenceReplica:
             arrivals_pending=bool(self.upcoming),
             next_arrival=self.arrival[self.upcoming[0]] if self.upcoming else None,
             cost_model=self.cost, declared_types=self.w.declared_types, prefix_caching=False, prefix_hit_rate=None,
-            swapped=0, tier_free_blocks={}, prefix_blocks=lambda i: (),
+            swapped=0, tier_free_blocks=(), prefix_blocks=lambda i: (),
             blocks_for=self.blocks, arrival=self.arrival.__getitem__, prompt_len=self.prompt.__getitem__,
             output_len=lambda i: self.output[i] if self.w.output_known[i] else None,
             prefill_target=self.target.__getitem__, prefill_done=self.computed.__getitem__,

@@ -277,6 +277,8 @@ class Replica:
                 return False                    # plan again with the room loaded prefixes held
             self._blocked = True
             return False
+        if self._offload is not None and self._offload.deferred:
+            self._offload.flush()               # write-through: the batch's blocks, computed by its end
         if self._on_batch_end is not None:
             self._call(self._on_batch_end, "on_batch_end", None)
         return True

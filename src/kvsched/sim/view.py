@@ -294,10 +294,11 @@ class ReplicaView:
         return 0 if sw is None else len(sw.out) + sw.pending()
 
     @property
-    def tier_free_blocks(self) -> dict[str, int]:
-        """Free blocks in each tier below the GPU, by name ({} without tiers; sim/kv_tiers.py)."""
+    def tier_free_blocks(self) -> tuple[tuple[str, int], ...]:
+        """(name, free blocks) of each tier below the GPU, fastest first (() without tiers;
+        sim/kv_tiers.py)."""
         off = _R(self)._offload
-        return {} if off is None else off.free_blocks()
+        return () if off is None else off.free_blocks()
 
     @property
     def arrivals_pending(self) -> bool:
