@@ -402,3 +402,28 @@ def test_orca_without_a_token_budget_loads():
     sc = Scenario(shared_workload(3, 80), model="llama-3-8b", gpu="a100-80gb", kv_capacity=1024, prefix_caching=True,
                   client=None, kv_tiers=("host:0.05:16",))
     assert simulate(sc, "orca").summary["tier_loads"] > 0
+
+
+def test_a_load_takes_none_of_the_policys_seats():
+    """Second review: with max_num_seqs 1, B1 (prefix 7) starts loading and takes no seat, so
+    the scan goes on to B2 (prefix 8), which loads too instead of being admitted to compute
+    its prefix (vLLM's loop goes on past a loading request)."""
+    from kvsched.policies.baselines import VllmV1
+    w = workload([0.0, 1.0, 5.0, 10.0, 10.0], [68, 68, 318, 68, 68], [2, 2, 2, 20, 20],
+                 [[(7, 48)], [(8, 48)], [], [(7, 48)], [(8, 48)]])
+    for seqs in (1, 2):
+        r = simulate(scenario(w, ("host:1:16:0.001",), capacity=320), VllmV1(max_num_batched_tokens=2048,
+                                                                              max_num_seqs=seqs))
+        assert r.summary["tier_loads"] == 2
+
+
+def test_a_request_that_waited_for_a_load_loads_the_rest_of_its_prefix(monkeypatch):
+    """Second review: B1 = P and B2 = P+Q (t=10), both in host. B2 waits for B1's load of P,
+    then is looked up afresh and loads Q, as it would alone: both compute 20 tokens."""
+    monkeypatch.setenv("KVSCHED_CHECK", "1")
+    w = workload([0.0, 1.0, 5.0, 10.0, 10.0], [68, 116, 250, 68, 116], [2, 2, 2, 4, 4],
+                 [[(7, 48)], [(7, 48), (8, 48)], [], [(7, 48)], [(7, 48), (8, 48)]])
+    r = simulate(scenario(w, ("host:1:16:0.001",), capacity=256), "vllm-v1", record_batches=True)
+    assert r.summary["tier_loads"] == 2
+    assert r.summary["tier_breakdown"][0]["bytes_out"] == 6 * BB        # P once, then Q
+    assert sum(b[2] for b in r.batches if b[2] and b[0] >= 10) == 40

@@ -223,6 +223,9 @@ def test_a_policy_chooses_per_victim_through_the_plan(monkeypatch):
     assert none.summary["swap_outs"] == 0 and none.summary["preemptions"] == 1
     assert none.records.finished.tobytes() == base.finished.tobytes()
     assert none.records.recomputed.tobytes() == base.recomputed.tobytes()
+    plain = simulate(dataclasses.replace(two_requests(), prefix_caching=False), Choosing([]))     # empty: no swap asked
+    assert plain.records.finished.tobytes() == simulate(dataclasses.replace(two_requests(), prefix_caching=False),
+                                                        "vllm-v1").records.finished.tobytes()
     for choice in (None, list):
         r = simulate(two_requests("swap", ("host:1:16:0.001",)), Choosing(choice))
         assert r.summary["swap_outs"] == 1
@@ -230,7 +233,9 @@ def test_a_policy_chooses_per_victim_through_the_plan(monkeypatch):
 
 
 @pytest.mark.parametrize("preemption, choice, needle", [
-    ("recompute", [], "without --preemption swap"),
+    ("recompute", [1], "without --preemption swap"),
+    ("swap", [True], "not a request id"),
+    ("swap", [1.0], "not a request id"),
     ("swap", [0, 1], "which its plan does not preempt"),
     ("swap", 7, "must be a collection of request ids"),
 ])

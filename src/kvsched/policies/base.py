@@ -26,7 +26,8 @@ class Plan:
              inter-token gap spans the batches they sat out).
     swap:    with --preemption swap (docs/kv-tiers.md), the victims whose KV is swapped to
              host memory instead of recomputed (None, the default: every decoding victim);
-             the others recompute. Each must be in `preempt`.
+             the others recompute. Each must be in `preempt`; a named victim still in its
+             prefill recomputes, as every prefilling victim does.
     An empty plan (nothing to compute) means: wait for the next event (an arrival, KV freed).
     """
     admit: list[int] = field(default_factory=list)

@@ -7,7 +7,6 @@ the replica's queues and its counters change.
 """
 from __future__ import annotations
 
-from itertools import islice
 from typing import TYPE_CHECKING
 
 try:
@@ -217,10 +216,12 @@ def load_scan(rep: Replica) -> None:
     room = kv.capacity_blocks - kv.used - rep._decoders.new_blocks
     for j in rep._prefilling:
         room -= -(-target[j] // bs) - -(-computed[j] // bs)
-    held = cache.held
-    for i in list(islice(rep._queue, free)):
+    held, q = cache.held, rep._queue
+    pos = 0                                 # loads leave the queue and take none of the `free` seats
+    while free > 0 and pos < len(q):
         if budget <= 0:
             return
+        i = q[pos]
         t = target[i]
         pinned = held.get(i)
         if pinned is not None:              # its load landed: the policy admits it first
@@ -228,6 +229,8 @@ def load_scan(rep: Replica) -> None:
             if room < 0:
                 return
             budget -= t - len(pinned) * bs
+            pos += 1
+            free -= 1
             continue
         cap = cache.lookup_cap(i)
         gpu = list(cache.walk(i)) if cap > 0 else []
@@ -247,6 +250,8 @@ def load_scan(rep: Replica) -> None:
         room -= need
         if not src:
             budget -= t - g * bs
+            pos += 1
+            free -= 1
             continue
         load_start(rep, i, gpu, keys, src, None)
 
@@ -275,8 +280,12 @@ def load_land(rep: Replica, i: int, first: int, n: int) -> None:
     """Request i's load has landed: the loaded blocks are cached and the request, holding its
     whole cached prefix, goes back to the queue's front (vLLM: `_update_waiting_for_remote_kv`
     caches them, the request waits again with its blocks); its admission takes them as its hit
-    (`PrefixCache.hit`)."""
-    rep.cache.adopt(i, first, n)
+    (`PrefixCache.hit`). A request that waited for another's load (n = 0) held nothing: it is
+    a plain waiting request again, looked up afresh (the rest of its prefix may be below)."""
+    if n:
+        rep.cache.adopt(i, first, n)
+    else:
+        rep.cache.held.pop(i, None)
     rep.reqs.status[i] = WAITING
     rep._queue.appendleft(i)
     rep._blocked = False

@@ -222,13 +222,18 @@ def _decoders(d, state: PlanState, gone: "set[int] | frozenset[int]", name: str)
 def swap_choice(chosen, victims, swapping: bool, name: str) -> frozenset:
     """`Plan.swap` checked: a collection of the plan's own victims, in a run that swaps
     (--preemption swap)."""
-    if not swapping:
-        raise PlanError(f"policy {name} chose victims to swap (Plan.swap) in a run without --preemption swap")
     try:
-        ids = frozenset(chosen)
+        ids = list(chosen)
     except TypeError:
         raise PlanError(f"policy {name}: Plan.swap must be a collection of request ids or None, "
                         f"got {short(chosen)}") from None
+    for k, i in enumerate(ids):             # whole numbers (numpy's too), not bools or floats
+        if isinstance(i, bool) or not hasattr(i, "__index__"):
+            raise PlanError(f"policy {name}: Plan.swap holds {short(i)}, which is not a request id")
+        ids[k] = i.__index__()
+    if ids and not swapping:
+        raise PlanError(f"policy {name} chose victims to swap (Plan.swap) in a run without --preemption swap")
+    ids = frozenset(ids)
     extra = ids.difference(victims)
     if extra:
         raise PlanError(f"policy {name} chose request {short(next(iter(extra)))} to swap (Plan.swap), "
