@@ -136,3 +136,31 @@ def test_prefix_hits_are_compared_and_found():
     off = Limits(256, 16, num_gpu_blocks=60, prefix_caching=False)
     from kvsched.engines.vllm_replay import compare
     assert compare(vllm_steps(w, off, 0.01), b, w.prompt).steps_differing > 0
+
+
+def offloading_workload(n: int):
+    return load(WorkloadOptions(num_requests=n, rate=20.0, prompt_len="uniform:100:400", output_len="uniform:10:60",
+                                shared_prefix="192:0.3,160:0.3,128:0.3"))
+
+
+def test_replay_with_vllms_offloading_connector():
+    """vLLM's OffloadingConnector (its scheduler half, a stand-in worker) beside kvsched's host
+    tier written through (docs/kv-tiers.md): on this 40-request KV-tight workload every step
+    agrees, the prefix hits loaded from the CPU tier included; the schedule is not the one
+    without offloading (the loads change it)."""
+    from kvsched.engines.vllm_replay import compare, kvsched_steps, vllm_steps
+    w = offloading_workload(40)
+    runs = {}
+    for gib in (0.0, 0.01):
+        limits = Limits(2048, 256, num_gpu_blocks=129, block_size=16, prefix_caching=True, kv_offloading_gib=gib)
+        a, b = vllm_steps(w, limits, 0.01), kvsched_steps(w, "vllm-v1", v1(limits), limits, 0.01)
+        agreement = compare(a, b, w.prompt)
+        assert agreement.steps > 250 and agreement.steps_differing == 0, agreement.first_difference
+        runs[gib] = [(s.time, s.tokens, s.hits) for s in a]
+    assert runs[0.01] != runs[0.0]
+
+
+def test_offloading_needs_the_prefix_cache():
+    with pytest.raises(Exception, match="needs --prefix-caching on"):
+        replay(offloading_workload(5), "vllm-v1", {}, Limits(2048, 256, num_gpu_blocks=129, kv_offloading_gib=0.01),
+               0.01)

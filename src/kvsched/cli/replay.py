@@ -30,6 +30,7 @@ def replay_cmd(wopts: WorkloadOptions,
                max_model_len: int = typer.Option(8192, "--max-model-len", help="longest request, tokens"),
                step_time: float = typer.Option(0.01, "--step-time", help="constant seconds per step on both sides"),
                prefix_caching: str = typer.Option("on", "--prefix-caching", help="on|off: automatic prefix caching on both sides (vLLM's default: on)"),
+               kv_offloading_size: float = typer.Option(0.0, "--kv-offloading-size", help="GiB of CPU memory the prefix cache offloads to (vLLM's OffloadingConnector; kvsched's host tier, written through); 0 = off"),
                json_: bool = JsonOpt,
                out: Optional[Path] = typer.Option(None, "--out", help="write agreement.json and steps.csv (one row per step) here")) -> None:
     """Run the installed vLLM's v1 scheduler (no model) and a kvsched policy on the same
@@ -58,7 +59,7 @@ def replay_cmd(wopts: WorkloadOptions,
             params = {"max_num_batched_tokens": str(max_num_batched_tokens), "max_num_seqs": str(max_num_seqs),
                       "long_prefill_token_threshold": str(long_prefill_token_threshold), **params}
         limits = Limits(max_num_batched_tokens, max_num_seqs, long_prefill_token_threshold, block_size,
-                        kv_capacity // block_size + 1, max_model_len, prefix_caching == "on")
+                        kv_capacity // block_size + 1, max_model_len, prefix_caching == "on", kv_offloading_size)
         wopts.untimed_ok = False
         w = load(wopts)
         result = replay(w, policy, params, limits, step_time)

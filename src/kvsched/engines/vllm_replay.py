@@ -16,6 +16,15 @@ replica with `constant` batch time `step_time` and KV of (G - 1) x block_size to
 one block back as its null block). Steps are compared by the tokens each request computes, the
 preempted requests and the start time.
 
+With `Limits.kv_offloading_gib` > 0 vLLM runs its KV offloading connector to CPU memory (its
+`--kv-offloading-size`: `OffloadingConnector`, `cpu_bytes_to_use`), scheduler half only: its
+worker half cannot run on the CPU build (vllm/v1/kv_offload/cpu/spec.py, `get_worker`). A
+stand-in worker reports each step's load jobs done in that step's output (`finished_recving`,
+`completed_jobs`) and its store jobs done in the next step's (vLLM's worker submits a step's
+stores at the next step). kvsched gets a host tier of as many blocks with `--kv-write through`
+over a link of 1e9 GB/s and no latency: a load lands before the next step, a write is readable
+from the step after next, as on vLLM's side.
+
 vLLM is imported here only, lazily; install it with the `vllm` extra (README).
 """
 from __future__ import annotations
@@ -35,6 +44,9 @@ TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
               "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
               "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 1 << 17,
               "rms_norm_eps": 1e-5, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+
+
+KV_BYTES_PER_TOKEN = 2 * 2 * 16 * 4      # TINY_LLAMA's one KV layer of the replay: K and V, 2 heads of 16, float32
 
 
 @dataclass
@@ -57,6 +69,7 @@ class Limits:
     num_gpu_blocks: int = 0            # G; kvsched gets (G - 1) x block_size tokens of KV
     max_model_len: int = 8192
     prefix_caching: bool = False       # vLLM's enable_prefix_caching; kvsched's --prefix-caching
+    kv_offloading_gib: float = 0.0     # vLLM's --kv-offloading-size (GiB of CPU memory); 0: off
 
     def check(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len"):
@@ -67,6 +80,17 @@ class Limits:
                                "vLLM keeps one as its null block)")
         if self.long_prefill_token_threshold < 0:
             raise KvschedError("replay: long_prefill_token_threshold must be >= 0")
+        if not (0 <= self.kv_offloading_gib < 1e6 and math.isfinite(self.kv_offloading_gib)):
+            raise KvschedError(f"replay: --kv-offloading-size must be in [0, 1e6) GiB, got {self.kv_offloading_gib}")
+        if self.kv_offloading_gib and not self.prefix_caching:
+            raise KvschedError("replay: --kv-offloading-size needs --prefix-caching on (both sides offload the cache)")
+        if self.kv_offloading_gib and self.offload_blocks() < 1:
+            raise KvschedError(f"replay: --kv-offloading-size {self.kv_offloading_gib:g} GiB holds no block")
+
+    def offload_blocks(self) -> int:
+        """Blocks of the CPU tier: vLLM's `num_chunks` (cpu/spec.py: cpu_bytes_to_use // the
+        tiny model's KV bytes per block, a 4 KiB-aligned page per block of 16 tokens)."""
+        return int(self.kv_offloading_gib * (1 << 30)) // (KV_BYTES_PER_TOKEN * self.block_size)
 
 
 def import_vllm():
@@ -115,10 +139,22 @@ def build_scheduler(limits: Limits, model_dir: Path, scheduler_cls=None, async_s
                               is_encoder_decoder=False)
     cc = v["CacheConfig"](block_size=limits.block_size, enable_prefix_caching=limits.prefix_caching)
     cc.num_gpu_blocks = limits.num_gpu_blocks
-    vc = v["VllmConfig"](model_config=mc, scheduler_config=sc, cache_config=cc)
+    offload = {}
+    if limits.kv_offloading_gib:            # as vLLM's --kv-offloading-size sets it (config/vllm.py)
+        from vllm.config import KVTransferConfig
+        offload["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": int(limits.kv_offloading_gib * (1 << 30))})
+    vc = v["VllmConfig"](model_config=mc, scheduler_config=sc, cache_config=cc, **offload)
     vc.scheduler_config.async_scheduling = async_scheduling     # after the platform's say (CPU: off)
     spec = v["FullAttentionSpec"](block_size=limits.block_size, num_kv_heads=2, head_size=16, dtype=torch.float32)
-    kv = v["KVCacheConfig"](num_blocks=limits.num_gpu_blocks, kv_cache_tensors=[],
+    tensors = []
+    if offload:                             # the CPU tier's size follows the GPU's bytes per block
+        from vllm.v1.kv_cache_interface import KVCacheTensor
+        page = spec.page_size_bytes
+        tensors = [KVCacheTensor(size=page * limits.num_gpu_blocks, layers=["layer"],
+                                 layer_stride=page * limits.num_gpu_blocks, block_stride=page)]
+    kv = v["KVCacheConfig"](num_blocks=limits.num_gpu_blocks, kv_cache_tensors=tensors,
                             kv_cache_groups=[v["KVCacheGroupSpec"](["layer"], spec)])
     return v, (scheduler_cls or v["Scheduler"])(vllm_config=vc, kv_cache_config=kv,
                              structured_output_manager=v["StructuredOutputManager"](vc),
@@ -144,6 +180,7 @@ def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_0
             v["init_none_hash"](fn)
             hasher = v["get_request_block_hasher"](limits.block_size, fn)
         progress: dict[str, int] = {}                       # computed tokens we expect each request to have
+        worker = StandInWorker() if limits.kv_offloading_gib else None
         while done < n:
             while nxt < n and workload.arrival[order[nxt]] <= t:
                 i = order[nxt]
@@ -152,7 +189,12 @@ def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_0
                                                None, arrival_time=float(workload.arrival[i]), block_hasher=hasher))
                 nxt += 1
             out = sched.schedule()
+            kv_out = worker.step(out) if worker is not None else None
             if not out.num_scheduled_tokens:
+                if kv_out is not None:              # transfers done this step: schedule again at t
+                    sched.update_from_output(out, v["ModelRunnerOutput"](req_ids=[], req_id_to_index={},
+                                                                          kv_connector_output=kv_out))
+                    continue
                 if nxt >= n:
                     raise KvschedError(f"vLLM's scheduler made no progress at t={t:g} with {n - done} requests left "
                                        "(a request larger than the KV?)")
@@ -175,12 +217,33 @@ def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_0
             steps.append(Step(t, {int(r): k for r, k in out.num_scheduled_tokens.items()}, preempted, hits))
             t += step_time                                  # the batch ends before its output is read
             sched.update_from_output(out, v["ModelRunnerOutput"](req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)},
-                                                                  sampled_token_ids=sampled))
+                                                                  sampled_token_ids=sampled, kv_connector_output=kv_out))
             done = nxt - len(sched.requests)
             if len(steps) > max_steps:
                 raise KvschedError(f"replay stopped after {max_steps} vLLM steps")
         sched.shutdown()                                    # the adapter closes its step log
         return steps
+
+
+class StandInWorker:
+    """The offloading connector's worker half, as the replay needs it (module docstring): a
+    step's loads done in its own output, its stores in the next step's."""
+
+    def __init__(self) -> None:
+        self.stores: list[int] = []             # store jobs submitted last step
+
+    def step(self, out):
+        """The KVConnectorOutput for this step's model output (None: nothing finished)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+        from vllm.v1.outputs import KVConnectorOutput
+        meta = out.kv_connector_metadata
+        loads = dict(meta.load_jobs) if meta is not None else {}
+        done = {job: 1 for job in [*loads, *self.stores]}
+        self.stores = list(meta.store_jobs) if meta is not None else []
+        if not done:
+            return None
+        return KVConnectorOutput(finished_recving={job.req_id for job in loads.values()} or None,
+                                 kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=done))
 
 
 class _Recorder:
@@ -240,9 +303,18 @@ def kvsched_steps(workload, policy: str, params: dict[str, Any], limits: Limits,
     from kvsched.sim.server import Server
     rec = _Recorder(engine_policy(policy, params, limits.max_num_batched_tokens, limits.max_num_seqs,
                                   limits.long_prefill_token_threshold))
-    Server(workload, rec, ConstantCost(step_time), PagedKV((limits.num_gpu_blocks - 1) * limits.block_size,
-                                                           limits.block_size),
-           max_model_len=limits.max_model_len, prefix_caching=limits.prefix_caching).run()
+    server = Server(workload, rec, ConstantCost(step_time), PagedKV((limits.num_gpu_blocks - 1) * limits.block_size,
+                                                                    limits.block_size),
+                    max_model_len=limits.max_model_len, prefix_caching=limits.prefix_caching)
+    if limits.kv_offloading_gib:            # a host tier of vLLM's CPU blocks, written through, loads at once
+        from kvsched.run import attach_offload
+        gb = limits.offload_blocks() * KV_BYTES_PER_TOKEN * limits.block_size / 1e9
+        attach_offload(server.replicas, (f"host:{gb!r}:1000000000:0",), "through", KV_BYTES_PER_TOKEN)
+        store = server.replica._offload.ports[0].store
+        if store.capacity_blocks != limits.offload_blocks():
+            raise KvschedError(f"replay: the host tier holds {store.capacity_blocks} blocks, vLLM's "
+                               f"{limits.offload_blocks()}")
+    server.run()
     return rec.steps
 
 
