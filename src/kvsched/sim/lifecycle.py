@@ -194,16 +194,18 @@ def load_tick(rep: Replica) -> bool:
 
 def load_scan(rep: Replica) -> None:
     """vLLM 0.32's waiting loop (scheduler.py, `schedule`) as far as loads go: the waiting
-    requests in queue order, while the policy has seats and the step's token budget lasts,
-    each counting room for its whole prompt beyond its cached prefix (`scheduler_reserve_full_isl`)
-    beside the decoders' next step and the running prefills' remaining blocks
-    (`allocate_slots(..., reserved_blocks=)`):
+    requests in queue order, while the policy has seats and the step's token budget lasts; each
+    needs its whole prompt beyond its cached prefix to fit in the free blocks beside the
+    decoders' next step (`allocate_slots(..., full_sequence_must_fit=)`, kv_cache_manager.py):
     - one holding a loaded prefix (vLLM's `kv_holding_waiting`, served first) or with nothing
-      below the GPU is the policy's to admit: its room and tokens are counted;
+      below the GPU is the policy's to admit: its first chunk's blocks and tokens are counted,
+      and the rest of its prompt joins the in-flight prefills' reservation;
     - one whose cached prefix continues in a tier starts loading it (`load_start`; no token
       budget, no seat); if another request here is loading some of those blocks, it waits for
       that load instead, holding nothing, whatever the room (vLLM delays it before any
       allocation: offloading/scheduler.py, `get_num_new_matched_tokens` returns None);
+    - a load also needs its blocks to fit beside what the in-flight prefills (running ones,
+      loads started) still need (`reserved_blocks`, `_inflight_prefill_reserved_blocks`);
     - the first that does not fit ends the scan (vLLM's loop breaks where `allocate_slots`
       fails), so no load takes the room of a request ahead of it."""
     cache, off, kv, bs = rep.cache, rep._offload, rep.kv, rep.block_size
@@ -213,9 +215,10 @@ def load_scan(rep: Replica) -> None:
     budget = getattr(rep.policy, "max_num_batched_tokens", None)     # 0 or None: none (orca's default)
     budget = budget - rep._decoders.n if type(budget) is int and budget > 0 else 1 << 62
     target, computed = rep._target, rep._computed
-    room = kv.capacity_blocks - kv.used - rep._decoders.new_blocks
+    room = kv.capacity_blocks - kv.used - rep._decoders.new_blocks     # free blocks once the decodes have theirs
+    reserved = 0                            # what in-flight prefills still need (a load must leave it free)
     for j in rep._prefilling:
-        room -= -(-target[j] // bs) - -(-computed[j] // bs)
+        reserved += -(-target[j] // bs) - -(-computed[j] // bs)
     held, q = cache.held, rep._queue
     pos = 0                                 # loads leave the queue and take none of the `free` seats
     while free > 0 and pos < len(q):
@@ -223,12 +226,15 @@ def load_scan(rep: Replica) -> None:
             return
         i = q[pos]
         t = target[i]
+        whole = -(-t // bs)
         pinned = held.get(i)
         if pinned is not None:              # its load landed: the policy admits it first
-            room -= -(-t // bs) - len(pinned)
-            if room < 0:
+            c = min(budget, t - len(pinned) * bs)
+            if whole - len(pinned) > room:  # its whole prompt must fit (full_sequence_must_fit)
                 return
-            budget -= t - len(pinned) * bs
+            room -= -(-(len(pinned) * bs + c) // bs) - len(pinned)
+            reserved += whole - -(-(len(pinned) * bs + c) // bs)
+            budget -= c
             pos += 1
             free -= 1
             continue
@@ -242,17 +248,23 @@ def load_scan(rep: Replica) -> None:
             if wait is not None:            # delayed, holding nothing, till that load lands
                 load_start(rep, i, [], keys, src, wait)
                 continue
-        need = -(-t // bs) - g
+        taken = 0
         for b in gpu:
-            need += b.ref == 0
-        if need > room:
+            taken += b.ref == 0
+        if whole - g + taken > room:        # its whole prompt must fit (full_sequence_must_fit)
             return
-        room -= need
-        if not src:
-            budget -= t - g * bs
+        if not src:                         # the policy admits it: its first chunk's blocks, the rest reserved
+            c = min(budget, t - g * bs)
+            room -= -(-(g * bs + c) // bs) - g + taken
+            reserved += whole - -(-(g * bs + c) // bs)
+            budget -= c
             pos += 1
             free -= 1
             continue
+        if len(src) + taken > room - reserved:     # a load leaves the in-flight prefills' blocks free
+            return
+        room -= len(src) + taken
+        reserved += whole - g - len(src)
         load_start(rep, i, gpu, keys, src, None)
 
 

@@ -217,17 +217,25 @@ class PrefixCache:
         held = self.held.setdefault(i, [])
         lo, hi = len(held), min((start + chunk) // self.bs, self._share[i])
         if hi > lo:
-            blocks = [Block(k, 1) for k in self.keys(i, hi)[lo:hi]]
+            keys = self.keys(i, hi)[lo:hi]
+            blocks = [Block(k, 1) for k in keys]
             held.extend(blocks)
             self._insert(blocks)
+            if self.spill is not None and self.spill.through:
+                self._write_prompt(i, lo, keys)
+
+    def _write_prompt(self, i: int, first: int, keys: list[int]) -> None:
+        """Write-through tiers (`--kv-write through`): of request i's blocks first, first + 1, ...
+        (keys `keys`), those inside its prompt go down once computed, as vLLM's offloading
+        connector stores only prompt blocks by default (`offload_prompt_only`)."""
+        end = self.reqs.prompt[i] // self.bs - first
+        if end > 0:
+            self.spill.defer(keys[:end])
 
     def _insert(self, blocks: list[Block]) -> None:
-        """Cache blocks under their keys; a key already cached keeps its block first. With
-        write-through tiers (`--kv-write through`) the blocks go down as they are cached."""
+        """Cache blocks under their keys; a key already cached keeps its block first."""
         m = self.map
         keys = [b.key for b in blocks]
-        if self.spill is not None and self.spill.through:
-            self.spill.defer(keys)
         if m.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
             m.update(zip(keys, blocks))
             return
@@ -301,9 +309,12 @@ class PrefixCache:
             if done and len(held) >= self._share[i]:        # nobody can hit these: no keys
                 self._queue_run(own)
             else:
-                blocks = [Block(k, 0) for k in reversed(self.keys(i, full)[len(held):full])]
+                keys = self.keys(i, full)[len(held):full]
+                blocks = [Block(k, 0) for k in reversed(keys)]
                 self._insert(blocks)
                 q.update(dict.fromkeys(blocks))
+                if self.spill is not None and self.spill.through:
+                    self._write_prompt(i, len(held), keys)
             self.queued += own
         released += self._unref(held)
         self.kv.used -= released
