@@ -205,12 +205,15 @@ def shared_workload(seed: int, n: int = 40) -> Workload:
     return workload(np.sort(rng.uniform(0, 3, n)), prompts, rng.integers(2, 120, n), segs, known=True)
 
 
-# distserve runs on disaggregated pools only; wait, nested-wait, rad and slai are refused (own state)
-POLICY_NAMES = ["vllm-v1", "vllm-v0", "sarathi", "orca", "request-level"]     # eb*: refused (no prefix hits)
+# every policy: the eb policies, wait, nested-wait, rad and slai plan prompts from token 0, so their
+# tiers are written and never read; distserve runs on disaggregated pools (its own test below)
+POLICY_NAMES = ["vllm-v1", "vllm-v0", "sarathi", "orca", "request-level", "eb", "eb-adaptive", "eb-plus", "wait",
+                "nested-wait", "rad", "slai"]
+READERS = {"vllm-v1", "vllm-v0", "sarathi", "orca", "request-level"}     # plans_prefix_hits: tiers are read
 PARAMS = {"nested-wait": {"segments": "60,240,1000"}}
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), policy=st.sampled_from(POLICY_NAMES), write=st.sampled_from(["evict", "through"]),
        tiers=st.sampled_from([("host:0.01:16:0.0001",), ("host:0.007:4", "disk:0.05:2:0.001"),
                               ("host:0.004:16", "remote:0.02:1:0.002")]), replicas=st.sampled_from([1, 3]))
@@ -224,6 +227,7 @@ def test_invariants_hold_with_tiers_on(seed, policy, write, tiers, replicas, mon
                   kv_tiers=tiers, kv_write=write, replicas=replicas)
     s = simulate(sc, policy, PARAMS.get(policy)).summary
     assert s["completed"] + s.get("rejected", 0) == len(w)
+    assert s["tier_reads"] == (policy in READERS) and (s["tier_loads"] == 0 or policy in READERS)
     for row in s["tier_breakdown"]:
         assert row["bytes_out"] <= row["loads"] * 1024 * KV * 16 or row["loads"] == 0
 
@@ -254,14 +258,30 @@ def test_bad_tier_settings_are_one_line_errors(kw, msg):
         simulate(scenario(w, kw.pop("kv_tiers", ()), **kw), "vllm-v1")
 
 
-@pytest.mark.parametrize("policy", ["wait", "nested-wait", "rad", "slai"])
-def test_policies_with_their_own_request_state_are_refused(policy):
-    """Loads take waiting requests out of the queue behind the policy's back (review: wait's
-    own queue admitted a loading request; rad counted KV without the loads')."""
-    sc = Scenario(shared_workload(0), model="llama-3-8b", gpu="a100-80gb", kv_capacity=1024, prefix_caching=True,
+@pytest.mark.parametrize("policy", ["eb", "eb-adaptive", "eb-plus", "wait", "nested-wait", "rad", "slai"])
+def test_policies_that_plan_from_token_zero_write_the_tiers_and_never_read_them(policy):
+    """A policy without `plans_prefix_hits` computes each prompt from token 0, so a loaded prefix
+    would be computed again (review: eb wasted every load; wait's own queue admitted a loading
+    request): its tiers are written (evictions go down) and nothing loads. The same run with the
+    tiers gives the same requests' times as without them."""
+    sc = Scenario(shared_workload(0, 120), model="llama-3-8b", gpu="a100-80gb", kv_capacity=1024, prefix_caching=True,
                   client=None, kv_tiers=("host:1:16",))
-    with pytest.raises(KvschedError, match=f"--kv-tier: policy {policy} keeps its own request state"):
-        simulate(sc, policy, PARAMS.get(policy))
+    r = simulate(sc, policy, PARAMS.get(policy))
+    s = r.summary
+    assert s["tier_reads"] is False and s["tier_loads"] == 0
+    assert s["tier_breakdown"][0]["bytes_out"] == 0 and s["tier_breakdown"][0]["bytes_in"] > 0
+    plain = simulate(dataclasses.replace(sc, kv_tiers=()), policy, PARAMS.get(policy))
+    assert r.records.finished.tobytes() == plain.records.finished.tobytes()
+
+
+def test_distserve_with_tiers_writes_them_on_the_prefill_pool(monkeypatch):
+    monkeypatch.setenv("KVSCHED_CHECK", "1")
+    w = shared_workload(3, 80)
+    sc = Scenario(w, model="llama-3-8b", gpu="a100-80gb", kv_capacity=1024, prefix_caching=True, client=None,
+                  kv_tiers=("host:0.004:16", "remote:0.02:1:0.002"), prefill_replicas=1, decode_replicas=1)
+    s = simulate(sc, "distserve").summary
+    assert s["completed"] + s.get("rejected", 0) == len(w)
+    assert s["tier_reads"] is False and s["tier_loads"] == 0
 
 
 def test_tiers_need_the_prefix_cache():
@@ -386,15 +406,6 @@ def test_the_ttft_split_never_goes_negative_with_preemptions(monkeypatch):
     assert min(split[k]["p50"] for k in split) >= 0 and split["queueing"]["mean"] >= 0
     total = sum(split[k]["mean"] for k in split)
     assert total == pytest.approx(r.summary["mean_ttft_ms"], rel=1e-9)
-
-
-@pytest.mark.parametrize("policy", ["eb", "eb-adaptive", "eb-plus"])
-def test_policies_that_plan_from_token_zero_are_refused(policy):
-    """Review finding: eb plans its chunks without the cache, so every load was wasted."""
-    sc = Scenario(shared_workload(0), model="llama-3-8b", gpu="a100-80gb", kv_capacity=1024, prefix_caching=True,
-                  client=None, kv_tiers=("host:1:16",))
-    with pytest.raises(KvschedError, match="plans its chunks without the prefix cache's hits"):
-        simulate(sc, policy)
 
 
 def test_orca_without_a_token_budget_loads():

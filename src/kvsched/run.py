@@ -551,19 +551,13 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
 def attach_host_swap(rep, tier, kv_bytes_per_token: int) -> None:
     """--preemption swap on replica `rep`: its host tier (sim/host_swap.py). A policy with an
     `on_preempt` hook keeps its own state for a preempted request (it expects it back in the
-    queue), so it is refused."""
+    queue, where a swap keeps it out), so it is refused."""
     from kvsched.sim.host_swap import HostSwap
-    refuse_own_state(rep, "--preemption swap")
-    rep._swap = rep._side = HostSwap(tier, rep.block_size * kv_bytes_per_token)
-
-
-def refuse_own_state(rep, what: str) -> None:
-    """A policy with an `on_preempt` hook keeps its own state of the requests (its own queue,
-    or the KV it thinks they hold), which swaps and tier loads move behind its back: refused."""
     if rep._on_preempt is not None:
-        raise KvschedError(f"{what}: policy {rep.name} keeps its own request state (on_preempt); it is modelled "
-                           "for policies without that hook (vllm-v1, vllm-v0, sarathi, orca, request-level, the "
-                           "eb policies)")
+        raise KvschedError(f"--preemption swap: policy {rep.name} keeps its own request state (on_preempt); it is "
+                           "modelled for policies without that hook (vllm-v1, vllm-v0, sarathi, orca, request-level, "
+                           "the eb policies)")
+    rep._swap = rep._side = HostSwap(tier, rep.block_size * kv_bytes_per_token)
 
 
 def attach_offload(replicas: list, texts: tuple[str, ...], write: str, kv_bytes_per_token: int,
@@ -571,22 +565,26 @@ def attach_offload(replicas: list, texts: tuple[str, ...], write: str, kv_bytes_
     """--kv-tier with --preemption recompute: the prefix cache's tiers below the GPU on each
     replica (sim/kv_tiers.py); a remote tier is one store shared by them all. `links`: the
     prefill replicas' KV transfer links when disaggregated, which their remote tier's traffic
-    shares (the node's network link)."""
+    shares (the node's network link). Under a policy that does not declare `plans_prefix_hits`
+    (it computes each prompt from token 0, so a loaded prefix would be computed again), the
+    tiers are written and never read (`tier_reads: false`, docs/kv-tiers.md)."""
     from kvsched.sim.kv_tiers import Offload, parse_tiers
     if any(r.cache is None for r in replicas):
         raise KvschedError("--kv-tier offloads the prefix cache: turn it on with --prefix-caching (or give "
                            "--preemption swap to swap preempted requests to a host tier)")
-    for rep in replicas:
-        refuse_own_state(rep, "--kv-tier")
-        if not getattr(rep.policy, "plans_prefix_hits", False):
-            raise KvschedError(f"--kv-tier: policy {rep.name} plans its chunks without the prefix cache's hits (it "
-                               "does not declare plans_prefix_hits), so a prefix loaded from a tier would be computed "
-                               "again: tiers are modelled for vllm-v1, vllm-v0, sarathi, orca and request-level")
     bs = replicas[0].block_size
     for k, (rep, stores) in enumerate(zip(replicas, parse_tiers(texts, write, bs * kv_bytes_per_token, len(replicas)))):
         rep._offload = rep._side = rep.cache.spill = Offload(stores, bs, write == "through",
-                                                             links[k] if links else None)
+                                                             links[k] if links else None, tier_reads(rep.policy))
         rep._offload.clock = rep
+
+
+def tier_reads(policy) -> bool:
+    """Whether a replica loads prefixes from its tiers: only under a policy that starts a waiting
+    request's first chunk after its cached prefix (`plans_prefix_hits`, policies/base.py). The
+    others keep no request in vLLM's WAITING_FOR_REMOTE_KVS either, so their own queues (wait,
+    nested-wait) never meet a request the engine moved behind their back."""
+    return bool(getattr(policy, "plans_prefix_hits", False))
 
 
 def offload_summary(replicas: list, records, duration: float) -> dict[str, Any]:
@@ -614,7 +612,8 @@ def offload_summary(replicas: list, records, duration: float) -> dict[str, Any]:
             "evictions": sum(s.evictions for s in stores)})
     loads = sum(o.loads for o in offs)
     waited = {i: s for o in offs for i, s in o.load_s.items()}
-    return {"kv_write": "through" if offs[0].through else "evict", "tier_breakdown": rows, "tier_loads": loads,
+    return {"kv_write": "through" if offs[0].through else "evict", "tier_reads": all(o.reads for o in offs),
+            "tier_breakdown": rows, "tier_loads": loads,
             "mean_load_wait_ms": 1000 * sum(waited.values()) / loads if loads else None,
             "ttft_split_ms": ttft_split(records, waited)}
 

@@ -122,9 +122,11 @@ class Policy(Protocol):
     (`decodes_when_idle(policy)`).
 
     `plans_prefix_hits = True` (optional, a class attribute) says the policy starts a waiting
-    request's first chunk after its cached prefix (`view.prefix_planner()`); the prefix
-    cache's tiers (--kv-tier, docs/kv-tiers.md) need it, since a prefix loaded from a tier
-    that the plan then computes from token 0 would be wasted.
+    request's first chunk after its cached prefix (`view.prefix_planner()`). The prefix
+    cache's tiers (--kv-tier, docs/kv-tiers.md) load prefixes only under such a policy (a
+    prefix loaded from a tier that the plan then computes from token 0 would be wasted; under
+    the others the tiers are written, never read). It also promises that the policy takes
+    waiting requests from `view.waiting`, which a request leaves while its prefix loads.
 
     `replica_local = True` (optional, a class attribute of the policy's own class, not
     inherited) promises: the policy reads nothing of other replicas (not the view's

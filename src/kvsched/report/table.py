@@ -27,10 +27,12 @@ ROWS = [
     ("prefill_busy_fraction", "prefill pool busy"), ("decode_busy_fraction", "decode pool busy"),
     ("prefix_hit_rate", "prefix hit rate (tokens)"), ("prefix_block_hit_rate", "prefix hit rate (blocks)"),
     ("prefill_tokens_saved", "prefill tokens saved"), ("prefix_evictions", "cached blocks evicted"),
+    ("tier_reads", "KV tiers read (--kv-tier)"), ("tier_loads", "loads from KV tiers"),
 ]
 OPTIONAL = {"engine_mean_ttft_ms", "engine_mean_e2el_ms", "replicas", "router", "prefill_replicas", "decode_replicas", "decode_policy", "mean_transfer_ms",
             "p99_transfer_ms", "prefill_busy_fraction", "decode_busy_fraction", "prefix_hit_rate",
-            "prefix_block_hit_rate", "prefill_tokens_saved", "prefix_evictions"}   # shown when present
+            "prefix_block_hit_rate", "prefill_tokens_saved", "prefix_evictions", "tier_reads",
+            "tier_loads"}   # shown when present
 PERCENT = {"mean_kv_usage", "peak_kv_usage", "prefix_hit_rate", "prefix_block_hit_rate", "prefill_busy_fraction", "decode_busy_fraction",
            "busy_fraction", "ttft_slo_attainment", "tbt_slo_attainment", "itl_slo_attainment"}
 REPLICA_ROWS = 32         # per-replica rows a terminal table shows (JSON and files hold all)
@@ -55,6 +57,8 @@ TIER_CAPTION = ("TTFT ok / TBT ok: share of requests meeting the tier's TTFT SLO
 def _fmt(key: str, v: Any) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
     if key in PERCENT:
         return f"{v:.1%}"
     if isinstance(v, float):

@@ -117,11 +117,13 @@ class Offload:
     waiting request's prefix below the GPU, and the loads in flight."""
 
     def __init__(self, stores: list[TierStore], block_size: int, write_through: bool,
-                 network: KVLink | None = None) -> None:
+                 network: KVLink | None = None, reads: bool = True) -> None:
         self.ports = sorted((Port(s, network) for s in stores), key=lambda p: ORDER[p.store.kind])
         self.block_bytes = stores[0].block_bytes
         self.bs = block_size
         self.through = write_through
+        # False under a policy that plans prompts from token 0 (no `plans_prefix_hits`): written, never read
+        self.reads = reads
         self.clock = Clock()                    # its replica (`now`: the time of every write and load)
         # request -> (lands, GPU hit, blocks loaded, start, before its first admission, keys loading)
         self.loading: dict[int, tuple[float, int, int, float, bool, list[int]]] = {}

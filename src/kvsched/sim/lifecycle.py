@@ -170,7 +170,8 @@ def load_tick(rep: Replica) -> bool:
     """At a step's start, with tiers below the GPU (sim/kv_tiers.py): blocks computed last batch
     go down (`--kv-write through`); loads that have landed put their requests back at the
     queue's front, their prefix now cached on the GPU; then waiting requests at the queue's
-    front whose cached prefix continues in a tier start loading it (`load_scan`). A replica
+    front whose cached prefix continues in a tier start loading it (`load_scan`; not under a
+    policy that computes prompts from token 0, `Offload.reads`). A replica
     with nothing else to run moves its clock to the next landing. True if it has nothing to
     run (the step plans nothing)."""
     off = rep._offload
@@ -181,7 +182,7 @@ def load_tick(rep: Replica) -> bool:
             back = off.landed(rep.now)
             for i, first, n in reversed(back):
                 load_land(rep, i, first, n)
-        if rep._queue:
+        if rep._queue and off.reads:
             load_scan(rep)
         if not (rep._blocked or not (rep._queue or rep._running or rep._landing)):
             return False
