@@ -9,7 +9,9 @@ configuration is run:
   - + host: each replica's 256 GB of host memory over a 25 GB/s link, 10 us;
   - + host + remote: the same, plus one store of --remote-gb shared by all replicas, over
     each replica's --remote-gbps link with 0.5 ms latency;
-on 1 replica and on --replicas replicas; then, on 1 replica, sarathi with new prefills FCFS
+on 1 replica and on --replicas replicas; and on --replicas replicas of one node, the same
+total host memory as one store the node's replicas share (--gpus-per-node), each over its
+own 25 GB/s link; then, on 1 replica, sarathi with new prefills FCFS
 or longest GPU-cached prefix first (`order=lpm`, the policy view's `prefix_blocks`). Prints, per run: the prefix hit rate (prompt tokens
 not computed), each tier's hit rate, median and p99 TTFT, request and output throughput, the
 bytes written down and loaded back, the mean load time, and the simulator's wall time (the
@@ -30,6 +32,7 @@ HOST = "host:256:25:0.00001"
 
 
 def run(replicas: int, tiers: list[str], args, policy: list[str] = ()) -> dict:
+    """One configuration's summary; `policy`: more flags (the policy, --gpus-per-node)."""
     cmd = [sys.executable, "-m", "kvsched", "simulate", "-w", "mooncake-conversation", "--model", "qwen3-8b",
            *policy,
            "--gpu", "h100-sxm", "--num-requests", str(args.requests * replicas), "--rate",
@@ -74,6 +77,9 @@ def main() -> None:
                                                ("+host +remote", [HOST, remote])))):
         for name, tiers in configs:
             print(row(f"{replicas}x {name}", run(replicas, tiers, args)), flush=True)
+    node = f"host:{256 * args.replicas}:25:0.00001"
+    print(row(f"{args.replicas}x +node host {256 * args.replicas} GB",
+              run(args.replicas, [node], args, ["--gpus-per-node", str(args.replicas)])), flush=True)
     print(f"the policy view: sarathi (prefix caching on) at {args.lpm_rate:g}/s, admitting new prefills FCFS or the "
           "longest prefix on the GPU first (lpm)")
     lpm = argparse.Namespace(**{**vars(args), "rate": args.lpm_rate})

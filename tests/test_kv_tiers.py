@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from kvsched.cli import app
 from kvsched.errors import KvschedError
 from kvsched.hardware import get_model
+from kvsched.layout import Layout
 from kvsched.run import Scenario, simulate
 from kvsched.sim.host_swap import parse_kv_tier
 from kvsched.sim.kv_tiers import Offload, TierStore, parse_tiers
@@ -438,3 +439,43 @@ def test_a_request_that_waited_for_a_load_loads_the_rest_of_its_prefix(monkeypat
     assert r.summary["tier_loads"] == 2
     assert r.summary["tier_breakdown"][0]["bytes_out"] == 6 * BB        # P once, then Q
     assert sum(b[2] for b in r.batches if b[2] and b[0] >= 10) == 40
+
+
+def test_a_store_shared_by_replicas_serves_a_later_hit_on_the_earlier_replica(monkeypatch):
+    """Replica 1 writes a prefix at t=0 (write-through); replica 0, which never held it, hits it
+    at t=10. Run one replica after the other (replica 0 first), replica 0 would never see it:
+    replicas sharing a store step together in time order."""
+    monkeypatch.setenv("KVSCHED_CHECK", "1")
+    # round-robin: a filler -> 0, A -> 1 (computes the prefix), B -> 0 (begins with it)
+    w = workload([0.0, 0.0, 10.0], [20, 68, 68], [2, 4, 4], [[], [(7, 48)], [(7, 48)]])
+    r = simulate(scenario(w, ("remote:10:5:0.002",), kv_write="through", replicas=2, router="round-robin"), "vllm-v1")
+    assert r.summary["tier_breakdown"][0]["loads"] == 1
+    assert r.records.first_token[2] == pytest.approx(10.0 + 3 * BB / 5e9 + 0.002 + 0.05, rel=1e-12)
+
+
+@pytest.mark.parametrize("gpus_per_node, loads", [(0, 0), (1, 0), (2, 1)])
+def test_replicas_on_one_node_share_its_host_tier(gpus_per_node, loads, monkeypatch):
+    """--gpus-per-node 2 with one-GPU replicas: both replicas sit on one node and share one host
+    store (each over its own link), so replica 0 loads the prefix replica 1 wrote; with a node
+    per replica (1) or without the flag (0), each has its own store and nothing to load."""
+    monkeypatch.setenv("KVSCHED_CHECK", "1")
+    w = workload([0.0, 0.0, 10.0], [20, 68, 68], [2, 4, 4], [[], [(7, 48)], [(7, 48)]])
+    sc = scenario(w, ("host:10:5:0.002",), kv_write="through", replicas=2, router="round-robin",
+                  gpus_per_node=gpus_per_node)
+    s = simulate(sc, "vllm-v1").summary
+    row = s["tier_breakdown"][0]
+    assert row["loads"] == loads
+    assert row["capacity_bytes"] == (1 if gpus_per_node == 2 else 2) * int(10e9 // BB) * BB
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"gpus_per_node": 3, "layout": Layout(tp=2), "cost": "roofline", "cost_params": {}}, "--gpus-per-node 3 is not a whole number of replicas of 2 GPUs"),
+    ({"gpus_per_node": -1}, "--gpus-per-node must be a whole number >= 0"),
+    ({"gpus_per_node": 2.0}, "--gpus-per-node must be a whole number >= 0"),
+    ({"gpus_per_node": 8, "tiers": ()}, "--gpus-per-node shares a node's"),
+])
+def test_bad_gpus_per_node_is_a_one_line_error(kw, msg):
+    w = workload([0.0], [68], [4], [[(7, 48)]])
+    tiers = kw.pop("tiers", ("host:1:16",))
+    with pytest.raises(KvschedError, match=msg):
+        simulate(dataclasses.replace(scenario(w, tiers, replicas=2), **kw), "vllm-v1")

@@ -75,6 +75,8 @@ class Scenario:
     kv_tiers: tuple[str, ...] = ()          # --kv-tier KIND:GB:GBps[:latency_s]: swap's host tier, or the prefix
                                             # cache's tiers below the GPU (sim/kv_tiers.py)
     kv_write: str = "evict"                 # --kv-write: blocks go down when evicted, or `through` as computed
+    gpus_per_node: int = 0                  # --gpus-per-node: replicas on one node share its host and disk tiers
+                                            # (0: each replica its own; sim/kv_tiers.py, `node_groups`)
 
     def pools(self) -> tuple[int, int]:
         """(replicas, prefill replicas), checked: whole numbers, within `limits.MAX_REPLICAS`
@@ -173,6 +175,12 @@ class Scenario:
         if self.preemption == "swap" and (self.prefill_replicas or self.decode_replicas):
             raise KvschedError("--preemption swap is modelled on replicas of one kind behind a router (no "
                                "disaggregation yet)")
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 0:
+            raise KvschedError(f"--gpus-per-node must be a whole number >= 0 (0: each replica its own tiers), "
+                               f"got {self.gpus_per_node!r}")
+        if self.gpus_per_node and not (tiers and self.preemption == "recompute"):
+            raise KvschedError("--gpus-per-node shares a node's --kv-tier host and disk tiers between its replicas: "
+                               "it needs a --kv-tier and --preemption recompute")
         if self.kv_write != "evict" and not (tiers and self.preemption == "recompute"):
             raise KvschedError("--kv-write sets how the prefix cache's blocks go down to --kv-tier tiers: it needs "
                                "a --kv-tier and --preemption recompute")
@@ -499,6 +507,8 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     link = scenario.kv_transfer_bandwidth
     if link is None:
         link = pools.link_gbps(kinds) if kinds and prefill else 25.0
+    offload = scenario.offload_tiers()
+    per_node = node_groups(scenario.gpus_per_node, scenario.layout.gpus) if offload else 1
     cluster = Cluster(scenario.workload, pols, cost, kv, router=scenario.router, router_seed=scenario.router_seed,
                       router_params=scenario.router_params, kinds=[k.describe() for k in each] if kinds else None,
                       prefill_replicas=prefill, kv_bytes_per_token=pools.transfer_bytes(kinds) if kinds else
@@ -506,15 +516,15 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
                       bandwidth_gbps=link, latency_s=scenario.kv_transfer_latency,
                       max_model_len=max_len, record_timeline=record_timeline, record_batches=record_batches,
                       strict=scenario.strict, stall_batches=scenario.stall_batches,
-                      prefix_caching=prefix_caching_for(scenario, pols[0]))
+                      prefix_caching=prefix_caching_for(scenario, pols[0]),
+                      shared_tiers=shares_tiers(offload, per_node, (prefill or len(pols)) > 1))
     tier = scenario.host_tier()
     if tier is not None:                    # each replica its own host tier and links
         for rep in cluster.replicas:
             attach_host_swap(rep, tier, kv_bytes_per_token(model, scenario.layout))
-    offload = scenario.offload_tiers()
     if offload:                             # disaggregated: the prefill replicas, the ones that look prefixes up
         attach_offload(cluster.replicas[:prefill] if prefill else cluster.replicas, offload, scenario.kv_write,
-                       kv_bytes_per_token(model, scenario.layout), cluster.links)
+                       kv_bytes_per_token(model, scenario.layout), cluster.links, per_node)
     records = cluster.run(progress)
     name = pols[0].name if hasattr(pols[0], "name") else type(pols[0]).__name__
     records.extra = {"policy": name, "cost_model": scenario.cost,
@@ -561,11 +571,12 @@ def attach_host_swap(rep, tier, kv_bytes_per_token: int) -> None:
 
 
 def attach_offload(replicas: list, texts: tuple[str, ...], write: str, kv_bytes_per_token: int,
-                   links: list | None = None) -> None:
+                   links: list | None = None, per_node: int = 1) -> None:
     """--kv-tier with --preemption recompute: the prefix cache's tiers below the GPU on each
     replica (sim/kv_tiers.py); a remote tier is one store shared by them all. `links`: the
     prefill replicas' KV transfer links when disaggregated, which their remote tier's traffic
-    shares (the node's network link). Under a policy that does not declare `plans_prefix_hits`
+    shares (the node's network link). `per_node` replicas in turn share a node's host and disk
+    stores (`node_groups`). Under a policy that does not declare `plans_prefix_hits`
     (it computes each prompt from token 0, so a loaded prefix would be computed again), the
     tiers are written and never read (`tier_reads: false`, docs/kv-tiers.md)."""
     from kvsched.sim.kv_tiers import Offload, parse_tiers
@@ -573,10 +584,30 @@ def attach_offload(replicas: list, texts: tuple[str, ...], write: str, kv_bytes_
         raise KvschedError("--kv-tier offloads the prefix cache: turn it on with --prefix-caching (or give "
                            "--preemption swap to swap preempted requests to a host tier)")
     bs = replicas[0].block_size
-    for k, (rep, stores) in enumerate(zip(replicas, parse_tiers(texts, write, bs * kv_bytes_per_token, len(replicas)))):
+    for k, (rep, stores) in enumerate(zip(replicas, parse_tiers(texts, write, bs * kv_bytes_per_token, len(replicas),
+                                                                         per_node))):
         rep._offload = rep._side = rep.cache.spill = Offload(stores, bs, write == "through",
                                                              links[k] if links else None, tier_reads(rep.policy))
         rep._offload.clock = rep
+
+
+def node_groups(gpus_per_node: int, replica_gpus: int) -> int:
+    """Replicas per node under --gpus-per-node: replica k takes the node's GPUs after replica
+    k-1's, so a node of N GPUs holds N / (tp x pp x dp) replicas, which share its host and disk
+    tiers; 1 (each replica its own) without the flag. A replica may not straddle two nodes."""
+    if not gpus_per_node:
+        return 1
+    if gpus_per_node % replica_gpus:
+        raise KvschedError(f"--gpus-per-node {gpus_per_node} is not a whole number of replicas of {replica_gpus} "
+                           "GPUs (tp x pp x dp): a replica's GPUs sit on one node")
+    return gpus_per_node // replica_gpus
+
+
+def shares_tiers(texts: tuple[str, ...], per_node: int, replicas: bool) -> bool:
+    """Whether some tier of `texts` is one store for several replicas (`replicas`: more than one
+    has tiers): a remote store, or a node's host or disk tier shared by `per_node` > 1."""
+    from kvsched.sim.host_swap import parse_kv_tier
+    return replicas and any(parse_kv_tier(t).kind == "remote" or per_node > 1 for t in texts)
 
 
 def tier_reads(policy) -> bool:

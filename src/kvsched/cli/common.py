@@ -286,6 +286,7 @@ CLUSTER_FLAGS = {
     "preemption": (str, typer.Option("recompute", "--preemption", help="a preempted decoder: recompute (vLLM v1), or swap its KV to --kv-tier host and back (vLLM v0's swap; docs/kv-tiers.md)")),
     "kv_tier": (list[str], typer.Option([], "--kv-tier", help="a KV tier below the GPU: KIND:GB:GBps[:latency_s], KIND host, disk (each replica's) or remote (one store for all); repeatable. With --prefix-caching the cache offloads to them and loads hits back; with --preemption swap, the host tier holds swapped KV (docs/kv-tiers.md)")),
     "kv_write": (str, typer.Option("evict", "--kv-write", help="when prefix-cache blocks go down to the --kv-tier tiers: evict (when the GPU evicts them) or through (as they are computed)")),
+    "gpus_per_node": (int, typer.Option(0, "--gpus-per-node", help="GPUs per node: the replicas on one node share its --kv-tier host and disk tiers (0: each replica its own)")),
 }
 
 
@@ -305,6 +306,7 @@ class ClusterOptions:
     preemption: str = "recompute"
     kv_tier: list[str] = dataclasses.field(default_factory=list)
     kv_write: str = "evict"
+    gpus_per_node: int = 0
 
     def apply(self, sc: Scenario, seed: int, grid: bool = False) -> Scenario:
         """The scenario with these replicas, router (seeded by the workload --seed) and link;
@@ -334,7 +336,7 @@ class ClusterOptions:
             sc, replicas=self.replicas, router=self.router, router_seed=seed, router_params=router_params,
             prefill_replicas=self.prefill_replicas, decode_replicas=self.decode_replicas,
             stall_batches=self.stall_batches, pool=tuple(self.pool), preemption=self.preemption,
-            kv_tiers=tuple(self.kv_tier), kv_write=self.kv_write, **link)
+            kv_tiers=tuple(self.kv_tier), kv_write=self.kv_write, gpus_per_node=self.gpus_per_node, **link)
         sc.pools()
         sc.host_tier()                                              # checks --preemption and --kv-tier
         sc.kinds_of_pools()                                         # checks --pool

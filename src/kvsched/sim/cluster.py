@@ -80,7 +80,10 @@ class Cluster:
     one for all, or a list of one per replica (kinds of replica, kvsched/pools.py: requests
     must then fit the smallest KV pool; `kinds` names each for the router). With
     `prefill_replicas` = P > 0 the first P replicas are the prefill pool, the rest the
-    decode pool; `kv_bytes_per_token`, `bandwidth_gbps` and `latency_s` set the link."""
+    decode pool; `kv_bytes_per_token`, `bandwidth_gbps` and `latency_s` set the link.
+    `shared_tiers`: the replicas share a KV tier (a remote store, or a node's host tier: run.py,
+    `attach_offload`), so they step together in time order: none runs apart from the others
+    or ahead of them (sim/routed_ahead.py), which would write the store out of time order."""
 
     def __init__(self, workload: Workload, policies: Sequence, cost, kv: PagedKV, *,
                  router: str | Router = "round-robin", router_seed: int = 0,
@@ -89,7 +92,7 @@ class Cluster:
                  max_model_len: int | None = None, record_timeline: bool = False,
                  record_batches: bool = False, strict: bool = False,
                  stall_batches: int = DEFAULT_STALL_BATCHES, prefix_caching: bool = False,
-                 kinds: Sequence[str] | None = None) -> None:
+                 kinds: Sequence[str] | None = None, shared_tiers: bool = False) -> None:
         r = len(policies)
         if r < 1:
             raise KvschedError("a cluster needs at least one replica")
@@ -110,7 +113,8 @@ class Cluster:
             raise KvschedError("router parameters go with a router name; a router object is used as given")
         self.router = make_router(router, router_seed, router_params) if isinstance(router, str) else router
         self._costs = costs
-        self._tables = apart_tables(self, policies, kv, max_model_len, strict)     # None: run together
+        self.shared_tiers = shared_tiers
+        self._tables = None if shared_tiers else apart_tables(self, policies, kv, max_model_len, strict)   # None: together
         self.replicas: list[Replica] = []
         # the bins of the inter-token gap histograms (one, and one per tier), shared by the replicas
         itl_bins = GapHistogram().counts
@@ -301,7 +305,7 @@ class Cluster:
         chain = closed is None and turns is None
         check = invariants.enabled()            # KVSCHED_CHECK=1: the invariants after every step
         for r in reps:                          # replicas whose steady batches may run ahead
-            r.runs_ahead = chain and r._steady
+            r.runs_ahead = chain and r._steady and not self.shared_tiers
         if self._tables is not None:
             return run_apart(self, progress, wall0)
         ahead = routed_ahead(self, chain)

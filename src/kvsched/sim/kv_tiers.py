@@ -21,7 +21,12 @@ the second at the same time). A block becomes readable in a tier when its write 
 The remote tier is one store for all replicas (one replica's blocks serve another's hits);
 its capacity is the store's, each replica's link to it has the bandwidth given. Host and disk
 tiers are each replica's own, of the size given (for a TP replica: the host memory its GPUs
-share, and the sum of their links).
+share, and the sum of their links); with --gpus-per-node N they are the node's: the replicas
+on one node (N / GPUs per replica of them, in order) share one host store and one disk store
+of the size given, so one's blocks serve another's hits there, each over its own links (its
+GPUs' PCIe and NVMe paths). A node-level cache server such as LMCache's local server
+(`lm://localhost`, a remote backend on the same machine) shares host memory so; vLLM's
+OffloadingConnector and SGLang's HiCache keep one per engine instance (the default here).
 """
 from __future__ import annotations
 
@@ -270,9 +275,10 @@ class Offload:
         return tuple((p.store.kind, p.store.capacity_blocks - len(p.store.keys)) for p in self.ports)
 
 
-def parse_tiers(texts, write: str, block_bytes: int, replicas: int) -> list[list[TierStore]]:
-    """--kv-tier values for prefix-cache offload: per replica, its tiers (host and disk its
-    own; one remote store shared by all)."""
+def parse_tiers(texts, write: str, block_bytes: int, replicas: int, per_node: int = 1) -> list[list[TierStore]]:
+    """--kv-tier values for prefix-cache offload: per replica, its tiers. Host and disk stores
+    belong to a node: replicas k, k+1, .. in runs of `per_node` share one (--gpus-per-node;
+    1: each replica its own), each over its own links; one remote store is shared by all."""
     if write not in WRITE_MODES:
         raise KvschedError(f"--kv-write must be one of {', '.join(WRITE_MODES)}, got {write!r}")
     specs = [parse_kv_tier(t) for t in texts]
@@ -285,4 +291,6 @@ def parse_tiers(texts, write: str, block_bytes: int, replicas: int) -> list[list
             raise KvschedError(f"--kv-tier {s.describe()}: {s.gb:g} GB holds no KV block "
                                f"({block_bytes} bytes each)")
     shared = {s.kind: TierStore(s, block_bytes) for s in specs if s.kind == "remote"}
-    return [[shared.get(s.kind) or TierStore(s, block_bytes) for s in specs] for _ in range(replicas)]
+    nodes = [{s.kind: TierStore(s, block_bytes) for s in specs if s.kind != "remote"}
+             for _ in range(-(-replicas // per_node))]
+    return [[shared.get(s.kind) or nodes[r // per_node][s.kind] for s in specs] for r in range(replicas)]
