@@ -253,8 +253,35 @@ class _Recorder:
     def __init__(self, inner) -> None:
         self.inner, self.name = inner, inner.name
         self.steps: list[Step] = []
+        self.offload = None                     # the replica's tiers (kvsched_steps sets it)
+        self._open = False                      # the last step is not settled yet
+
+    def _settle(self) -> None:
+        """The last step as it ran: an admission that loaded its prefix instead of prefilling
+        (sim/batch.py, `prefill_shape`; now loading, or landed and not yet admitted) ran no chunk."""
+        off, self._open = self.offload, False
+        if off is None or not self.steps:
+            return
+        last = self.steps[-1]
+        gone = [i for i in last.tokens if i in off.loading or i in off.landed_src]
+        if gone:
+            tokens = {i: c for i, c in last.tokens.items() if i not in gone}
+            hits = {i: h for i, h in last.hits.items() if i not in gone}
+            if tokens:
+                self.steps[-1] = Step(last.time, tokens, last.preempted, hits)
+            else:
+                self.steps.pop()
+
+    def on_batch_end(self, v) -> None:
+        if self._open:
+            self._settle()
+        hook = getattr(self.inner, "on_batch_end", None)
+        if hook is not None:
+            hook(v)
 
     def schedule(self, v):
+        if self._open:                          # the last plan ran no batch
+            self._settle()
         plan = self.inner.schedule(v)
         gone = set(plan.preempt)
         tokens = {i: c for i, c in plan.chunks}
@@ -273,6 +300,7 @@ class _Recorder:
             tokens[i] = 1
         if tokens:
             self.steps.append(Step(v.now, tokens, frozenset(plan.preempt), hits))
+            self._open = self.offload is not None
         return plan
 
     def __getattr__(self, name: str):           # the optional hooks, when the policy has them
@@ -310,11 +338,14 @@ def kvsched_steps(workload, policy: str, params: dict[str, Any], limits: Limits,
         from kvsched.run import attach_offload
         gb = limits.offload_blocks() * KV_BYTES_PER_TOKEN * limits.block_size / 1e9
         attach_offload(server.replicas, (f"host:{gb!r}:1000000000:0",), "through", KV_BYTES_PER_TOKEN)
+        rec.offload = server.replica._offload
         store = server.replica._offload.ports[0].store
         if store.capacity_blocks != limits.offload_blocks():
             raise KvschedError(f"replay: the host tier holds {store.capacity_blocks} blocks, vLLM's "
                                f"{limits.offload_blocks()}")
     server.run()
+    if rec._open:
+        rec._settle()
     return rec.steps
 
 

@@ -18,7 +18,7 @@ from kvsched.errors import PASS_THROUGH, KvschedError, PlanError
 from kvsched.policies.base import Plan
 from kvsched.sim.decode_set import Cohort
 from kvsched.sim.kv_blocks import allocate, check, free_finished, take
-from kvsched.sim.lifecycle import admit, finish, leave_decode, preempt, prefill_complete, swap_out
+from kvsched.sim.lifecycle import admit, finish, leave_decode, load_instead, preempt, prefill_complete, swap_out
 from kvsched.sim.plan_check import check as check_plan, short, swap_choice
 from kvsched.sim.records import first_gaps, spill_logs, tier_first_gaps
 from kvsched.sim.requests import INF
@@ -49,8 +49,13 @@ def execute(rep: Replica, plan: Plan) -> bool:
             swap_out(rep, i)
         else:
             preempt(rep, i)
-    for i in admitted:                      # admit
-        admit(rep, i)
+    off = rep._offload
+    if off is not None and off.reads and admitted:
+        lazy = set(admitted)                # admitted at their chunk: a prefix there may load instead
+    else:
+        lazy = None
+        for i in admitted:                  # admit
+            admit(rep, i)
     bs = rep.block_size
     ds = rep._decoders
     if d is True:
@@ -74,15 +79,21 @@ def execute(rep: Replica, plan: Plan) -> bool:
                 dnew += co.new_blocks
                 dctx += co.ctx
     if chunks:
-        new_blocks, pt, pattn, pctx, shape_chunks = prefill_shape(rep, chunks, dnew)
+        new_blocks, pt, pattn, pctx, shape_chunks = prefill_shape(rep, chunks, dnew, lazy)
         if rep.cache is not None:          # allocated there, the decode step included
             dnew = 0
+        if lazy is not None and len(shape_chunks) < len(chunks):    # some loads instead
+            chunks = [(i, c) for i, c in chunks if i not in rep._offload.loading]
     else:
         new_blocks = pt = pattn = pctx = 0
         shape_chunks = ()
         if rep.cache is not None and dnew:
             allocate(rep, dnew)
             dnew = 0
+    if lazy:                                # admitted without a chunk this batch
+        for i in admitted:
+            if i in lazy:
+                admit(rep, i)
     if pt == 0 and nd == 0:
         return False
     kv = rep.kv
@@ -152,7 +163,8 @@ def execute(rep: Replica, plan: Plan) -> bool:
 @cython.locals(bs=cython.longlong, new_blocks=cython.longlong, pt=cython.longlong, pctx=cython.longlong,
                p=cython.longlong, c=cython.longlong, n=cython.longlong, in_turn=cython.bint, inert=cython.bint)
 @cython.overflowcheck(True)
-def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0) -> tuple[int, int, float, int, list[tuple[int, int]]]:
+def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0,
+                  lazy: set | None = None) -> tuple[int, int, float, int, list[tuple[int, int]]]:
     """The checked plan's chunks (sim/plan_check.py): (new KV blocks, tokens, query-key
     pairs, KV touched, per chunk).
 
@@ -161,7 +173,12 @@ def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0) -> tuple[int, in
     (`decode_blocks`) first, then each admitted request's first chunk takes its cache hit
     (as far as the chunk leaves room: `PrefixCache.hit`) and its new blocks, in plan order;
     every chunk's full blocks are cached as it is scheduled, so later chunks of the batch
-    hit them."""
+    hit them.
+
+    `lazy` (tiers read below the GPU): the admitted requests, admitted here at their chunk. One
+    whose prefix, as the allocations before it leave the cache, continues in a tier loads it
+    instead of running its chunk (`lifecycle.load_instead`), as vLLM's waiting loop looks
+    each request up after the ones before it allocated; its chunk is left out."""
     computed, bs = rep._computed, rep.block_size
     cache, fresh = rep.cache, rep._fresh
     # an inert cache (nothing keyed, nothing to key) misses every lookup: one allocation
@@ -169,7 +186,17 @@ def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0) -> tuple[int, in
     new_blocks = pt = pattn = pctx = 0
     in_turn = False                         # cached: chunks allocate one by one (an admission came)
     shape_chunks = []
+    ends = {} if lazy is not None else None     # where each chunk placed so far ends (in-flight reservations)
     for i, c in chunks:
+        if lazy is not None and i in lazy:
+            lazy.discard(i)
+            if not in_turn:
+                allocate(rep, new_blocks + decode_blocks)
+                new_blocks = decode_blocks = 0
+                in_turn = True
+            if load_instead(rep, i, ends):
+                continue
+            admit(rep, i)
         if inert and i in fresh:
             fresh.discard(i)
             cache.miss(i)
@@ -186,6 +213,8 @@ def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0) -> tuple[int, in
                 rep.reqs.recomputed[i] -= min(h, rep.reqs.recomputed[i])
         p = computed[i]
         n = -(-(p + c) // bs) - -(-p // bs)
+        if ends is not None:
+            ends[i] = p + c
         if cache is not None and not inert:
             cache.register(i, p, c)
         if in_turn:

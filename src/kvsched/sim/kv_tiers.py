@@ -136,6 +136,7 @@ class Offload:
         self.landed_src: dict[int, tuple[int, list[int]]] = {}   # request -> (GPU hit, tiers) of its landed load
         self.load_s: dict[int, float] = {}      # request -> seconds loading before its first admission
         self.deferred: list[int] = []           # write-through: keys computed this batch, written next step
+        self.stop = -1                          # where the last scan found a load that does not fit (-1: none)
         self.loads = 0
 
     def busy(self) -> bool:

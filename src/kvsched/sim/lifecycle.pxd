@@ -8,6 +8,7 @@ from kvsched.sim.replica cimport Replica
 from kvsched.sim.requests cimport RequestTable
 
 cpdef admit(Replica rep, i)
+cpdef load_instead(Replica rep, i, ends)
 cpdef preempt(Replica rep, i)
 cpdef requeue(Replica rep, i, recomputed, backlog)
 cpdef requeue_decoder(Replica rep, i, kv_tokens)

@@ -64,14 +64,30 @@ def preempt(rep: Replica, i: int) -> None:
 
 @cython.locals(r="RequestTable")
 def requeue(rep: Replica, i: int, recomputed: int, backlog: int) -> None:
-    """Request i, its KV gone, goes back to the queue's front: `recomputed` tokens to compute
-    again, `backlog` more prefill tokens waiting here."""
+    """Request i, its KV gone, goes back to the queue's front (with tiers: behind the requests
+    holding a loaded prefix, `held_front`): `recomputed` tokens to compute again, `backlog`
+    more prefill tokens waiting here."""
     r = rep.reqs
     r.recomputed[i] += recomputed
     rep.prefill_backlog += backlog
     r.computed[i] = 0
     r.status[i] = WAITING
-    rep._queue.appendleft(i)
+    q = rep._queue
+    if rep._offload is not None and rep.cache.held and q and q[0] in rep.cache.held:
+        q.insert(held_front(rep), i)        # behind the requests holding a loaded prefix
+    else:
+        q.appendleft(i)
+
+
+def held_front(rep: Replica) -> int:
+    """How many requests at the queue's front hold a loaded prefix: vLLM 0.32 serves them first
+    (`kv_holding_waiting` is drained before `waiting`, scheduler.py `schedule`), so a request
+    preempted now goes behind them, where vLLM's `waiting.prepend_request` puts it."""
+    q, held = rep._queue, rep.cache.held
+    k = 0
+    while k < len(q) and q[k] in held:
+        k += 1
+    return k
 
 
 @cython.locals(r="RequestTable")
@@ -206,10 +222,15 @@ def load_scan(rep: Replica) -> None:
       that load instead, holding nothing, whatever the room (vLLM delays it before any
       allocation: offloading/scheduler.py, `get_num_new_matched_tokens` returns None);
     - a load also needs its blocks to fit beside what the in-flight prefills (running ones,
-      loads started) still need (`reserved_blocks`, `_inflight_prefill_reserved_blocks`);
+      loads in flight or landed and held) still need (`reserved_blocks`,
+      `_inflight_prefill_reserved_blocks`);
     - the first that does not fit ends the scan (vLLM's loop breaks where `allocate_slots`
-      fails), so no load takes the room of a request ahead of it."""
+      fails), so no load takes the room of a request ahead of it. Where a load does not fit,
+      vLLM admits neither that request (its hit below must load first) nor any after it this
+      step: `Offload.stop` marks it, and the policy plans on the queue before it
+      (`Replica.step`, `hide_tail`)."""
     cache, off, kv, bs = rep.cache, rep._offload, rep.kv, rep.block_size
+    off.stop = -1
     free = seats(rep) - len(rep._running) - len(rep._landing)
     if free <= 0:
         return
@@ -220,6 +241,9 @@ def load_scan(rep: Replica) -> None:
     reserved = 0                            # what in-flight prefills still need (a load must leave it free)
     for j in rep._prefilling:
         reserved += -(-target[j] // bs) - -(-computed[j] // bs)
+    for j, (_, g, n, _, _, _) in off.loading.items():   # loads in flight (not those waiting for another's)
+        if n:
+            reserved += -(-target[j] // bs) - g - n
     held, q = cache.held, rep._queue
     pos = 0                                 # loads leave the queue and take none of the `free` seats
     while free > 0 and pos < len(q):
@@ -263,10 +287,71 @@ def load_scan(rep: Replica) -> None:
             free -= 1
             continue
         if len(src) + taken > room - reserved:     # a load leaves the in-flight prefills' blocks free
+            off.stop = pos                  # vLLM's loop breaks here: the policy sees the queue before it
             return
         room -= len(src) + taken
         reserved += whole - g - len(src)
         load_start(rep, i, gpu, keys, src, None)
+
+
+@cython.locals(r="RequestTable")
+def load_instead(rep: Replica, i: int, ends: dict) -> bool:
+    """Admitted request i, at its chunk (batch.py, `prefill_shape`), after the batch's earlier
+    allocations: if its cached prefix now continues in a tier (the allocations before it evicted
+    blocks a tier holds), it loads them instead of prefilling, as vLLM's waiting loop looks it
+    up then (scheduler.py, `get_num_new_matched_tokens` after the earlier `allocate_slots`);
+    or waits for another request's load of them. The load must fit as in `load_scan`: its
+    whole prompt in the free blocks, the load's blocks beside what in-flight prefills still
+    need (`ends`: where this batch's chunks so far end). True if it loads or waits (not
+    admitted); False: admitted as planned (vLLM's loop would stop at a load that does not fit:
+    kvsched keeps the policy's admission, computing the prefix again)."""
+    cache, off, bs = rep.cache, rep._offload, rep.block_size
+    if i in cache.held:                     # its load landed: it prefills from its prefix
+        return False
+    cap = cache.lookup_cap(i)
+    if cap <= 0:
+        return False
+    gpu = list(cache.walk(i))
+    g = len(gpu)
+    if g >= cap:
+        return False
+    keys = cache.keys(i, cap)
+    src = off.below(keys, g, cap)
+    if not src:
+        return False
+    wait = off.loading_of(keys, g, len(src))
+    if wait is not None:
+        load_start(rep, i, [], keys, src, wait)
+        return True
+    target, computed = rep._target, rep._computed
+    taken = 0
+    for b in gpu:
+        taken += b.ref == 0
+    kv = rep.kv
+    room = kv.capacity_blocks - kv.used
+    if -(-target[i] // bs) - g + taken > room:
+        return False
+    reserved = 0
+    for j in rep._prefilling:
+        reserved += -(-target[j] // bs) - -(-ends.get(j, computed[j]) // bs)
+    for j, (_, h, n, _, _, _) in off.loading.items():
+        if n:
+            reserved += -(-target[j] // bs) - h - n
+    if len(src) + taken > room - reserved:
+        return False
+    load_start(rep, i, gpu, keys, src, None)
+    return True
+
+
+def hide_tail(rep: Replica) -> list:
+    """The queue from the request whose load did not fit on (`Offload.stop`), taken off while
+    the policy plans (given back by `Replica.step`), last first."""
+    q = rep._queue
+    tail = []
+    for _ in range(len(q) - rep._offload.stop):
+        tail.append(q.pop())
+    rep._offload.stop = -1
+    return tail
 
 
 @cython.locals(r="RequestTable")
@@ -294,13 +379,16 @@ def load_land(rep: Replica, i: int, first: int, n: int) -> None:
     whole cached prefix, goes back to the queue's front (vLLM: `_update_waiting_for_remote_kv`
     caches them, the request waits again with its blocks); its admission takes them as its hit
     (`PrefixCache.hit`). A request that waited for another's load (n = 0) held nothing: it is
-    a plain waiting request again, looked up afresh (the rest of its prefix may be below)."""
+    a plain waiting request again, looked up afresh (the rest of its prefix may be below), at
+    the front of those holding no KV (vLLM re-queues a skipped request at `waiting`'s front,
+    served after `kv_holding_waiting`)."""
+    rep.reqs.status[i] = WAITING
     if n:
         rep.cache.adopt(i, first, n)
-    else:
+        rep._queue.appendleft(i)
+    else:                                   # behind those holding KV, as vLLM's `waiting` after `kv_holding_waiting`
         rep.cache.held.pop(i, None)
-    rep.reqs.status[i] = WAITING
-    rep._queue.appendleft(i)
+        rep._queue.insert(held_front(rep), i)
     rep._blocked = False
 
 

@@ -37,7 +37,7 @@ from kvsched.sim.batch import execute
 from kvsched.sim.decode_run import decode_clock, decode_run, dense_time, idle_fits
 from kvsched.sim.decode_set import DecodeSet
 from kvsched.sim.kv_blocks import free, take
-from kvsched.sim.lifecycle import land_ready, load_unpin, move
+from kvsched.sim.lifecycle import hide_tail, land_ready, load_unpin, move
 from kvsched.sim.plan_check import PlanFace, short as _short
 from kvsched.sim.prefix_cache import PrefixCache
 from kvsched.sim.prefix_planner import HitPlanner, LazyPlanner
@@ -255,6 +255,7 @@ class Replica:
         q = len(self._queue)
         if q > self.peak_queue:
             self.peak_queue = q
+        tail = hide_tail(self) if self._offload is not None and self._offload.stop >= 0 else None
         try:
             plan = self._schedule(self.view)
         except KvschedError as exc:
@@ -263,6 +264,9 @@ class Replica:
             raise
         except BaseException as exc:
             raise self._policy_failed("schedule", exc) from exc
+        finally:
+            if tail is not None:                # the queue behind a load that did not fit, back
+                self._queue.extend(reversed(tail))
         try:
             ran = execute(self, plan)
         except KvschedError:
