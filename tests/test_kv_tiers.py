@@ -68,15 +68,17 @@ def test_a_host_hit_delays_the_prefill_by_the_load_time(monkeypatch):
     assert total == pytest.approx(s["mean_ttft_ms"], rel=1e-9)
 
 
-def test_a_block_not_yet_written_down_is_not_loaded():
+def test_a_block_still_being_written_defers_the_lookup_till_it_lands():
     """At 0.002097152 GB/s each block's write holds the link 1 s: A's blocks, evicted at 5.0,
-    reach host at 6, 7 and 8 s (+ latency); B at 5.5 finds none readable and computes all of
-    them, as GPU-only."""
+    reach host at 6, 7 and 8 s (+ 1 ms latency). B at 5.5 finds them there but not readable:
+    its lookup is deferred (vLLM: HIT_PENDING, offloading/scheduler.py `_maximal_prefix_lookup`)
+    till the last lands at 8.001, then it loads all 3 (3 s on the read link, + 1 ms) and
+    prefills its last 20 tokens in one 0.05 s batch."""
     w = workload([0.0, 5.0, 5.5], [68, 90, 68], [4, 2, 4], [[(7, 48)], [], [(7, 48)]])
-    gpu_only = simulate(scenario(w), "vllm-v1").records
     r = simulate(scenario(w, ("host:1:0.002097152:0.001",)), "vllm-v1")
-    assert r.records.first_token.tobytes() == gpu_only.first_token.tobytes()
-    assert r.summary["tier_breakdown"][0]["loads"] == 0
+    assert r.summary["tier_breakdown"][0]["loads"] == 1
+    assert r.records.first_token[2] == pytest.approx(8.001 + 3.001 + 0.05, rel=1e-12)
+    assert r.summary["ttft_split_ms"]["loading"]["mean"] == pytest.approx(1000 * (8.001 + 3.001 - 5.5) / 3, rel=1e-9)
 
 
 def test_two_loads_on_one_link_queue_fifo():
@@ -139,30 +141,32 @@ def test_a_remote_store_serves_another_replicas_prefix(monkeypatch):
 
 
 def test_remote_traffic_and_disaggregated_transfers_share_the_network_link(monkeypatch):
-    """One prefill and one decode replica. A (one output token, so no transfer) computes a
-    3-block prefix by 0.05; with write-through its blocks go to the remote store at the batch's
-    end over a 0.05 GB/s path that queues on the prefill replica's KV link, holding it
-    3 x 2,097,152 / 5e7 s. B's KV transfer to the decode replica, ready at 0.10, waits for
+    """One prefill and one decode replica. A (one output token, so no transfer) computes its
+    68-token prompt by 0.05; with write-through its 4 full blocks go to the remote store at the
+    batch's end over a 0.05 GB/s path that queues on the prefill replica's KV link, holding it
+    4 x 2,097,152 / 5e7 s; B's one full block follows at the end of its batch (0.10), before
+    the cluster sends B's KV. B's KV transfer to the decode replica, ready at 0.10, waits for
     them: B finishes exactly 0.05 + that - 0.10 s later than without the tier."""
     monkeypatch.setenv("KVSCHED_CHECK", "1")
     w = workload([0.0, 0.05], [68, 20], [1, 4], [[(7, 48)], []])
     disagg = dict(prefill_replicas=1, decode_replicas=1, kv_transfer_bandwidth=5.0)
     base = simulate(scenario(w, capacity=1600, **disagg), "vllm-v1").records
     r = simulate(scenario(w, ("remote:10:0.05:0.002",), capacity=1600, kv_write="through", **disagg), "vllm-v1")
-    writes = 3 * BB / 5e7
+    writes = 5 * BB / 5e7
     assert r.records.finished[0] == base.finished[0] == 0.05
     assert r.records.finished[1] == pytest.approx(base.finished[1] + (0.05 + writes - 0.10), rel=1e-12)
     row = r.summary["tier_breakdown"][0]
-    assert row["bytes_in"] == 3 * BB
+    assert row["bytes_in"] == 5 * BB
     assert row["link_busy_fraction"] == pytest.approx(writes / r.records.finished[1], rel=1e-9)
 
 
 def test_write_through_writes_blocks_as_they_are_computed():
-    """--kv-write through: A's 3 keyed blocks go down at its prefill, so the host holds them
-    even though nothing is evicted."""
-    w = workload([0.0], [68], [4], [[(7, 48)]])
+    """--kv-write through: A's 4 full prompt blocks (3 of its shared prefix, 1 of its own) go
+    down at its prefill, as vLLM stores every full prompt block, so the host holds them even
+    though nothing is evicted; its decode-filled blocks do not (prompt only)."""
+    w = workload([0.0], [68], [40], [[(7, 48)]])
     r = simulate(scenario(w, ("host:1:16",), capacity=1600, kv_write="through"), "vllm-v1")
-    assert r.summary["tier_breakdown"][0]["bytes_in"] == 3 * BB
+    assert r.summary["tier_breakdown"][0]["bytes_in"] == 4 * BB
     e = simulate(scenario(w, ("host:1:16",), capacity=1600), "vllm-v1")
     assert e.summary["tier_breakdown"][0]["bytes_in"] == 0       # evict mode: nothing evicted, nothing written
 

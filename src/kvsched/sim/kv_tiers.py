@@ -154,14 +154,16 @@ class Offload:
     def write(self, keys: list[int]) -> None:
         """Blocks `keys` go down now (evicted, or computed last batch with write-through): each
         tier lacking one gets it over its write link, readable when the write lands; one it
-        holds becomes its most recent."""
-        bb, now = self.block_bytes, self.clock.now
+        holds becomes its most recent when evicted again (write-through leaves it, as vLLM's
+        CPU manager skips a chunk it holds: kv_offload/cpu/manager.py, `prepare_store`)."""
+        bb, now, touch = self.block_bytes, self.clock.now, not self.through
         for p in self.ports:
             store, link = p.store, p.write
             have = store.keys
             for k in keys:
                 if k in have:
-                    have.move_to_end(k)
+                    if touch:
+                        have.move_to_end(k)
                 else:
                     store.put(k, link.send(now, bb))
 
@@ -190,6 +192,30 @@ class Offload:
             else:
                 break
         return out
+
+    def delay(self, keys: list[int], first: int, cap: int, src: list[int]) -> float | None:
+        """When a waiting request whose prefix continues below the GPU from block `first` (up to
+        `cap`; `src`: the readable blocks, `below`) may be looked up again, or None to go on
+        now. vLLM defers the lookup (offloading/scheduler.py, `get_num_new_matched_tokens`
+        returns None) while a block of the run the tiers hold is still being written
+        (`_maximal_prefix_lookup`: HIT_PENDING; cpu/manager.py, `lookup`: not `is_ready`) or
+        while another request is loading one of the hit blocks ("Hit chunks are being loaded").
+        The time returned is that write's landing, else that load's."""
+        ports, now, t = self.ports, self.clock.now, None
+        for j in range(first, cap):
+            k = keys[j]
+            ready = None
+            for p in ports:
+                x = p.store.keys.get(k)
+                if x is not None and (ready is None or x < ready):
+                    ready = x
+            if ready is None:               # no tier holds it: the run ends
+                break
+            if ready > now and (t is None or ready > t):
+                t = ready
+        if t is not None:
+            return t
+        return self.loading_of(keys, first, len(src)) if src else None
 
     def loading_of(self, keys: list[int], first: int, n: int) -> float | None:
         """When the last load here bringing some of blocks first .. first + n - 1 lands (None:

@@ -219,8 +219,9 @@ def load_scan(rep: Replica) -> None:
       and the rest of its prompt joins the in-flight prefills' reservation;
     - one whose cached prefix continues in a tier starts loading it (`load_start`; no token
       budget, no seat); if another request here is loading some of those blocks, it waits for
-      that load instead, holding nothing, whatever the room (vLLM delays it before any
-      allocation: offloading/scheduler.py, `get_num_new_matched_tokens` returns None);
+      that load instead, holding nothing, whatever the room; so does one with a block of its run
+      below still being written, till the write lands (vLLM delays it before any allocation:
+      offloading/scheduler.py, `get_num_new_matched_tokens` returns None; `Offload.delay`);
     - a load also needs its blocks to fit beside what the in-flight prefills (running ones,
       loads in flight or landed and held) still need (`reserved_blocks`,
       `_inflight_prefill_reserved_blocks`);
@@ -268,9 +269,9 @@ def load_scan(rep: Replica) -> None:
         g = len(gpu)
         keys = cache.keys(i, cap) if g < cap else None
         src = off.below(keys, g, cap) if keys is not None else None
-        if src:
-            wait = off.loading_of(keys, g, len(src))
-            if wait is not None:            # delayed, holding nothing, till that load lands
+        if keys is not None:
+            wait = off.delay(keys, g, cap, src)
+            if wait is not None:            # delayed, holding nothing, till that write or load lands
                 load_start(rep, i, [], keys, src, wait)
                 continue
         taken = 0
@@ -317,12 +318,12 @@ def load_instead(rep: Replica, i: int, ends: dict) -> bool:
         return False
     keys = cache.keys(i, cap)
     src = off.below(keys, g, cap)
-    if not src:
-        return False
-    wait = off.loading_of(keys, g, len(src))
+    wait = off.delay(keys, g, cap, src)
     if wait is not None:
         load_start(rep, i, [], keys, src, wait)
         return True
+    if not src:
+        return False
     target, computed = rep._target, rep._computed
     taken = 0
     for b in gpu:
@@ -359,7 +360,8 @@ def load_start(rep: Replica, i: int, gpu: list, keys: list, src: list, wait) -> 
     """Waiting request i holds its cached prefix on the GPU (`gpu`) and new blocks for the
     blocks the tiers hold (`src`), and waits while they load (vLLM: WAITING_FOR_REMOTE_KVS,
     its blocks allocated by `allocate_slots`); or, with `wait` (when another request's load of
-    some of them lands here), waits for that load, holding and loading nothing (`gpu` empty)."""
+    some of them, or a write of one, lands here: `Offload.delay`), waits for it, holding and
+    loading nothing (`gpu` empty)."""
     r = rep.reqs
     cache, off = rep.cache, rep._offload
     cache.pin(i, gpu)

@@ -215,22 +215,22 @@ class PrefixCache:
     def register(self, i: int, start: int, chunk: int) -> None:
         """The blocks request i's chunk [start, start + chunk) fills are cached (by reference)."""
         held = self.held.setdefault(i, [])
-        lo, hi = len(held), min((start + chunk) // self.bs, self._share[i])
+        bs = self.bs
+        lo, hi = len(held), min((start + chunk) // bs, self._share[i])
         if hi > lo:
-            keys = self.keys(i, hi)[lo:hi]
-            blocks = [Block(k, 1) for k in keys]
+            blocks = [Block(k, 1) for k in self.keys(i, hi)[lo:hi]]
             held.extend(blocks)
             self._insert(blocks)
-            if self.spill is not None and self.spill.through:
-                self._write_prompt(i, lo, keys)
+        if self.spill is not None and self.spill.through:
+            self._write_prompt(i, start // bs, min((start + chunk) // bs, self.reqs.prompt[i] // bs))
 
-    def _write_prompt(self, i: int, first: int, keys: list[int]) -> None:
-        """Write-through tiers (`--kv-write through`): of request i's blocks first, first + 1, ...
-        (keys `keys`), those inside its prompt go down once computed, as vLLM's offloading
-        connector stores only prompt blocks by default (`offload_prompt_only`)."""
-        end = self.reqs.prompt[i] // self.bs - first
-        if end > 0:
-            self.spill.defer(keys[:end])
+    def _write_prompt(self, i: int, first: int, end: int) -> None:
+        """Write-through tiers (`--kv-write through`): request i's prompt blocks first .. end - 1,
+        computed by a chunk, go down, the request's own blocks too (keyed for the tiers only),
+        as vLLM's offloading connector stores every full prompt block once computed
+        (offloading/scheduler.py, `_build_store_jobs`; `offload_prompt_only`)."""
+        if end > first:
+            self.spill.defer(self.keys(i, end)[first:end])
 
     def _insert(self, blocks: list[Block]) -> None:
         """Cache blocks under their keys; a key already cached keeps its block first."""
@@ -313,8 +313,6 @@ class PrefixCache:
                 blocks = [Block(k, 0) for k in reversed(keys)]
                 self._insert(blocks)
                 q.update(dict.fromkeys(blocks))
-                if self.spill is not None and self.spill.through:
-                    self._write_prompt(i, len(held), keys)
             self.queued += own
         released += self._unref(held)
         self.kv.used -= released
