@@ -160,6 +160,18 @@ def test_replay_with_vllms_offloading_connector():
     assert runs[0.01] != runs[0.0]
 
 
+@pytest.mark.parametrize("n", [150, 300])
+def test_replay_with_offloading_agrees_on_a_longer_run(n):
+    """The 150- and 300-request runs of the same workload (974 and 1,997 steps, preemptions,
+    loads of prefixes the batch's own allocations evicted, lookups deferred over blocks still
+    being written) agree on every step."""
+    from kvsched.engines.vllm_replay import compare, kvsched_steps, vllm_steps
+    w = offloading_workload(n)
+    limits = Limits(2048, 256, num_gpu_blocks=129, block_size=16, prefix_caching=True, kv_offloading_gib=0.01)
+    agreement = compare(vllm_steps(w, limits, 0.01), kvsched_steps(w, "vllm-v1", v1(limits), limits, 0.01), w.prompt)
+    assert agreement.steps > 900 and agreement.steps_differing == 0, agreement.first_difference
+
+
 def test_offloading_needs_the_prefix_cache():
     with pytest.raises(Exception, match="needs --prefix-caching on"):
         replay(offloading_workload(5), "vllm-v1", {}, Limits(2048, 256, num_gpu_blocks=129, kv_offloading_gib=0.01),
