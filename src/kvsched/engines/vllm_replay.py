@@ -88,9 +88,12 @@ class Limits:
             raise KvschedError(f"replay: --kv-offloading-size {self.kv_offloading_gib:g} GiB holds no block")
 
     def offload_blocks(self) -> int:
-        """Blocks of the CPU tier: vLLM's `num_chunks` (cpu/spec.py: cpu_bytes_to_use // the
-        tiny model's KV bytes per block, a 4 KiB-aligned page per block of 16 tokens)."""
-        return int(self.kv_offloading_gib * (1 << 30)) // (KV_BYTES_PER_TOKEN * self.block_size)
+        """Blocks of the CPU tier: vLLM's `num_chunks` (kv_offload/cpu/spec.py, `__init__`:
+        cpu_bytes_to_use // the tiny model's KV bytes per block of one worker, one block per
+        chunk, rounded up to the page size, `BLOCK_SIZE_ALIGNMENT = mmap.PAGESIZE`)."""
+        import mmap
+        page = mmap.PAGESIZE
+        return int(self.kv_offloading_gib * (1 << 30)) // (-(-(KV_BYTES_PER_TOKEN * self.block_size) // page) * page)
 
 
 def import_vllm():
@@ -156,9 +159,15 @@ def build_scheduler(limits: Limits, model_dir: Path, scheduler_cls=None, async_s
                                  layer_stride=page * limits.num_gpu_blocks, block_stride=page)]
     kv = v["KVCacheConfig"](num_blocks=limits.num_gpu_blocks, kv_cache_tensors=tensors,
                             kv_cache_groups=[v["KVCacheGroupSpec"](["layer"], spec)])
-    return v, (scheduler_cls or v["Scheduler"])(vllm_config=vc, kv_cache_config=kv,
-                             structured_output_manager=v["StructuredOutputManager"](vc),
-                             block_size=limits.block_size, log_stats=False)
+    scheduler = (scheduler_cls or v["Scheduler"])(vllm_config=vc, kv_cache_config=kv,
+                                                  structured_output_manager=v["StructuredOutputManager"](vc),
+                                                  block_size=limits.block_size, log_stats=False)
+    if offload:                             # kvsched's host tier must hold what vLLM's CPU tier holds
+        manager = getattr(getattr(getattr(scheduler, "connector", None), "connector_scheduler", None), "manager", None)
+        chunks = getattr(manager, "_num_chunks", None)
+        if chunks != limits.offload_blocks():
+            raise KvschedError(f"replay: vLLM's CPU tier holds {chunks} blocks, kvsched's {limits.offload_blocks()}")
+    return v, scheduler
 
 
 def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_000_000,
@@ -257,13 +266,16 @@ class _Recorder:
         self._open = False                      # the last step is not settled yet
 
     def _settle(self) -> None:
-        """The last step as it ran: an admission that loaded its prefix instead of prefilling
-        (sim/batch.py, `prefill_shape`; now loading, or landed and not yet admitted) ran no chunk."""
+        """The last step as it ran: an admission that loaded its prefix instead of prefilling, or
+        that a load which did not fit kept out (sim/batch.py, `prefill_shape`: now loading,
+        landed and not yet admitted, or still waiting), ran no chunk."""
+        from kvsched.sim.requests import LOADING, WAITING
         off, self._open = self.offload, False
         if off is None or not self.steps:
             return
         last = self.steps[-1]
-        gone = [i for i in last.tokens if i in off.loading or i in off.landed_src]
+        status = off.clock.reqs.status
+        gone = [i for i in last.tokens if status[i] in (WAITING, LOADING) or i in off.landed_src]
         if gone:
             tokens = {i: c for i, c in last.tokens.items() if i not in gone}
             hits = {i: h for i, h in last.hits.items() if i not in gone}

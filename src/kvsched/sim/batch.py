@@ -21,7 +21,7 @@ from kvsched.sim.kv_blocks import allocate, check, free_finished, take
 from kvsched.sim.lifecycle import admit, finish, leave_decode, load_instead, preempt, prefill_complete, swap_out
 from kvsched.sim.plan_check import check as check_plan, short, swap_choice
 from kvsched.sim.records import first_gaps, spill_logs, tier_first_gaps
-from kvsched.sim.requests import INF
+from kvsched.sim.requests import INF, PREFILL
 from kvsched.sim.rowlog import CHUNK
 
 if TYPE_CHECKING:
@@ -82,18 +82,21 @@ def execute(rep: Replica, plan: Plan) -> bool:
         new_blocks, pt, pattn, pctx, shape_chunks = prefill_shape(rep, chunks, dnew, lazy)
         if rep.cache is not None:          # allocated there, the decode step included
             dnew = 0
-        if lazy is not None and len(shape_chunks) < len(chunks):    # some loads instead
-            chunks = [(i, c) for i, c in chunks if i not in rep._offload.loading]
+        if lazy is not None and len(shape_chunks) < len(chunks):    # some loaded instead, or were not admitted
+            status = rep._status
+            chunks = [(i, c) for i, c in chunks if status[i] == PREFILL]
     else:
         new_blocks = pt = pattn = pctx = 0
         shape_chunks = ()
         if rep.cache is not None and dnew:
             allocate(rep, dnew)
             dnew = 0
-    if lazy:                                # admitted without a chunk this batch
+    if lazy and not rep._offload.broke:     # admitted without a chunk this batch (none past a break)
         for i in admitted:
             if i in lazy:
                 admit(rep, i)
+    if lazy is not None:
+        rep._offload.broke = False
     if pt == 0 and nd == 0:
         return False
     kv = rep.kv
@@ -178,7 +181,9 @@ def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0,
     `lazy` (tiers read below the GPU): the admitted requests, admitted here at their chunk. One
     whose prefix, as the allocations before it leave the cache, continues in a tier loads it
     instead of running its chunk (`lifecycle.load_instead`), as vLLM's waiting loop looks
-    each request up after the ones before it allocated; its chunk is left out."""
+    each request up after the ones before it allocated; its chunk is left out. A load that does
+    not fit ends the admissions, as vLLM's loop breaks there: that request and the plan's later
+    admissions stay waiting (`Offload.broke`)."""
     computed, bs = rep._computed, rep.block_size
     cache, fresh = rep.cache, rep._fresh
     # an inert cache (nothing keyed, nothing to key) misses every lookup: one allocation
@@ -190,11 +195,13 @@ def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0,
     for i, c in chunks:
         if lazy is not None and i in lazy:
             lazy.discard(i)
+            if rep._offload.broke:          # past a load that did not fit: not admitted
+                continue
             if not in_turn:
                 allocate(rep, new_blocks + decode_blocks)
                 new_blocks = decode_blocks = 0
                 in_turn = True
-            if load_instead(rep, i, ends):
+            if load_instead(rep, i, ends):     # loads, waits, or (`broke`) does not fit
                 continue
             admit(rep, i)
         if inert and i in fresh:

@@ -137,6 +137,10 @@ class Offload:
         self.load_s: dict[int, float] = {}      # request -> seconds loading before its first admission
         self.deferred: list[int] = []           # write-through: keys computed this batch, written next step
         self.stop = -1                          # where the last scan found a load that does not fit (-1: none)
+        self.broke = False                      # a batch's admission found its load does not fit (batch.py)
+        # write-through: request -> (first, end) of the prompt blocks it offered or loaded (vLLM's
+        # next_stored_chunk_idx, and the keys its finish refreshes)
+        self.offered: dict[int, tuple[int, int]] = {}
         self.loads = 0
 
     def busy(self) -> bool:
@@ -166,6 +170,16 @@ class Offload:
                         have.move_to_end(k)
                 else:
                     store.put(k, link.send(now, bb))
+
+    def finished(self, keys: list[int]) -> None:
+        """Write-through: a finished request's blocks (those it offered or loaded, head to tail)
+        become each tier's most recent, its head the newest, as vLLM's LRU updates them when
+        the request finishes (kv_offload/cpu/policies/lru.py, `on_request_finished`)."""
+        for p in self.ports:
+            have = p.store.keys
+            for k in reversed(keys):
+                if k in have:
+                    have.move_to_end(k)
 
     def defer(self, keys: list[int]) -> None:
         """Write-through: blocks keyed while a batch is planned are computed by its end, so they

@@ -126,12 +126,18 @@ def swap_tick(rep: Replica) -> bool:
     landed ones do), then the oldest swapped-out ones whose copy has reached host get GPU
     room while it fits (and while the policy's `max_num_seqs` has seats) and their copy-in
     starts. A copy that lands while every seat is taken waits, its GPU room held, for the
-    first seat that frees (before the policy plans). A replica with nothing else to run moves its clock to the next landing on either
-    side. True if it has nothing to run (the step plans nothing)."""
+    first seat that frees (before the policy plans). A replica with nothing else to run waits
+    for the next landing on either side as an event (`swap_wake`): stepped then, its clock
+    moves there, so arrivals and other replicas' steps before it come first. True if it has
+    nothing to run (the step plans nothing)."""
     sw = rep._swap
     if not sw.busy():
         return False
     seated = seats(rep)
+    if rep._blocked or not (rep._queue or rep._running or rep._landing):     # stepped at its wake-up
+        t = sw.inflight[0][0] if sw.inflight else sw.ready[sw.out[0]] if sw.out else rep.now
+        if t > rep.now:
+            rep.now = t
     while True:
         sw.parked.extend(sw.landed(rep.now))
         while sw.parked and len(rep._running) + len(rep._landing) < seated:     # back on the GPU: a seat each
@@ -144,18 +150,12 @@ def swap_tick(rep: Replica) -> bool:
         idle = rep._blocked or not (rep._queue or rep._running or rep._landing)
         if not idle:
             return False
-        if sw.inflight:
-            if sw.inflight[0][0] > rep.now:
-                rep.now = sw.inflight[0][0]
-        elif sw.out:
-            if sw.ready[sw.out[0]] > rep.now:
-                rep.now = sw.ready[sw.out[0]]
-            elif not rep.reserve(sw.out[0], rep.now):   # no room even on an idle GPU: it recomputes
-                swap_to_recompute(rep, sw.out.popleft())
-            else:
-                sw.copy_in(sw.out.popleft(), rep.now)
+        if sw.inflight or not sw.out or sw.ready[sw.out[0]] > rep.now:
+            return True                     # wait for the next landing (`swap_wake`)
+        if not rep.reserve(sw.out[0], rep.now):     # no room even on an idle GPU: it recomputes
+            swap_to_recompute(rep, sw.out.popleft())
         else:
-            return True
+            sw.copy_in(sw.out.popleft(), rep.now)
 
 
 def swap_to_recompute(rep: Replica, i: int) -> None:
@@ -187,26 +187,24 @@ def load_tick(rep: Replica) -> bool:
     go down (`--kv-write through`); loads that have landed put their requests back at the
     queue's front, their prefix now cached on the GPU; then waiting requests at the queue's
     front whose cached prefix continues in a tier start loading it (`load_scan`; not under a
-    policy that computes prompts from token 0, `Offload.reads`). A replica
-    with nothing else to run moves its clock to the next landing. True if it has nothing to
-    run (the step plans nothing)."""
+    policy that computes prompts from token 0, `Offload.reads`). A replica with nothing else to
+    run waits for the next landing as an event (`load_wake`): stepped then, its clock moves
+    there, so arrivals and other replicas' steps before it come first. True if it has nothing
+    to run (the step plans nothing)."""
     off = rep._offload
-    while True:
-        if off.deferred:
-            off.flush()
-        if off.loading:
-            back = off.landed(rep.now)
-            for i, first, n in reversed(back):
-                load_land(rep, i, first, n)
-        if rep._queue and off.reads:
-            load_scan(rep)
-        if not (rep._blocked or not (rep._queue or rep._running or rep._landing)):
-            return False
-        if not off.loading:
-            return True
-        t = off.next_landing()
-        if t > rep.now:
-            rep.now = t
+    if off.deferred:
+        off.flush()
+    if off.loading:
+        if rep._blocked or not (rep._queue or rep._running or rep._landing):     # stepped at its wake-up
+            t = off.next_landing()
+            if t > rep.now:
+                rep.now = t
+        back = off.landed(rep.now)
+        for i, first, n in reversed(back):
+            load_land(rep, i, first, n)
+    if rep._queue and off.reads:
+        load_scan(rep)
+    return rep._blocked or not (rep._queue or rep._running or rep._landing)
 
 
 def load_scan(rep: Replica) -> None:
@@ -303,9 +301,9 @@ def load_instead(rep: Replica, i: int, ends: dict) -> bool:
     up then (scheduler.py, `get_num_new_matched_tokens` after the earlier `allocate_slots`);
     or waits for another request's load of them. The load must fit as in `load_scan`: its
     whole prompt in the free blocks, the load's blocks beside what in-flight prefills still
-    need (`ends`: where this batch's chunks so far end). True if it loads or waits (not
-    admitted); False: admitted as planned (vLLM's loop would stop at a load that does not fit:
-    kvsched keeps the policy's admission, computing the prefix again)."""
+    need (`ends`: where this batch's chunks so far end). True if it loads or waits, or if the
+    load does not fit (`Offload.broke`: vLLM's loop breaks there, so neither it nor a later
+    admission of the plan is admitted); False: admitted as planned."""
     cache, off, bs = rep.cache, rep._offload, rep.block_size
     if i in cache.held:                     # its load landed: it prefills from its prefix
         return False
@@ -331,7 +329,8 @@ def load_instead(rep: Replica, i: int, ends: dict) -> bool:
     kv = rep.kv
     room = kv.capacity_blocks - kv.used
     if -(-target[i] // bs) - g + taken > room:
-        return False
+        off.broke = True
+        return True
     reserved = 0
     for j in rep._prefilling:
         reserved += -(-target[j] // bs) - -(-ends.get(j, computed[j]) // bs)
@@ -339,7 +338,8 @@ def load_instead(rep: Replica, i: int, ends: dict) -> bool:
         if n:
             reserved += -(-target[j] // bs) - h - n
     if len(src) + taken > room - reserved:
-        return False
+        off.broke = True
+        return True
     load_start(rep, i, gpu, keys, src, None)
     return True
 

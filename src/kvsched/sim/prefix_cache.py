@@ -194,6 +194,10 @@ class PrefixCache:
         blocks = [Block(k, 1) for k in self.keys(i, first + n)[first:first + n]]
         self.held.setdefault(i, []).extend(blocks)
         self._insert(blocks)
+        off = self.spill
+        if off.through:                     # the loaded blocks count as offered (vLLM: chunk-level, the hit skipped)
+            lo, end = off.offered.get(i, (first, 0))
+            off.offered[i] = (lo, max(end, first + n))
 
     def unpin(self, i: int) -> None:
         """Waiting request i lets go of the prefix it holds (`adopt`): its blocks stay cached."""
@@ -222,15 +226,20 @@ class PrefixCache:
             held.extend(blocks)
             self._insert(blocks)
         if self.spill is not None and self.spill.through:
-            self._write_prompt(i, start // bs, min((start + chunk) // bs, self.reqs.prompt[i] // bs))
+            self._write_prompt(i, min((start + chunk) // bs, self.reqs.prompt[i] // bs))
 
-    def _write_prompt(self, i: int, first: int, end: int) -> None:
-        """Write-through tiers (`--kv-write through`): request i's prompt blocks first .. end - 1,
-        computed by a chunk, go down, the request's own blocks too (keyed for the tiers only),
-        as vLLM's offloading connector stores every full prompt block once computed
-        (offloading/scheduler.py, `_build_store_jobs`; `offload_prompt_only`)."""
+    def _write_prompt(self, i: int, end: int) -> None:
+        """Write-through tiers (`--kv-write through`): request i's full prompt blocks up to `end`
+        (computed by now) that it has not offered yet go down, from block 0 (a GPU hit's blocks
+        too: a tier lacking them gets them) and the request's own blocks too (keyed for the
+        tiers only), as vLLM's offloading connector offers every full prompt block from
+        `next_stored_chunk_idx` on (offloading/scheduler.py, `_build_store_jobs`;
+        `offload_prompt_only`); a tier holding one leaves it."""
+        off = self.spill
+        lo, first = off.offered.get(i, (0, 0))
         if end > first:
-            self.spill.defer(self.keys(i, end)[first:end])
+            off.defer(self.keys(i, end)[first:end])
+            off.offered[i] = (lo, end)
 
     def _insert(self, blocks: list[Block]) -> None:
         """Cache blocks under their keys; a key already cached keeps its block first."""
@@ -317,6 +326,10 @@ class PrefixCache:
         released += self._unref(held)
         self.kv.used -= released
         if done:
+            if self.spill is not None and self.spill.through:
+                lo, end = self.spill.offered.pop(i, (0, 0))
+                if end > lo:
+                    self.spill.finished(self.keys(i, end)[lo:end])
             self._keys.pop(i, None)
 
     def free_private(self, done: list[tuple[int, int]]) -> None:
