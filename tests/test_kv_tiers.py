@@ -221,15 +221,17 @@ PARAMS = {"nested-wait": {"segments": "60,240,1000"}}
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), policy=st.sampled_from(POLICY_NAMES), write=st.sampled_from(["evict", "through"]),
        tiers=st.sampled_from([("host:0.01:16:0.0001",), ("host:0.007:4", "disk:0.05:2:0.001"),
-                              ("host:0.004:16", "remote:0.02:1:0.002")]), replicas=st.sampled_from([1, 3]))
-def test_invariants_hold_with_tiers_on(seed, policy, write, tiers, replicas, monkeypatch):
+                              ("host:0.004:16", "remote:0.02:1:0.002")]), replicas=st.sampled_from([1, 3]),
+       node=st.sampled_from([0, 2]))
+def test_invariants_hold_with_tiers_on(seed, policy, write, tiers, replicas, node, monkeypatch):
     """Blocks conserved on the GPU (loading requests' included), no tier over its capacity,
     every request finished or counted rejected (KVSCHED_CHECK=1: sim/invariants.py), for every
-    policy, on KV-tight workloads with shared prefixes; loads happened on some."""
+    policy, on KV-tight workloads with shared prefixes, with and without node-shared tiers;
+    loads happened on some."""
     monkeypatch.setenv("KVSCHED_CHECK", "1")
     w = shared_workload(seed)
     sc = Scenario(w, model="llama-3-8b", gpu="a100-80gb", kv_capacity=1024, prefix_caching=True, client=None,
-                  kv_tiers=tiers, kv_write=write, replicas=replicas)
+                  kv_tiers=tiers, kv_write=write, replicas=replicas, gpus_per_node=node)
     s = simulate(sc, policy, PARAMS.get(policy)).summary
     assert s["completed"] + s.get("rejected", 0) == len(w)
     assert s["tier_reads"] == (policy in READERS) and (s["tier_loads"] == 0 or policy in READERS)
@@ -276,7 +278,8 @@ def test_policies_that_plan_from_token_zero_write_the_tiers_and_never_read_them(
     assert s["tier_reads"] is False and s["tier_loads"] == 0
     assert s["tier_breakdown"][0]["bytes_out"] == 0 and s["tier_breakdown"][0]["bytes_in"] > 0
     plain = simulate(dataclasses.replace(sc, kv_tiers=()), policy, PARAMS.get(policy))
-    assert r.records.finished.tobytes() == plain.records.finished.tobytes()
+    for f in ("admitted", "first_token", "finished", "preemptions", "recomputed", "itl_max", "replica"):
+        assert np.asarray(getattr(r.records, f)).tobytes() == np.asarray(getattr(plain.records, f)).tobytes(), f
 
 
 def test_distserve_with_tiers_writes_them_on_the_prefill_pool(monkeypatch):
@@ -287,6 +290,55 @@ def test_distserve_with_tiers_writes_them_on_the_prefill_pool(monkeypatch):
     s = simulate(sc, "distserve").summary
     assert s["completed"] + s.get("rejected", 0) == len(w)
     assert s["tier_reads"] is False and s["tier_loads"] == 0
+    assert all(row["bytes_in"] > 0 for row in s["tier_breakdown"])
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), policy=st.sampled_from(["vllm-v1", "sarathi", "distserve"]),
+       write=st.sampled_from(["evict", "through"]), node=st.sampled_from([0, 2]))
+def test_invariants_hold_with_tiers_on_disaggregated_pools(seed, policy, write, node, monkeypatch):
+    """The invariants with tiers on the prefill pool (2 prefill, 1 decode replica), a remote
+    store sharing each prefill replica's network link, and with --gpus-per-node 2 a host tier
+    the two prefill replicas share."""
+    monkeypatch.setenv("KVSCHED_CHECK", "1")
+    w = shared_workload(seed)
+    sc = Scenario(w, model="llama-3-8b", gpu="a100-80gb", kv_capacity=1024, prefix_caching=True, client=None,
+                  kv_tiers=("host:0.004:16", "remote:0.02:1:0.002"), kv_write=write, prefill_replicas=2,
+                  decode_replicas=1, gpus_per_node=node)
+    s = simulate(sc, policy).summary
+    assert s["completed"] + s.get("rejected", 0) == len(w)
+    assert s["tier_reads"] == (policy != "distserve")
+
+
+def test_an_arrival_while_a_replica_waits_on_a_load_is_served_at_its_time(monkeypatch):
+    """Review finding: a replica with nothing to run but a load in flight moved its clock to the
+    landing within one step, so D (t=10.2, no prefix, room for it) waited for B's load (lands
+    at 10 + 3 x 2,097,152 / 1e7 + 0.001 = 10.63). vLLM schedules D at the next step while B
+    waits for its KV: D's first token is at 10.25."""
+    monkeypatch.setenv("KVSCHED_CHECK", "1")
+    w = workload([0.0, 5.0, 10.0, 10.2], [68, 90, 68, 20], [4, 2, 4, 2], [[(7, 48)], [], [(7, 48)], []])
+    r = simulate(scenario(w, ("host:1:0.01:0.001",)), "vllm-v1")
+    assert r.summary["tier_loads"] == 1
+    assert r.records.first_token[3] == pytest.approx(10.25, rel=1e-12)
+    assert r.records.first_token[2] == pytest.approx(10.0 + 3 * BB / 1e7 + 0.001 + 0.05, rel=1e-12)
+
+
+def test_a_load_leaves_free_what_the_loads_in_flight_still_need(monkeypatch):
+    """Review finding: A (t=10, a 30-block prompt whose 3-block prefix loads slowly from remote)
+    is in flight; B (t=10.1) would load 6 blocks into the room A still needs (vLLM reserves an
+    in-flight load's remaining blocks: `_inflight_prefill_reserved_blocks`). B's load waits, so
+    A's first token comes as without B."""
+    monkeypatch.setenv("KVSCHED_CHECK", "1")
+    arrivals, prompts, outputs = [0.0, 0.0, 0.0, 10.0, 10.0, 10.1], [68, 16, 116, 480, 16, 160], [2, 300, 2, 2, 2, 2]
+    segs = [[(7, 48)], [], [(8, 96)], [(7, 48)], [], [(8, 96)]]
+    kw = dict(capacity=48 * 16, kv_write="through", replicas=2, router="round-robin")
+    both = simulate(scenario(workload(arrivals, prompts, outputs, segs), ("remote:1:0.01:0",), **kw), "vllm-v1")
+    keep = [0, 1, 2, 3, 4]
+    alone = simulate(scenario(workload([arrivals[k] for k in keep], [prompts[k] for k in keep],
+                                       [outputs[k] for k in keep], [segs[k] for k in keep]),
+                              ("remote:1:0.01:0",), **kw), "vllm-v1")
+    assert both.summary["tier_loads"] == 2
+    assert both.records.first_token[3] == alone.records.first_token[3]
 
 
 def test_tiers_need_the_prefix_cache():

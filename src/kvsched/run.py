@@ -8,6 +8,7 @@ import io
 import itertools
 import json
 import math
+import numbers
 import os
 import shutil
 import signal
@@ -175,7 +176,8 @@ class Scenario:
         if self.preemption == "swap" and (self.prefill_replicas or self.decode_replicas):
             raise KvschedError("--preemption swap is modelled on replicas of one kind behind a router (no "
                                "disaggregation yet)")
-        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 0:
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, numbers.Integral) \
+                or self.gpus_per_node < 0:
             raise KvschedError(f"--gpus-per-node must be a whole number >= 0 (0: each replica its own tiers), "
                                f"got {self.gpus_per_node!r}")
         if self.gpus_per_node and not (tiers and self.preemption == "recompute"):
@@ -600,7 +602,7 @@ def node_groups(gpus_per_node: int, replica_gpus: int) -> int:
     if gpus_per_node % replica_gpus:
         raise KvschedError(f"--gpus-per-node {gpus_per_node} is not a whole number of replicas of {replica_gpus} "
                            "GPUs (tp x pp x dp): a replica's GPUs sit on one node")
-    return gpus_per_node // replica_gpus
+    return int(gpus_per_node) // replica_gpus
 
 
 def shares_tiers(texts: tuple[str, ...], per_node: int, replicas: bool) -> bool:
@@ -645,7 +647,7 @@ def offload_summary(replicas: list, records, duration: float) -> dict[str, Any]:
     waited = {i: s for o in offs for i, s in o.load_s.items()}
     return {"kv_write": "through" if offs[0].through else "evict", "tier_reads": all(o.reads for o in offs),
             "tier_breakdown": rows, "tier_loads": loads,
-            "mean_load_wait_ms": 1000 * sum(waited.values()) / loads if loads else None,
+            "mean_load_wait_ms": 1000 * sum(o.load_time for o in offs) / loads if loads else None,
             "ttft_split_ms": ttft_split(records, waited)}
 
 

@@ -284,7 +284,7 @@ CLUSTER_FLAGS = {
     "stall_batches": (int, typer.Option(DEFAULT_STALL_BATCHES, "--stall-batches", help="stop a policy after this many batches that preempt with no output token between them")),
     "pool": (list[str], typer.Option([], "--pool", help="replicas of one kind: NAME=GPU:COUNT[:tp=N][:pp=N][:ep=N][:dp-attention][:model=M][:weight-dtype=D][:kv-dtype=D] (repeatable; pools named prefill and decode disaggregate; docs/hardware.md)")),
     "preemption": (str, typer.Option("recompute", "--preemption", help="a preempted decoder: recompute (vLLM v1), or swap its KV to --kv-tier host and back (vLLM v0's swap; docs/kv-tiers.md)")),
-    "kv_tier": (list[str], typer.Option([], "--kv-tier", help="a KV tier below the GPU: KIND:GB:GBps[:latency_s], KIND host, disk (each replica's) or remote (one store for all); repeatable. With --prefix-caching the cache offloads to them and loads hits back; with --preemption swap, the host tier holds swapped KV (docs/kv-tiers.md)")),
+    "kv_tier": (list[str], typer.Option([], "--kv-tier", help="a KV tier below the GPU: KIND:GB:GBps[:latency_s], KIND host, disk (each replica's, or its node's with --gpus-per-node) or remote (one store for all); repeatable. With --prefix-caching the cache offloads to them and loads hits back; with --preemption swap, the host tier holds swapped KV (docs/kv-tiers.md)")),
     "kv_write": (str, typer.Option("evict", "--kv-write", help="when prefix-cache blocks go down to the --kv-tier tiers: evict (when the GPU evicts them) or through (as they are computed)")),
     "gpus_per_node": (int, typer.Option(0, "--gpus-per-node", help="GPUs per node: the replicas on one node share its --kv-tier host and disk tiers (0: each replica its own)")),
 }

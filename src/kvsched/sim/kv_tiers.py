@@ -142,6 +142,7 @@ class Offload:
         # next_stored_chunk_idx, and the keys its finish refreshes)
         self.offered: dict[int, tuple[int, int]] = {}
         self.loads = 0
+        self.load_time = 0.0                    # seconds from each load's start to its landing, summed
 
     def busy(self) -> bool:
         return bool(self.loading)
@@ -269,6 +270,7 @@ class Offload:
         self.loading[i] = (land, first, len(src), now, before_admission, loading)
         self.landed_src[i] = (first, src)
         self.loads += 1
+        self.load_time += land - now
 
     def wait_for(self, i: int, first: int, land: float, before_admission: bool) -> None:
         """Request i waits, loading nothing, for another request's load landing at `land`."""
