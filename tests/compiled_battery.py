@@ -248,6 +248,11 @@ for _name in ("vllm-v1", "vllm-v0", "sarathi"):
 scenario("tiers/disaggregated/remote")(lambda: run_print(
     shared_prefixes(), "vllm-v1", prefix_caching=True, kv_capacity=4_000, kv_tiers=("remote:1:0.5:0.002",),
     kv_write="through", prefill_replicas=2, decode_replicas=1))
+scenario("tiers/node-shared-host/through")(lambda: run_print(
+    shared_prefixes(), "vllm-v1", prefix_caching=True, kv_capacity=4_000, kv_tiers=("host:0.1:16:0.0001",),
+    kv_write="through", replicas=2, gpus_per_node=2))
+scenario("tiers/eb/written-only")(lambda: run_print(
+    shared_prefixes(), "eb", prefix_caching=True, kv_capacity=4_000, kv_tiers=("host:0.2:16:0.0001",)))
 
 
 # ----- shared prefixes: the prefix cache is not inert -----------------------------------
