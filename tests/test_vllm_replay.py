@@ -160,16 +160,20 @@ def test_replay_with_vllms_offloading_connector():
     assert runs[0.01] != runs[0.0]
 
 
-@pytest.mark.parametrize("n", [150, 300])
-def test_replay_with_offloading_agrees_on_a_longer_run(n):
-    """The 150- and 300-request runs of the same workload (974 and 1,997 steps, preemptions,
-    loads of prefixes the batch's own allocations evicted, lookups deferred over blocks still
-    being written) agree on every step."""
+@pytest.mark.parametrize("n, seed, gib, cap", [(150, 0, 0.01, 0), (500, 0, 0.01, 0), (300, 2, 0.005, 0),
+                                              (40, 0, 0.01, 64), (150, 0, 0.001, 0)])
+def test_replay_with_offloading_agrees_on_a_longer_run(n, seed, gib, cap):
+    """Longer runs, smaller CPU tiers and a long-prefill cap (preemptions; loads of prefixes the
+    batch's own allocations evicted; a load that does not fit ending the admissions; loads
+    sparing the prefixes of admissions ahead; a finished request's blocks refreshed in the
+    tier) agree on every step."""
     from kvsched.engines.vllm_replay import compare, kvsched_steps, vllm_steps
-    w = offloading_workload(n)
-    limits = Limits(2048, 256, num_gpu_blocks=129, block_size=16, prefix_caching=True, kv_offloading_gib=0.01)
+    w = load(WorkloadOptions(num_requests=n, rate=20.0, prompt_len="uniform:100:400", output_len="uniform:10:60",
+                             shared_prefix="192:0.3,160:0.3,128:0.3", seed=seed))
+    limits = Limits(2048, 256, long_prefill_token_threshold=cap, num_gpu_blocks=129, block_size=16,
+                    prefix_caching=True, kv_offloading_gib=gib)
     agreement = compare(vllm_steps(w, limits, 0.01), kvsched_steps(w, "vllm-v1", v1(limits), limits, 0.01), w.prompt)
-    assert agreement.steps > 900 and agreement.steps_differing == 0, agreement.first_difference
+    assert agreement.steps > 250 and agreement.steps_differing == 0, agreement.first_difference
 
 
 def test_offloading_needs_the_prefix_cache():

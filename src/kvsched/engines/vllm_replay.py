@@ -348,7 +348,7 @@ def kvsched_steps(workload, policy: str, params: dict[str, Any], limits: Limits,
                     max_model_len=limits.max_model_len, prefix_caching=limits.prefix_caching)
     if limits.kv_offloading_gib:            # a host tier of vLLM's CPU blocks, written through, loads at once
         from kvsched.run import attach_offload
-        gb = limits.offload_blocks() * KV_BYTES_PER_TOKEN * limits.block_size / 1e9
+        gb = (limits.offload_blocks() + 0.5) * KV_BYTES_PER_TOKEN * limits.block_size / 1e9   # floors to the count
         attach_offload(server.replicas, (f"host:{gb!r}:1000000000:0",), "through", KV_BYTES_PER_TOKEN)
         rec.offload = server.replica._offload
         store = server.replica._offload.ports[0].store

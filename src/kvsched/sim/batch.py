@@ -18,7 +18,8 @@ from kvsched.errors import PASS_THROUGH, KvschedError, PlanError
 from kvsched.policies.base import Plan
 from kvsched.sim.decode_set import Cohort
 from kvsched.sim.kv_blocks import allocate, check, free_finished, take
-from kvsched.sim.lifecycle import admit, finish, leave_decode, load_instead, preempt, prefill_complete, swap_out
+from kvsched.sim.lifecycle import (admit, finish, leave_decode, load_instead, plan_stale, preempt, prefill_complete,
+                                   swap_out)
 from kvsched.sim.plan_check import check as check_plan, short, swap_choice
 from kvsched.sim.records import first_gaps, spill_logs, tier_first_gaps
 from kvsched.sim.requests import INF, PREFILL
@@ -192,6 +193,7 @@ def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0,
     in_turn = False                         # cached: chunks allocate one by one (an admission came)
     shape_chunks = []
     ends = {} if lazy is not None else None     # where each chunk placed so far ends (in-flight reservations)
+    converted = False                       # an admission of this batch loads or waits instead
     for i, c in chunks:
         if lazy is not None and i in lazy:
             lazy.discard(i)
@@ -202,6 +204,9 @@ def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0,
                 new_blocks = decode_blocks = 0
                 in_turn = True
             if load_instead(rep, i, ends):     # loads, waits, or (`broke`) does not fit
+                converted = True
+                continue
+            if converted and plan_stale(rep, i, c):    # planned on blocks a converted chunk would have cached
                 continue
             admit(rep, i)
         if inert and i in fresh:

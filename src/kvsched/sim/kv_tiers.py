@@ -136,7 +136,6 @@ class Offload:
         self.landed_src: dict[int, tuple[int, list[int]]] = {}   # request -> (GPU hit, tiers) of its landed load
         self.load_s: dict[int, float] = {}      # request -> seconds loading before its first admission
         self.deferred: list[int] = []           # write-through: keys computed this batch, written next step
-        self.stop = -1                          # where the last scan found a load that does not fit (-1: none)
         self.broke = False                      # a batch's admission found its load does not fit (batch.py)
         # write-through: request -> (first, end) of the prompt blocks it offered or loaded (vLLM's
         # next_stored_chunk_idx, and the keys its finish refreshes)
@@ -208,14 +207,19 @@ class Offload:
                 break
         return out
 
-    def delay(self, keys: list[int], first: int, cap: int, src: list[int]) -> float | None:
+    def delay(self, keys: list[int], first: int, cap: int, src: list[int], cached) -> float | None:
         """When a waiting request whose prefix continues below the GPU from block `first` (up to
         `cap`; `src`: the readable blocks, `below`) may be looked up again, or None to go on
         now. vLLM defers the lookup (offloading/scheduler.py, `get_num_new_matched_tokens`
-        returns None) while a block of the run the tiers hold is still being written
+        returns None) while a block of the run the tiers hold is still being stored
         (`_maximal_prefix_lookup`: HIT_PENDING; cpu/manager.py, `lookup`: not `is_ready`) or
         while another request is loading one of the hit blocks ("Hit chunks are being loaded").
-        The time returned is that write's landing, else that load's."""
+        A pending write counts only while the block is still cached on this GPU (`cached`: the
+        prefix cache's keys): vLLM finishes a store before it reuses the block's GPU memory
+        (`jobs_to_flush`, offloading/scheduler.py `build_connector_meta`), so a block whose
+        store is pending is still on the GPU; kvsched reuses an evicted block at once while its
+        write is queued (docs/kv-tiers.md), and such a block counts as absent till its write
+        lands. The time returned is that write's landing, else that load's."""
         ports, now, t = self.ports, self.clock.now, None
         for j in range(first, cap):
             k = keys[j]
@@ -224,7 +228,7 @@ class Offload:
                 x = p.store.keys.get(k)
                 if x is not None and (ready is None or x < ready):
                     ready = x
-            if ready is None:               # no tier holds it: the run ends
+            if ready is None or ready > now and k not in cached:    # absent: the run ends
                 break
             if ready > now and (t is None or ready > t):
                 t = ready

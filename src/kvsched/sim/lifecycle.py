@@ -224,12 +224,11 @@ def load_scan(rep: Replica) -> None:
       loads in flight or landed and held) still need (`reserved_blocks`,
       `_inflight_prefill_reserved_blocks`);
     - the first that does not fit ends the scan (vLLM's loop breaks where `allocate_slots`
-      fails), so no load takes the room of a request ahead of it. Where a load does not fit,
-      vLLM admits neither that request (its hit below must load first) nor any after it this
-      step: `Offload.stop` marks it, and the policy plans on the queue before it
-      (`Replica.step`, `hide_tail`)."""
+      fails), so no load takes the room of a request ahead of it. The scan's room is an estimate
+      (it counts the admissions ahead by the policy's budget, not by its plan): a request it
+      leaves is the policy's to plan, and if the policy admits it and its load does not fit
+      then, the admission ends the batch's admissions (`load_instead`, vLLM's break)."""
     cache, off, kv, bs = rep.cache, rep._offload, rep.kv, rep.block_size
-    off.stop = -1
     free = seats(rep) - len(rep._running) - len(rep._landing)
     if free <= 0:
         return
@@ -238,6 +237,7 @@ def load_scan(rep: Replica) -> None:
     target, computed = rep._target, rep._computed
     room = kv.capacity_blocks - kv.used - rep._decoders.new_blocks     # free blocks once the decodes have theirs
     reserved = 0                            # what in-flight prefills still need (a load must leave it free)
+    passed: set = set()                     # the prefixes of the requests left to the policy: a load spares them
     for j in rep._prefilling:
         reserved += -(-target[j] // bs) - -(-computed[j] // bs)
     for j, (_, g, n, _, _, _) in off.loading.items():   # loads in flight (not those waiting for another's)
@@ -268,7 +268,7 @@ def load_scan(rep: Replica) -> None:
         keys = cache.keys(i, cap) if g < cap else None
         src = off.below(keys, g, cap) if keys is not None else None
         if keys is not None:
-            wait = off.delay(keys, g, cap, src)
+            wait = off.delay(keys, g, cap, src, cache.map)
             if wait is not None:            # delayed, holding nothing, till that write or load lands
                 load_start(rep, i, [], keys, src, wait)
                 continue
@@ -278,6 +278,7 @@ def load_scan(rep: Replica) -> None:
         if whole - g + taken > room:        # its whole prompt must fit (full_sequence_must_fit)
             return
         if not src:                         # the policy admits it: its first chunk's blocks, the rest reserved
+            passed.update(gpu)
             c = min(budget, t - g * bs)
             room -= -(-(g * bs + c) // bs) - g + taken
             reserved += whole - -(-(g * bs + c) // bs)
@@ -286,11 +287,10 @@ def load_scan(rep: Replica) -> None:
             free -= 1
             continue
         if len(src) + taken > room - reserved:     # a load leaves the in-flight prefills' blocks free
-            off.stop = pos                  # vLLM's loop breaks here: the policy sees the queue before it
             return
         room -= len(src) + taken
         reserved += whole - g - len(src)
-        load_start(rep, i, gpu, keys, src, None)
+        load_start(rep, i, gpu, keys, src, None, passed)
 
 
 @cython.locals(r="RequestTable")
@@ -316,7 +316,7 @@ def load_instead(rep: Replica, i: int, ends: dict) -> bool:
         return False
     keys = cache.keys(i, cap)
     src = off.below(keys, g, cap)
-    wait = off.delay(keys, g, cap, src)
+    wait = off.delay(keys, g, cap, src, cache.map)
     if wait is not None:
         load_start(rep, i, [], keys, src, wait)
         return True
@@ -344,19 +344,19 @@ def load_instead(rep: Replica, i: int, ends: dict) -> bool:
     return True
 
 
-def hide_tail(rep: Replica) -> list:
-    """The queue from the request whose load did not fit on (`Offload.stop`), taken off while
-    the policy plans (given back by `Replica.step`), last first."""
-    q = rep._queue
-    tail = []
-    for _ in range(len(q) - rep._offload.stop):
-        tail.append(q.pop())
-    rep._offload.stop = -1
-    return tail
+def plan_stale(rep: Replica, i: int, c: int) -> bool:
+    """Admitted request i's first chunk of `c` tokens was planned on a hit (the policy's prefix
+    planner, `HitPlanner.hits`) that the batch no longer gives it: an earlier admission of the
+    batch loads or waits instead (`load_instead`), so the blocks its chunk would have cached
+    are not there. True: i is not admitted this batch (the policy plans it again next step),
+    rather than prefilling from a shorter hit than its plan counted on."""
+    planner = getattr(rep._planner, "_real", rep._planner)     # a LazyPlanner's real one, if made
+    want = planner.hits.get(i) if planner is not None else None
+    return want is not None and rep.cache.would_hit(i, c) * rep.block_size < want
 
 
 @cython.locals(r="RequestTable")
-def load_start(rep: Replica, i: int, gpu: list, keys: list, src: list, wait) -> None:
+def load_start(rep: Replica, i: int, gpu: list, keys: list, src: list, wait, protect: set | None = None) -> None:
     """Waiting request i holds its cached prefix on the GPU (`gpu`) and new blocks for the
     blocks the tiers hold (`src`), and waits while they load (vLLM: WAITING_FOR_REMOTE_KVS,
     its blocks allocated by `allocate_slots`); or, with `wait` (when another request's load of
@@ -368,7 +368,7 @@ def load_start(rep: Replica, i: int, gpu: list, keys: list, src: list, wait) -> 
     first = r.admitted_c[i] == INF          # before its first admission: TTFT's loading part
     if wait is None:
         off.start(i, keys, len(gpu), src, first)    # before the allocation's evictions write blocks down
-        cache.allocate(len(src))
+        cache.allocate(len(src), protect)       # sparing the prefixes of admissions ahead (vLLM allocates them first)
     else:
         off.wait_for(i, len(gpu), wait, first)
     rep._queue.remove(i)

@@ -16,7 +16,7 @@ cdef class PrefixCache:
     cpdef miss(self, i)
     cpdef pin(self, i, list blocks)
     cpdef _unref(self, list blocks)
-    cpdef allocate(self, n)
+    cpdef allocate(self, n, protect=*)
     cpdef free(self, i, kv_tokens, done)
     cpdef free_private(self, list done)
     cpdef _queue_run(self, n)

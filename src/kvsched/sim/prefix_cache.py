@@ -175,6 +175,17 @@ class PrefixCache:
         self.hit_blocks += len(taken)
         return h
 
+    def would_hit(self, i: int, chunk: int) -> int:
+        """The blocks `hit(i, chunk)` would take now, taking nothing."""
+        room = (self.reqs.target[i] - chunk) // self.bs
+        n = 0
+        if room > 0:
+            for _ in self.walk(i):
+                n += 1
+                if n >= room:
+                    break
+        return n
+
     def pin(self, i: int, blocks: list[Block]) -> None:
         """Request i takes `blocks` (its cached prefix, from `walk`) before its prefix is loaded
         from the tiers below (lifecycle.py, `load_tick`): held, so not evicted meanwhile."""
@@ -259,8 +270,9 @@ class PrefixCache:
         b = self.map.get(k)
         return [] if b is None else [b, *self.dups.get(k, ())]
 
-    def allocate(self, n: int) -> None:
-        """n new blocks: uncached free blocks first, then the oldest cached ones are evicted."""
+    def allocate(self, n: int, protect: set | None = None) -> None:
+        """n new blocks: uncached free blocks first, then the oldest cached ones are evicted
+        (but none of `protect`, left where they are in the queue)."""
         kv = self.kv
         evict = n - (kv.capacity_blocks - kv.used - self.queued)
         if evict > 0:
@@ -275,8 +287,14 @@ class PrefixCache:
             left = evict
             spill = self.spill if self.spill is not None and not self.spill.through else None
             gone: list[int] = []                        # keyed blocks evicted: written down (--kv-write evict)
+            order = iter(list(q)) if protect else None
             while left:
-                b = next(iter(q))
+                if order is None:
+                    b = next(iter(q))
+                else:                                   # the oldest not protected
+                    b = next(order)
+                    while type(b) is not Run and b in protect:
+                        b = next(order)
                 if type(b) is Run:
                     k = min(b.n, left)
                     b.n -= k

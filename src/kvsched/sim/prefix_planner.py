@@ -78,6 +78,7 @@ class HitPlanner:
         self._dropped: dict[Block, int] = {}        # references planned preemptions drop
         self._taken: dict[Block, int] = {}          # references planned hits add
         self._start: dict[int, int] = {}
+        self.hits: dict[int, int] = {}              # waiting request -> the hit its first chunk was planned on
         self._preempted: set[int] = set()           # re-admitted in the same plan: they take a hit
         self._target: dict[int, int] = {}           # their prefill targets after the preemption
         self._anon = kv.capacity_blocks - kv.used - cache.queued    # uncached free blocks
@@ -140,6 +141,7 @@ class HitPlanner:
                 if b is not None:
                     self._taken[b] = self._taken.get(b, 0) + 1
             start = len(hit) * bs
+            self.hits[i] = start
         elif start is None:
             start = r._computed[i]
         self._start[i] = start + tokens

@@ -37,7 +37,7 @@ from kvsched.sim.batch import execute
 from kvsched.sim.decode_run import decode_clock, decode_run, dense_time, idle_fits
 from kvsched.sim.decode_set import DecodeSet
 from kvsched.sim.kv_blocks import free, take
-from kvsched.sim.lifecycle import hide_tail, land_ready, load_unpin, move
+from kvsched.sim.lifecycle import land_ready, load_unpin, move
 from kvsched.sim.plan_check import PlanFace, short as _short
 from kvsched.sim.prefix_cache import PrefixCache
 from kvsched.sim.prefix_planner import HitPlanner, LazyPlanner
@@ -87,6 +87,7 @@ class Replica:
         self.pulls: deque[int] = deque()        # decode role: handed-off requests waiting for KV room
         self._swap = None                       # --preemption swap: the host tier (sim/host_swap.py, HostSwap)
         self._offload = None                    # the prefix cache's tiers below the GPU (sim/kv_tiers.py, Offload)
+        self._planner = None                    # the last prefix planner handed to the policy
         self._side = None                       # whichever of the two is set: its tick, busy and wake
         self._decoders = DecodeSet(bs, partial(move, self))
         # prefix caching (sim/prefix_cache.py): admitted requests whose hit is taken at their first chunk
@@ -151,7 +152,9 @@ class Replica:
         c = self.cache
         if c is None:
             return None
-        return LazyPlanner(c, self) if c.inert else HitPlanner(c, self)
+        planner = LazyPlanner(c, self) if c.inert else HitPlanner(c, self)
+        self._planner = planner                 # the plan's, for `lifecycle.plan_stale`
+        return planner
 
     def awaits_hit(self, i: int) -> bool:
         """Request i takes its cache hit at its next chunk (waiting, or admitted without a chunk yet)."""
@@ -255,7 +258,6 @@ class Replica:
         q = len(self._queue)
         if q > self.peak_queue:
             self.peak_queue = q
-        tail = hide_tail(self) if self._offload is not None and self._offload.stop >= 0 else None
         try:
             plan = self._schedule(self.view)
         except KvschedError as exc:
@@ -264,9 +266,6 @@ class Replica:
             raise
         except BaseException as exc:
             raise self._policy_failed("schedule", exc) from exc
-        finally:
-            if tail is not None:                # the queue behind a load that did not fit, back
-                self._queue.extend(reversed(tail))
         try:
             ran = execute(self, plan)
         except KvschedError:
