@@ -234,15 +234,10 @@ def load_scan(rep: Replica) -> None:
         return
     budget = getattr(rep.policy, "max_num_batched_tokens", None)     # 0 or None: none (orca's default)
     budget = budget - rep._decoders.n if type(budget) is int and budget > 0 else 1 << 62
-    target, computed = rep._target, rep._computed
+    target = rep._target
     room = kv.capacity_blocks - kv.used - rep._decoders.new_blocks     # free blocks once the decodes have theirs
-    reserved = 0                            # what in-flight prefills still need (a load must leave it free)
+    reserved = reservation(rep, {})         # what in-flight prefills still need (a load must leave it free)
     passed: set = set()                     # the prefixes of the requests left to the policy: a load spares them
-    for j in rep._prefilling:
-        reserved += -(-target[j] // bs) - -(-computed[j] // bs)
-    for j, (_, g, n, _, _, _) in off.loading.items():   # loads in flight (not those waiting for another's)
-        if n:
-            reserved += -(-target[j] // bs) - g - n
     held, q = cache.held, rep._queue
     pos = 0                                 # loads leave the queue and take none of the `free` seats
     while free > 0 and pos < len(q):
@@ -262,19 +257,14 @@ def load_scan(rep: Replica) -> None:
             pos += 1
             free -= 1
             continue
-        cap = cache.lookup_cap(i)
-        gpu = list(cache.walk(i)) if cap > 0 else []
+        gpu, cap, keys, src = prefix_below(rep, i)
         g = len(gpu)
-        keys = cache.keys(i, cap) if g < cap else None
-        src = off.below(keys, g, cap) if keys is not None else None
         if keys is not None:
             wait = off.delay(keys, g, cap, src, cache.map)
             if wait is not None:            # delayed, holding nothing, till that write or load lands
                 load_start(rep, i, [], keys, src, wait)
                 continue
-        taken = 0
-        for b in gpu:
-            taken += b.ref == 0
+        taken = free_blocks_of(gpu)
         if whole - g + taken > room:        # its whole prompt must fit (full_sequence_must_fit)
             return
         if not src:                         # the policy admits it: its first chunk's blocks, the rest reserved
@@ -307,41 +297,60 @@ def load_instead(rep: Replica, i: int, ends: dict) -> bool:
     cache, off, bs = rep.cache, rep._offload, rep.block_size
     if i in cache.held:                     # its load landed: it prefills from its prefix
         return False
-    cap = cache.lookup_cap(i)
-    if cap <= 0:
+    gpu, cap, keys, src = prefix_below(rep, i)
+    if keys is None:
         return False
-    gpu = list(cache.walk(i))
     g = len(gpu)
-    if g >= cap:
-        return False
-    keys = cache.keys(i, cap)
-    src = off.below(keys, g, cap)
     wait = off.delay(keys, g, cap, src, cache.map)
     if wait is not None:
         load_start(rep, i, [], keys, src, wait)
         return True
     if not src:
         return False
-    target, computed = rep._target, rep._computed
-    taken = 0
-    for b in gpu:
-        taken += b.ref == 0
+    taken = free_blocks_of(gpu)
     kv = rep.kv
     room = kv.capacity_blocks - kv.used
-    if -(-target[i] // bs) - g + taken > room:
-        off.broke = True
-        return True
-    reserved = 0
-    for j in rep._prefilling:
-        reserved += -(-target[j] // bs) - -(-ends.get(j, computed[j]) // bs)
-    for j, (_, h, n, _, _, _) in off.loading.items():
-        if n:
-            reserved += -(-target[j] // bs) - h - n
-    if len(src) + taken > room - reserved:
+    if -(-rep._target[i] // bs) - g + taken > room or len(src) + taken > room - reservation(rep, ends):
         off.broke = True
         return True
     load_start(rep, i, gpu, keys, src, None)
     return True
+
+
+def prefix_below(rep: Replica, i: int) -> tuple[list, int, list | None, list | None]:
+    """Waiting request i's lookup: (its cached prefix on the GPU, the hit cap in blocks, the
+    keys up to the cap and the tier each block after the GPU prefix is read from, `below`;
+    both None when the GPU prefix reaches the cap)."""
+    cache = rep.cache
+    cap = cache.lookup_cap(i)
+    gpu = list(cache.walk(i)) if cap > 0 else []
+    if len(gpu) >= cap:
+        return gpu, cap, None, None
+    keys = cache.keys(i, cap)
+    return gpu, cap, keys, rep._offload.below(keys, len(gpu), cap)
+
+
+def free_blocks_of(gpu: list) -> int:
+    """The blocks of a cached prefix that are free now (an admission takes them from the pool)."""
+    n = 0
+    for b in gpu:
+        n += b.ref == 0
+    return n
+
+
+def reservation(rep: Replica, ends: dict) -> int:
+    """What the in-flight prefills still need for their whole prompts, that a load must leave
+    free (vLLM's `_inflight_prefill_reserved_blocks`): the running prefills (from where `ends`
+    says this batch's chunk leaves them, else where they are) and the loads in flight (not a
+    request waiting for another's load, which holds nothing)."""
+    bs, target, computed = rep.block_size, rep._target, rep._computed
+    reserved = 0
+    for j in rep._prefilling:
+        reserved += -(-target[j] // bs) - -(-ends.get(j, computed[j]) // bs)
+    for j, (_, g, n, _, _, _) in rep._offload.loading.items():
+        if n:
+            reserved += -(-target[j] // bs) - g - n
+    return reserved
 
 
 def plan_stale(rep: Replica, i: int, c: int) -> bool:

@@ -155,15 +155,9 @@ class PrefixCache:
         cache computes it from 0), and return the hit tokens. Free cached blocks it takes
         leave the free queue and count as used."""
         bs, target = self.bs, self.reqs.target[i]
-        room = (target - chunk) // bs
         loaded = self.held.pop(i, None)             # its prefix loaded from a tier (`adopt`), held till now
-        taken: list[Block] = []
         looked = self.cap_blocks(i)
-        if room > 0:
-            for b in self.walk(i):
-                taken.append(b)
-                if len(taken) >= room:
-                    break
+        taken = self._hit_blocks(i, chunk)
         self.pin(i, taken)
         if loaded is not None:
             self.kv.used -= self._unref(loaded)
@@ -175,16 +169,20 @@ class PrefixCache:
         self.hit_blocks += len(taken)
         return h
 
+    def _hit_blocks(self, i: int, chunk: int) -> list[Block]:
+        """The cached prefix `hit(i, chunk)` takes: as far as the chunk leaves room."""
+        room = (self.reqs.target[i] - chunk) // self.bs
+        taken: list[Block] = []
+        if room > 0:
+            for b in self.walk(i):
+                taken.append(b)
+                if len(taken) >= room:
+                    break
+        return taken
+
     def would_hit(self, i: int, chunk: int) -> int:
         """The blocks `hit(i, chunk)` would take now, taking nothing."""
-        room = (self.reqs.target[i] - chunk) // self.bs
-        n = 0
-        if room > 0:
-            for _ in self.walk(i):
-                n += 1
-                if n >= room:
-                    break
-        return n
+        return len(self._hit_blocks(i, chunk))
 
     def pin(self, i: int, blocks: list[Block]) -> None:
         """Request i takes `blocks` (its cached prefix, from `walk`) before its prefix is loaded
@@ -336,8 +334,7 @@ class PrefixCache:
             if done and len(held) >= self._share[i]:        # nobody can hit these: no keys
                 self._queue_run(own)
             else:
-                keys = self.keys(i, full)[len(held):full]
-                blocks = [Block(k, 0) for k in reversed(keys)]
+                blocks = [Block(k, 0) for k in reversed(self.keys(i, full)[len(held):full])]
                 self._insert(blocks)
                 q.update(dict.fromkeys(blocks))
             self.queued += own
