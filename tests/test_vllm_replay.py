@@ -180,3 +180,55 @@ def test_offloading_needs_the_prefix_cache():
     with pytest.raises(Exception, match="needs --prefix-caching on"):
         replay(offloading_workload(5), "vllm-v1", {}, Limits(2048, 256, num_gpu_blocks=129, kv_offloading_gib=0.01),
                0.01)
+
+
+@pytest.mark.parametrize("name,limits,w", [
+    ("KV-tight, overloaded", Limits(256, 16, num_gpu_blocks=60, block_size=16, spec="ngram:3",
+                                    spec_acceptance="0.7"), dict(n=200, seed=1)),
+    ("n-gram misses, per-position rates", Limits(256, 16, num_gpu_blocks=60, block_size=16, spec="ngram:3",
+                                                 spec_acceptance="0.9,0.5,0.3", spec_proposal_rate=0.6,
+                                                 spec_seed=4), dict(n=120, seed=2)),
+    ("budget cuts the drafts", Limits(24, 16, num_gpu_blocks=400, spec="ngram:3", spec_acceptance="0.7"),
+     dict(n=80, prompt="uniform:2:40")),
+    ("prefix caching on", Limits(256, 16, num_gpu_blocks=60, prefix_caching=True, spec="ngram:3",
+                                 spec_acceptance="0.8"), dict(n=120, seed=3)),
+])
+def test_speculative_vllm_v1_agrees_with_vllm_on_every_step(name, limits, w):
+    """n-gram speculation (vLLM's speculative_config), k = 3: both sides get the same drafts and
+    acceptances (kvsched's keyed draws, fed through vLLM's update_draft_token_ids and sampled
+    tokens); the drafts count in the budget, rejected slots stay held, and the steps agree."""
+    a = replay(workload(**w), "vllm-v1", v1(limits), limits, 0.01)
+    assert a.steps > 100 and a.steps_differing == 0, a.first_difference
+    assert a.preemptions["vllm"] == a.preemptions["kvsched"]
+    if name.startswith("KV"):
+        assert a.preemptions["vllm"] > 0
+    multi = [r for r in a.rows if r["tokens_vllm"] > r["requests_vllm"] and r["requests_vllm"] > 1]
+    assert len(multi) > a.steps // 3                        # verify steps: more tokens than requests
+    assert a.first_token_step_diff["max"] == 0 and a.finish_step_diff["max"] == 0
+
+
+def test_speculation_outside_the_budget_is_reported():
+    """kvsched's vllm-v1 charging a decoder one token (drafts outside the budget) must differ."""
+    import kvsched.policies.baselines as b
+    limits = Limits(24, 16, num_gpu_blocks=400, spec="ngram:3", spec_acceptance="0.7")
+    real = b.spec_decodes
+    try:
+        b.spec_decodes = lambda v, budget, slots, gone: (budget - v.num_decoding, *real(v, budget, slots, gone)[1:])
+        a = replay(workload(n=80, prompt="uniform:2:40"), "vllm-v1", v1(limits), limits, 0.01)
+    finally:
+        b.spec_decodes = real
+    assert a.steps_differing > 0 and a.first_difference["differs_in"] == ["tokens"]
+
+
+def test_replay_cli_spec():
+    args = ["replay", "--engine", "vllm", "--num-requests", "30", "--rate", "40", "--prompt-len", "uniform:10:200",
+            "--output-len", "uniform:1:30", "--kv-capacity", "944", "--max-num-batched-tokens", "128",
+            "--max-num-seqs", "8", "--prefix-caching", "off"]
+    r = CliRunner().invoke(app, [*args, "--spec", "ngram:3", "--spec-acceptance", "0.7", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output.strip().splitlines()[-1])
+    assert out["steps_differing"] == 0 and out["spec"] == "ngram:3"
+    for extra, msg in ((["--spec", "eagle:3", "--spec-acceptance", "0.7"], "n-gram speculation only"),
+                       (["--spec-acceptance", "0.7"], "need --spec ngram:k")):
+        r = CliRunner().invoke(app, [*args, *extra])
+        assert r.exit_code == 2 and msg in r.output, r.output

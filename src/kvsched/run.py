@@ -78,6 +78,12 @@ class Scenario:
     kv_write: str = "evict"                 # --kv-write: blocks go down when evicted, or `through` as computed
     gpus_per_node: int = 0                  # --gpus-per-node: replicas on one node share its host and disk tiers
                                             # (0: each replica its own; sim/kv_tiers.py, `node_groups`)
+    spec: str = ""                          # --spec METHOD:k, speculative decoding (sim/spec_decode.py); "": none
+    spec_acceptance: str = ""               # --spec-acceptance ALPHA | a_1,..,a_k | RATES;TIER=RATES
+    spec_proposal_rate: float = 1.0         # --spec-proposal-rate: share of n-gram lookups that find drafts
+    spec_adaptive: str = ""                 # --spec-adaptive FIRST-LAST:K,... (vLLM's dynamic k per batch size)
+    spec_draft_model: str | None = None     # --spec-draft-model: the catalogue model of --spec draft:k
+    spec_seed: int = 0                      # --spec-seed: the key of the draws of drafts and acceptances
 
     def pools(self) -> tuple[int, int]:
         """(replicas, prefill replicas), checked: whole numbers, within `limits.MAX_REPLICAS`
@@ -151,6 +157,26 @@ class Scenario:
         self.host_tier()
         if self.pool:
             self.kinds_of_pools()
+        self.spec_config()
+
+    def spec_config(self):
+        """--spec and its options, checked (sim/spec_decode.py): a SpecConfig, or None without --spec."""
+        from kvsched.sim.spec_decode import spec_config
+        if not self.spec:
+            given = [f for f, v, d in (("--spec-acceptance", self.spec_acceptance, ""),
+                                       ("--spec-proposal-rate", self.spec_proposal_rate, 1.0),
+                                       ("--spec-adaptive", self.spec_adaptive, ""),
+                                       ("--spec-draft-model", self.spec_draft_model, None),
+                                       ("--spec-seed", self.spec_seed, 0)) if v != d]
+            if given:
+                raise KvschedError(f"{given[0]} sets speculative decoding: it needs --spec METHOD:k")
+            return None
+        if self.pool:
+            raise KvschedError("--spec is not modelled with --pool (replicas of several kinds)")
+        if self.spec_draft_model is not None:
+            get_model(self.spec_draft_model)
+        return spec_config(self.spec, self.spec_acceptance, self.workload.tiers, self.spec_proposal_rate,
+                           self.spec_adaptive, self.spec_seed, self.spec_draft_model)
 
     def host_tier(self):
         """--kv-tier and --preemption, checked: the host tier that swap preemption uses, or None
@@ -218,6 +244,14 @@ class Scenario:
         tokens = self.kv_capacity if self.kv_capacity is not None else usable_kv_tokens(
             model, gpu, self.memory_utilization, self.block_size, layout, limits(gpu) if limits else None)
         cost = make_cost_model(self.cost, self.cost_params, model, gpu, layout)
+        spec = self.spec_config()
+        if spec is not None and self.kv_capacity is None:     # the drafter's weights and KV share the GPU
+            from kvsched.cost.spec_cost import capacity_with_drafter, drafter_model
+            draft = get_model(spec.draft_model) if spec.draft_model else None
+            tokens = capacity_with_drafter(tokens, self.block_size, model, drafter_model(spec.method, model, draft),
+                                           layout)
+            if tokens < self.block_size:
+                raise KvschedError(f"{model.name} and its {spec.method} drafter on {gpu.name} leave no KV block")
         return model, gpu, tokens, cost
 
 
@@ -524,6 +558,10 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     if tier is not None:                    # each replica its own host tier and links
         for rep in cluster.replicas:
             attach_host_swap(rep, tier, kv_bytes_per_token(model, scenario.layout))
+    spec = scenario.spec_config()
+    if spec is not None:
+        from kvsched.cost import cost_file_drafter
+        attach_spec(cluster.replicas, spec, model, gpu, scenario.layout, cost_file_drafter(scenario.cost))
     if offload:                             # disaggregated: the prefill replicas, the ones that look prefixes up
         attach_offload(cluster.replicas[:prefill] if prefill else cluster.replicas, offload, scenario.kv_write,
                        kv_bytes_per_token(model, scenario.layout), cluster.links, per_node)
@@ -554,6 +592,9 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
         summary.update(swap_summary([r._swap for r in cluster.replicas], max(r.now for r in cluster.replicas)))
     if offload:
         summary.update(offload_summary(cluster.replicas, records, max(r.now for r in cluster.replicas)))
+    if spec is not None:
+        from kvsched.sim.spec_decode import spec_summary
+        summary.update(spec_summary([r._spec for r in cluster.replicas]))
     reports = [p.report() for p in pols if callable(getattr(p, "report", None))]
     if reports:                 # what the policy decided (e.g. WAIT's thresholds), per replica
         summary["policy_report"] = reports[0] if len(pols) == 1 else reports
@@ -570,6 +611,33 @@ def attach_host_swap(rep, tier, kv_bytes_per_token: int) -> None:
                            "modelled for policies without that hook (vllm-v1, vllm-v0, sarathi, orca, request-level, "
                            "the eb policies)")
     rep._swap = rep._side = HostSwap(tier, rep.block_size * kv_bytes_per_token)
+
+
+def attach_spec(replicas: list, cfg, model, gpu, layout, drafter=None) -> None:
+    """--spec on every replica (sim/spec_decode.py): its drafts and acceptances, and its cost model
+    with the verify chunks and the drafter's passes (cost/spec_cost.py). The dense roofline's
+    fast path is off: the verify chunks need the general shape. `--spec-adaptive auto`: the
+    schedule of k by batch size that the cost model finds best (`best_k_schedule`) for a decoder
+    of the workload's typical context (mean prompt + half the mean output), up to the policy's
+    max_num_seqs (else 1024). `drafter`: one fitted by `kvsched calibrate` (the cost file's), in
+    place of the roofline's."""
+    import dataclasses
+
+    from kvsched.cost.spec_cost import SpecCost, best_k_schedule, drafter_cost
+    from kvsched.sim.spec_decode import Speculation
+    draft = get_model(cfg.draft_model) if cfg.draft_model else None
+    if drafter is None or cfg.method == "ngram":
+        drafter = drafter_cost(cfg.method, model, draft, gpu, layout)
+    if cfg.schedule == "auto":
+        w = replicas[0].reqs.workload
+        ctx = int(np.mean(w.prompt) + np.mean(w.output) / 2) if len(w) else 1
+        seats = getattr(replicas[0].policy, "max_num_seqs", None) or 1024
+        cfg = dataclasses.replace(cfg, schedule=best_k_schedule(replicas[0].cost, drafter, cfg.acceptance.rates,
+                                                                ctx, min(int(seats), 4096)))
+    for rep in replicas:
+        rep._spec = Speculation(cfg, rep.block_size, rep.reqs.tier, rep.cache is not None)
+        rep.cost = SpecCost(rep.cost, drafter, rep._spec)
+        rep._dense_time = None
 
 
 def attach_offload(replicas: list, texts: tuple[str, ...], write: str, kv_bytes_per_token: int,

@@ -287,6 +287,12 @@ CLUSTER_FLAGS = {
     "kv_tier": (list[str], typer.Option([], "--kv-tier", help="a KV tier below the GPU: KIND:GB:GBps[:latency_s], KIND host, disk (each replica's, or its node's with --gpus-per-node) or remote (one store for all); repeatable. With --prefix-caching the cache offloads to them and loads hits back; with --preemption swap, the host tier holds swapped KV (docs/kv-tiers.md)")),
     "kv_write": (str, typer.Option("evict", "--kv-write", help="when prefix-cache blocks go down to the --kv-tier tiers: evict (when the GPU evicts them) or through (as they are computed)")),
     "gpus_per_node": (int, typer.Option(0, "--gpus-per-node", help="GPUs per node: the replicas on one node share its --kv-tier host and disk tiers (0: each replica its own)")),
+    "spec": (str, typer.Option("", "--spec", help="speculative decoding, METHOD:k: draft (--spec-draft-model), eagle, mtp or ngram, k draft tokens per step (docs/speculative-decoding.md)")),
+    "spec_acceptance": (str, typer.Option("", "--spec-acceptance", help="with --spec: acceptance per draft token, ALPHA (geometric) or a_1,..,a_k; per tier RATES;TIER=RATES")),
+    "spec_proposal_rate": (float, typer.Option(1.0, "--spec-proposal-rate", help="with --spec ngram:k: share of steps whose n-gram lookup finds drafts (the others decode one token)")),
+    "spec_adaptive": (str, typer.Option("", "--spec-adaptive", help="with --spec: k by batch size, FIRST-LAST:K,... (vLLM's num_speculative_tokens_per_batch_size)")),
+    "spec_draft_model": (Optional[str], typer.Option(None, "--spec-draft-model", help="with --spec draft:k: the draft model (a catalogue name)")),
+    "spec_seed": (int, typer.Option(0, "--spec-seed", help="with --spec: the seed of the drafts and acceptances drawn")),
 }
 
 
@@ -307,6 +313,12 @@ class ClusterOptions:
     kv_tier: list[str] = dataclasses.field(default_factory=list)
     kv_write: str = "evict"
     gpus_per_node: int = 0
+    spec: str = ""
+    spec_acceptance: str = ""
+    spec_proposal_rate: float = 1.0
+    spec_adaptive: str = ""
+    spec_draft_model: Optional[str] = None
+    spec_seed: int = 0
 
     def apply(self, sc: Scenario, seed: int, grid: bool = False) -> Scenario:
         """The scenario with these replicas, router (seeded by the workload --seed) and link;
@@ -336,10 +348,13 @@ class ClusterOptions:
             sc, replicas=self.replicas, router=self.router, router_seed=seed, router_params=router_params,
             prefill_replicas=self.prefill_replicas, decode_replicas=self.decode_replicas,
             stall_batches=self.stall_batches, pool=tuple(self.pool), preemption=self.preemption,
-            kv_tiers=tuple(self.kv_tier), kv_write=self.kv_write, gpus_per_node=self.gpus_per_node, **link)
+            kv_tiers=tuple(self.kv_tier), kv_write=self.kv_write, gpus_per_node=self.gpus_per_node,
+            spec=self.spec, spec_acceptance=self.spec_acceptance, spec_proposal_rate=self.spec_proposal_rate,
+            spec_adaptive=self.spec_adaptive, spec_draft_model=self.spec_draft_model, spec_seed=self.spec_seed, **link)
         sc.pools()
         sc.host_tier()                                              # checks --preemption and --kv-tier
         sc.kinds_of_pools()                                         # checks --pool
+        sc.spec_config()                                            # checks --spec and its options
         KVLink(25.0 if sc.kv_transfer_bandwidth is None else sc.kv_transfer_bandwidth, sc.kv_transfer_latency)
         return sc
 

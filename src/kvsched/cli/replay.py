@@ -31,6 +31,10 @@ def replay_cmd(wopts: WorkloadOptions,
                step_time: float = typer.Option(0.01, "--step-time", help="constant seconds per step on both sides"),
                prefix_caching: str = typer.Option("on", "--prefix-caching", help="on|off: automatic prefix caching on both sides (vLLM's default: on)"),
                kv_offloading_size: float = typer.Option(0.0, "--kv-offloading-size", help="GiB of CPU memory the prefix cache offloads to (vLLM's OffloadingConnector; kvsched's host tier, written through); 0 = off"),
+               spec: str = typer.Option("", "--spec", help="n-gram speculative decoding on both sides, ngram:k (vLLM's speculative_config; docs/speculative-decoding.md)"),
+               spec_acceptance: str = typer.Option("", "--spec-acceptance", help="with --spec: acceptance per draft token, ALPHA or a_1,..,a_k (both sides draw the same)"),
+               spec_proposal_rate: float = typer.Option(1.0, "--spec-proposal-rate", help="with --spec: share of steps whose n-gram lookup finds drafts"),
+               spec_seed: int = typer.Option(0, "--spec-seed", help="with --spec: the seed of the drafts and acceptances"),
                json_: bool = JsonOpt,
                out: Optional[Path] = typer.Option(None, "--out", help="write agreement.json and steps.csv (one row per step) here")) -> None:
     """Run the installed vLLM's v1 scheduler (no model) and a kvsched policy on the same
@@ -59,11 +63,15 @@ def replay_cmd(wopts: WorkloadOptions,
             params = {"max_num_batched_tokens": str(max_num_batched_tokens), "max_num_seqs": str(max_num_seqs),
                       "long_prefill_token_threshold": str(long_prefill_token_threshold), **params}
         limits = Limits(max_num_batched_tokens, max_num_seqs, long_prefill_token_threshold, block_size,
-                        kv_capacity // block_size + 1, max_model_len, prefix_caching == "on", kv_offloading_size)
+                        kv_capacity // block_size + 1, max_model_len, prefix_caching == "on", kv_offloading_size,
+                        spec, spec_acceptance, spec_proposal_rate, spec_seed)
+        limits.check()
         wopts.untimed_ok = False
         w = load(wopts)
         result = replay(w, policy, params, limits, step_time)
         summary = {"engine": f"vllm {vllm_version()}", "policy": policy, **result.as_dict()}
+        if spec:
+            summary["spec"] = spec
         if out is not None:
             write_atomically(out, lambda d: _write(d, summary, result.rows))
         emit(jsonable(summary), json_, lambda: _table(summary))

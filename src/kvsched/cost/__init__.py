@@ -120,7 +120,31 @@ def read_cost_file(path: Path, model: Model | None, gpu: GPU | None) -> tuple[st
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise KvschedError(f"cost file {path}: {key}={value!r} must be a finite number")
     _check_hardware(path, data, COST_MODELS[cost], model, gpu)
+    drafter_params(path, data)
     return cost, params
+
+
+def drafter_params(path: Path, data: dict) -> dict[str, float] | None:
+    """A cost file's `drafter` (e0, e1 >= 0: speculative steps' drafter, cost/calibrate.py
+    `fit_drafter`), checked; None when it has none."""
+    d = data.get("drafter")
+    if d is None:
+        return None
+    if not isinstance(d, dict) or set(d) != {"e0", "e1"} or not all(
+            not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in d.values()):
+        raise KvschedError(f"cost file {path}: \"drafter\" must be {{\"e0\": seconds >= 0, \"e1\": seconds >= 0}}, "
+                           f"got {d!r}")
+    return {"e0": float(d["e0"]), "e1": float(d["e1"])}
+
+
+def cost_file_drafter(name: str):
+    """The drafter a cost file's calibration fitted (cost/spec_cost.py `DrafterLine`), or None:
+    `name` is a registered model, or a file without one."""
+    if name in COST_MODELS or not (name.endswith(".json") or names_a_file(name)):
+        return None
+    from kvsched.cost.spec_cost import DrafterLine
+    d = drafter_params(Path(name), _load_json(Path(name)))
+    return DrafterLine(**d) if d else None
 
 
 def _load_json(path: Path) -> Any:

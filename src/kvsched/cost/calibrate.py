@@ -13,10 +13,20 @@ scored by; every fit is deterministic.
 Each fitted model is scored by the per-step relative error |predicted - measured| / measured,
 median and p90 per batch kind and over all steps, with predictions from the model's own
 `time()` on each step's shape (what the simulator computes).
+
+Speculative steps (docs/speculative-decoding.md): a verifying decoder is a prefill-like chunk
+of 1 + s tokens in the step's shape, and the optional column `draft_passes` gives the drafter's
+passes after the step (its k; 0 or absent without speculation). The drafter is fitted first,
+jointly with the linear model as a proxy for the target (`fit_drafter`): each pass costs e0 plus
+e1 per token it runs, the first over the step's tokens and the others over one token per
+request. Its time is taken off every step, each model is fitted to what is left, and scored on
+the sum. The cost file carries `"drafter": {"e0", "e1"}`, which `--spec` then uses in place of
+the roofline's drafter (cost/spec_cost.py, `DrafterLine`).
 """
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -41,8 +51,9 @@ STEP_LOG_HEADER = ["step", "prefill_tokens", "prefill_chunks", "prefill_attn", "
 NUMERIC = ("prefill_tokens", "prefill_chunks", "prefill_attn", "prefill_ctx", "decodes", "decode_context",
            "seconds")
 REQUIRED = (*NUMERIC, "chunks")
+DRAFT_PASSES = "draft_passes"                    # optional: the drafter's passes after the step (speculation)
 MODELS = ("phase", "linear", "roofline", "tiled")
-COUNTS = ("prefill_tokens", "prefill_chunks", "prefill_ctx", "decodes", "decode_context")
+COUNTS = ("prefill_tokens", "prefill_chunks", "prefill_ctx", "decodes", "decode_context", "draft_passes")
 MIN_SECONDS = 1e-9                               # below a clock's resolution: not a measured step
 NEEDS_HARDWARE = "needs --model and --gpu"
 EFFICIENCY_FLOOR = 1e-4                          # roofline efficiencies are fitted in [1e-4, 1]
@@ -64,6 +75,7 @@ class StepLog:
     seconds: np.ndarray
     chunks: tuple[tuple[tuple[int, int], ...], ...]
     sha256: str = ""
+    draft_passes: np.ndarray | None = None          # None: no speculative steps (the column absent or all 0)
 
     def __len__(self) -> int:
         return len(self.seconds)
@@ -97,7 +109,16 @@ class StepLog:
         arrays = {name: getattr(self, name)[skip:] for name in
                   ("line", "prefill_tokens", "prefill_chunks", "prefill_attn", "prefill_ctx", "decodes",
                    "decode_ctx", "seconds")}
-        return StepLog(self.path, chunks=self.chunks[skip:], sha256=self.sha256, **arrays)
+        passes = self.draft_passes[skip:] if self.draft_passes is not None else None
+        return StepLog(self.path, chunks=self.chunks[skip:], sha256=self.sha256,
+                       draft_passes=passes if passes is not None and passes.any() else None, **arrays)
+
+    def drafter_time(self, e0: float, e1: float) -> np.ndarray:
+        """The drafter's seconds per step: passes x e0 + e1 x (the step's tokens + (passes - 1)
+        x its requests), 0 where it made no pass."""
+        p = self.draft_passes if self.draft_passes is not None else np.zeros(len(self))
+        work = np.where(p > 0, self.prefill_tokens + self.decodes + (p - 1) * (self.prefill_chunks + self.decodes), 0)
+        return p * e0 + work * e1
 
 
 def read_step_log(path: str | Path) -> StepLog:
@@ -125,7 +146,8 @@ def read_step_log(path: str | Path) -> StepLog:
         raise KvschedError(f"{name}:1: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
                            f"(a step log's header: {','.join(STEP_LOG_HEADER)})")
     col = {c: header.index(c) for c in REQUIRED}
-    lines, numbers, chunks = [], [], []
+    drafts = header.index(DRAFT_PASSES) if DRAFT_PASSES in header else None
+    lines, numbers, chunks, passes = [], [], [], []
     for row in reader:
         if not row:
             continue                                # blank line
@@ -135,14 +157,17 @@ def read_step_log(path: str | Path) -> StepLog:
         values = {c: _number(where, c, row[col[c]]) for c in NUMERIC}
         pairs = _chunks(where, row[col["chunks"]])
         _check_row(where, values, pairs)
+        if drafts is not None:
+            passes.append(_number(where, DRAFT_PASSES, row[drafts]))
         lines.append(reader.line_num)
         numbers.append([values[c] for c in NUMERIC])
         chunks.append(pairs)
     if not lines:
         raise KvschedError(f"{name}: empty step log (no steps after the header)")
     a = np.array(numbers, dtype=float).T
+    p = np.array(passes, dtype=float) if passes else None
     return StepLog(name, np.array(lines), *a[:6], seconds=a[6], chunks=tuple(chunks),
-                   sha256=hashlib.sha256(raw).hexdigest())
+                   sha256=hashlib.sha256(raw).hexdigest(), draft_passes=p if p is not None and p.any() else None)
 
 
 def _number(where: str, column: str, text: str) -> float:
@@ -339,6 +364,30 @@ def fit_linear(log: StepLog) -> Fit:
     return Fit("linear", {"d0": d0, "d1": d1})
 
 
+def fit_drafter(log: StepLog) -> tuple[float, float]:
+    """The drafter's e0, e1 >= 0 (module docstring), by least squares on the relative residuals
+    jointly with the linear model's d0 + d1 (prefill tokens + decode context) for the target:
+    tau = d0 + d1 x touched + passes x e0 + e1 x drafted tokens (`StepLog.drafter_time`)."""
+    p = log.draft_passes
+    work = log.drafter_time(0.0, 1.0)
+    X = np.column_stack([np.ones(len(log)), log.prefill_tokens + log.decode_ctx, p, work])
+    if _rank(X) < 4:
+        raise CannotFit("the drafter's passes and tokens do not vary apart from the step's size: its e0 and e1 "
+                        "are not determined (log steps with and without drafts, of several sizes)")
+    coef = _nnls(X, log.seconds)
+    return float(coef[2]), float(coef[3])
+
+
+def without_drafter(log: StepLog, e0: float, e1: float) -> StepLog:
+    """The log with the drafter's fitted time taken off every step (what the target took)."""
+    rest = log.seconds - log.drafter_time(e0, e1)
+    bad = np.flatnonzero(rest < MIN_SECONDS)
+    if len(bad):
+        raise CannotFit(f"the drafter's fitted time is the whole of the step at {log.path}:{int(log.line[bad[0]])}; "
+                        "the target's share cannot be fitted")
+    return dataclasses.replace(log, seconds=rest)
+
+
 # -- roofline ----------------------------------------------------------------------------------
 
 def fit_roofline(log: StepLog, model: Model, gpu: GPU) -> Fit:
@@ -431,6 +480,7 @@ class Calibration:
     gpu: str | None
     fits: dict[str, Fit] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    drafter: tuple[float, float] | None = None      # (e0, e1): speculative steps' drafter (`fit_drafter`)
 
     def free_parameters(self, name: str) -> int:
         """Parameters of fitted model `name` not held fixed."""
@@ -466,6 +516,7 @@ class Calibration:
 
     def as_dict(self) -> dict:
         return {**self.provenance(), "model": self.model, "gpu": self.gpu, "best": self.best(),
+                **({"drafter": dict(zip(("e0", "e1"), self.drafter))} if self.drafter else {}),
                 "models": {**{k: f.as_dict() for k, f in self.fits.items()},
                            **{k: {"skipped": why} for k, why in self.skipped.items()}}}
 
@@ -473,6 +524,7 @@ class Calibration:
         """The cost file of fitted model `name` (docs/calibration.md, "The cost file")."""
         fit = self.fits[name]
         return {COST_FILE_KEY: COST_FILE_VERSION, "cost": fit.cost, "params": fit.params,
+                **({"drafter": dict(zip(("e0", "e1"), self.drafter))} if self.drafter else {}),
                 "model": self.model, "gpu": self.gpu,
                 "provenance": {**self.provenance(), "fallbacks": fit.fallbacks, "fixed": fit.fixed, "notes": fit.notes},
                 "errors": fit.errors}
@@ -488,6 +540,15 @@ def calibrate(log: StepLog, models: Sequence[str] = MODELS, model: Model | None 
     """Fit `models` to `log` (already without its `skip` warm-up steps, recorded only). roofline
     and tiled need `model` and `gpu`; a model the log does not determine is skipped with why."""
     cal = Calibration(log, skip, model.name if model else None, gpu.name if gpu else None)
+    target = log
+    if log.draft_passes is not None:        # speculative steps: the drafter first (module docstring)
+        try:
+            cal.drafter = fit_drafter(log)
+            target = without_drafter(log, *cal.drafter)
+        except CannotFit as exc:
+            cal.skipped = {name: f"drafter: {exc}" for name in models}
+            return cal
+    extra = log.drafter_time(*cal.drafter) if cal.drafter else 0.0
     for name in models:
         if name not in MODELS:
             raise KvschedError(f"cannot calibrate {name!r}; models: {', '.join(MODELS)}")
@@ -495,8 +556,8 @@ def calibrate(log: StepLog, models: Sequence[str] = MODELS, model: Model | None 
             cal.skipped[name] = NEEDS_HARDWARE
             continue
         try:
-            fit = _FITTERS[name](log, model, gpu)
-            fit.errors = relative_errors(predict(fitted_model(name, fit.params, model, gpu), log), log)
+            fit = _FITTERS[name](target, model, gpu)
+            fit.errors = relative_errors(predict(fitted_model(name, fit.params, model, gpu), log) + extra, log)
         except CannotFit as exc:
             cal.skipped[name] = str(exc)
             continue

@@ -70,6 +70,23 @@ class Limits:
     max_model_len: int = 8192
     prefix_caching: bool = False       # vLLM's enable_prefix_caching; kvsched's --prefix-caching
     kv_offloading_gib: float = 0.0     # vLLM's --kv-offloading-size (GiB of CPU memory); 0: off
+    spec: str = ""                     # ngram:k, vLLM's speculative_config (method ngram); "": none
+    spec_acceptance: str = ""          # kvsched's --spec-acceptance (both sides draw the same)
+    spec_proposal_rate: float = 1.0    # kvsched's --spec-proposal-rate: steps whose n-gram lookup finds drafts
+    spec_seed: int = 0
+
+    def spec_config(self):
+        """The replay's speculation (sim/spec_decode.py), or None: n-gram only (it needs no
+        draft model, and the replay builds none)."""
+        if not self.spec:
+            if self.spec_acceptance or self.spec_proposal_rate != 1.0 or self.spec_seed:
+                raise KvschedError("replay: --spec-acceptance, --spec-proposal-rate and --spec-seed need --spec ngram:k")
+            return None
+        from kvsched.sim.spec_decode import parse_spec, spec_config
+        if parse_spec(self.spec)[0] != "ngram":
+            raise KvschedError(f"replay: --spec {self.spec!r}: the replay drives vLLM's scheduler with n-gram "
+                               "speculation only (ngram:k), which needs no draft model")
+        return spec_config(self.spec, self.spec_acceptance, (), self.spec_proposal_rate, "", self.spec_seed)
 
     def check(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len"):
@@ -86,6 +103,7 @@ class Limits:
             raise KvschedError("replay: --kv-offloading-size needs --prefix-caching on (both sides offload the cache)")
         if self.kv_offloading_gib and self.offload_blocks() < 1:
             raise KvschedError(f"replay: --kv-offloading-size {self.kv_offloading_gib:g} GiB holds no block")
+        self.spec_config()
 
     def offload_blocks(self) -> int:
         """Blocks of the CPU tier: vLLM's `num_chunks` (kv_offload/cpu/spec.py, `__init__`:
@@ -148,7 +166,16 @@ def build_scheduler(limits: Limits, model_dir: Path, scheduler_cls=None, async_s
         offload["kv_transfer_config"] = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": int(limits.kv_offloading_gib * (1 << 30))})
-    vc = v["VllmConfig"](model_config=mc, scheduler_config=sc, cache_config=cc, **offload)
+    spec = limits.spec_config()
+    if spec is not None:                    # n-gram speculation: the scheduler's budget, slots and rollback
+        from vllm.config import ParallelConfig, SpeculativeConfig
+        pc = ParallelConfig()
+        speculative = {"parallel_config": pc, "speculative_config": SpeculativeConfig(
+            method="ngram", num_speculative_tokens=spec.k, prompt_lookup_max=spec.k, prompt_lookup_min=1,
+            target_model_config=mc, target_parallel_config=pc)}
+    else:
+        speculative = {}
+    vc = v["VllmConfig"](model_config=mc, scheduler_config=sc, cache_config=cc, **offload, **speculative)
     vc.scheduler_config.async_scheduling = async_scheduling     # after the platform's say (CPU: off)
     spec = v["FullAttentionSpec"](block_size=limits.block_size, num_kv_heads=2, head_size=16, dtype=torch.float32)
     tensors = []
@@ -190,6 +217,7 @@ def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_0
             hasher = v["get_request_block_hasher"](limits.block_size, fn)
         progress: dict[str, int] = {}                       # computed tokens we expect each request to have
         worker = StandInWorker() if limits.kv_offloading_gib else None
+        drafter = StandInDrafter(limits.spec_config(), content) if limits.spec else None
         while done < n:
             while nxt < n and workload.arrival[order[nxt]] <= t:
                 i = order[nxt]
@@ -212,8 +240,11 @@ def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_0
                 continue
             ids = list(out.num_scheduled_tokens)
             reqs = sched.requests
-            sampled = [[content.output(int(r), len(reqs[r].output_token_ids))]
-                       if reqs[r].num_computed_tokens >= reqs[r].num_tokens else [] for r in ids]
+            if drafter is None:
+                sampled = [[content.output(int(r), len(reqs[r].output_token_ids))]
+                           if reqs[r].num_computed_tokens >= reqs[r].num_tokens else [] for r in ids]
+            else:
+                sampled = drafter.sampled(out, reqs, ids)
             preempted = frozenset(int(r) for r in (out.preempted_req_ids or ()))
             hits = {}
             for r in preempted:
@@ -227,6 +258,8 @@ def vllm_steps(workload, limits: Limits, step_time: float, max_steps: int = 10_0
             t += step_time                                  # the batch ends before its output is read
             sched.update_from_output(out, v["ModelRunnerOutput"](req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)},
                                                                   sampled_token_ids=sampled, kv_connector_output=kv_out))
+            if drafter is not None:                         # as EngineCore.post_step: the next step's drafts
+                sched.update_draft_token_ids(drafter.drafts(ids, sampled, sched.requests))
             done = nxt - len(sched.requests)
             if len(steps) > max_steps:
                 raise KvschedError(f"replay stopped after {max_steps} vLLM steps")
@@ -253,6 +286,58 @@ class StandInWorker:
             return None
         return KVConnectorOutput(finished_recving={job.req_id for job in loads.values()} or None,
                                  kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=done))
+
+
+class StandInDrafter:
+    """The model runner's n-gram drafter and rejection sampler, as the replay needs them: the
+    drafts and acceptances kvsched draws (sim/spec_decode.py, `keyed_uniforms`: request i's n-th
+    decode step), fed through vLLM's own output path. A request's decode steps are counted from
+    the step after the one that gave it a token (its prefill's last chunk), until it is preempted."""
+
+    def __init__(self, cfg, content) -> None:
+        self.cfg, self.content = cfg, content
+        self.steps: dict[str, int] = {}         # decode steps so far, per request (the draws' key)
+        self.decoding: set[str] = set()         # requests whose next step is a decode step
+
+    def sampled(self, out, reqs, ids: list[str]) -> list[list[int]]:
+        """Each scheduled request's sampled tokens: none for a partial prefill chunk; else the
+        accepted drafts (leading positions whose uniform is below their rate) and one more."""
+        from kvsched.sim.spec_decode import keyed_uniforms
+        for r in out.preempted_req_ids or ():
+            self.decoding.discard(r)
+        k, rates = self.cfg.k, self.cfg.acceptance.rates
+        u = keyed_uniforms(self.cfg.seed, [int(r) for r in ids], [self.steps.get(r, 0) for r in ids], k + 1)
+        result = []
+        for row, r in enumerate(ids):
+            req = reqs[r]
+            if req.num_computed_tokens < req.num_tokens:        # a partial chunk (or drafts beyond: none here)
+                result.append([])
+                continue
+            drafts = out.scheduled_spec_decode_tokens.get(r, ())
+            a = 0                                               # a placeholder (-1: padding) is rejected
+            while a < len(drafts) and drafts[a] != -1 and u[row, 1 + a] < rates[a]:
+                a += 1
+            g = len(req.output_token_ids)
+            result.append([self.content.output(int(r), g + j) for j in range(a + 1)])
+            if r in self.decoding:
+                self.steps[r] = self.steps.get(r, 0) + 1
+        return result
+
+    def drafts(self, ids: list[str], sampled: list[list[int]], reqs):
+        """The drafts of the next step: k for a request whose n-gram lookup hits (column 0 of its
+        next step's uniforms below --spec-proposal-rate), none otherwise."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        from kvsched.sim.spec_decode import keyed_uniforms
+        live = [r for r, tokens in zip(ids, sampled) if tokens and r in reqs and not reqs[r].is_finished()]
+        self.decoding.update(live)
+        u = keyed_uniforms(self.cfg.seed, [int(r) for r in live], [self.steps.get(r, 0) for r in live], 1)
+        out = []
+        for row, r in enumerate(live):
+            g = len(reqs[r].output_token_ids)
+            hit = u[row, 0] < self.cfg.proposal_rate
+            out.append([self.content.output(int(r), g + j) for j in range(self.cfg.k)] if hit else [])
+        return DraftTokenIds(live, out)
 
 
 class _Recorder:
@@ -296,7 +381,8 @@ class _Recorder:
             self._settle()
         plan = self.inner.schedule(v)
         gone = set(plan.preempt)
-        tokens = {i: c for i, c in plan.chunks}
+        cap = getattr(plan, "spec", None)
+        tokens = {i: c + (cap.get(i, 0) if isinstance(cap, dict) and i in plan.admit else 0) for i, c in plan.chunks}
         hits = {}
         planner = v.prefix_planner()
         if planner is not None:                 # where each chunk starts, as the replica applies the plan
@@ -308,8 +394,11 @@ class _Recorder:
                 if start > done:
                     hits[i] = start - done
         decoding = [i for i in v.decoding if i not in gone] if plan.decode is True else list(plan.decode or ())
-        for i in decoding:
-            tokens[i] = 1
+        for i in decoding:                      # 1 + its drafts (as far as Plan.spec lets it verify them)
+            s = v.spec_tokens(i)
+            if cap is not None:
+                s = min(s, cap if isinstance(cap, int) else cap.get(i, s))
+            tokens[i] = 1 + s
         if tokens:
             self.steps.append(Step(v.now, tokens, frozenset(plan.preempt), hits))
             self._open = self.offload is not None
@@ -346,6 +435,10 @@ def kvsched_steps(workload, policy: str, params: dict[str, Any], limits: Limits,
     server = Server(workload, rec, ConstantCost(step_time), PagedKV((limits.num_gpu_blocks - 1) * limits.block_size,
                                                                     limits.block_size),
                     max_model_len=limits.max_model_len, prefix_caching=limits.prefix_caching)
+    spec = limits.spec_config()
+    if spec is not None:                    # n-gram: no drafter model, no GPU time of its own
+        from kvsched.run import attach_spec
+        attach_spec(server.replicas, spec, None, None, None)
     if limits.kv_offloading_gib:            # a host tier of vLLM's CPU blocks, written through, loads at once
         from kvsched.run import attach_offload
         gb = (limits.offload_blocks() + 0.5) * KV_BYTES_PER_TOKEN * limits.block_size / 1e9   # floors to the count

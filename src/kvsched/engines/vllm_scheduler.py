@@ -67,6 +67,20 @@ class VllmView:
     prefix_hit_rate = None
     swapped = 0                     # vLLM v1 preempts by recompute only
     tier_free_blocks = ()           # no tiers below the GPU in the adapter
+    spec_method = None              # the adapter refuses vLLM's speculative decoding (KvschedScheduler)
+    spec_k = spec_pad = 0
+
+    @staticmethod
+    def spec_tokens(i: int) -> int:
+        return 0
+
+    @staticmethod
+    def spec_acceptance(i: int) -> None:
+        return None
+
+    @property
+    def decode_tokens(self) -> int:
+        return self.num_decoding
 
     @staticmethod
     def prefix_blocks(i: int) -> tuple[int, ...]:
@@ -179,6 +193,9 @@ class KvschedScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         _check_class(self)
+        if self.vllm_config.speculative_config is not None:
+            raise KvschedError("the kvsched adapter does not steer speculative decoding yet (its plans count one "
+                               "token per decoder): run vLLM without --speculative-config, or simulate it with --spec")
         if self.cache_config.enable_prefix_caching:
             raise KvschedError("the kvsched adapter needs prefix caching off (--no-enable-prefix-caching): kvsched's "
                                "KV model has no shared blocks yet, so plans would not match vLLM's KV")

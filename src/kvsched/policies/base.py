@@ -3,7 +3,7 @@ out, optional hooks to learn from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection, Iterable, Protocol, Sequence
+from typing import Collection, Iterable, Mapping, Protocol, Sequence
 
 
 _FRESH: list = []       # an omitted list field: a new list each time (the dataclass's default_factory)
@@ -28,6 +28,13 @@ class Plan:
              host memory instead of recomputed (None, the default: every decoding victim);
              the others recompute. Each must be in `preempt`; a named victim still in its
              prefill recomputes, as every prefilling victim does.
+    spec:    with speculative decoding (--spec, docs/speculative-decoding.md), at most how many
+             draft tokens the decoders verify this step: None (the default: all of each one's
+             drafts), a whole number for every decoder, or a mapping request -> number (the
+             decoders it does not name verify all of theirs). Lowering it lowers the tokens and
+             the lookahead slots the step takes. The mapping may also name an admitted request
+             whose chunk is its last prompt token: that chunk is padded with that many
+             placeholder drafts, all rejected (vLLM's `pad_spec_decode`, at most `spec_pad`).
     An empty plan (nothing to compute) means: wait for the next event (an arrival, KV freed).
     """
     admit: list[int] = field(default_factory=list)
@@ -35,10 +42,11 @@ class Plan:
     decode: bool | Collection[int] = False
     preempt: list[int] = field(default_factory=list)
     swap: Collection[int] | None = None
+    spec: int | Mapping[int, int] | None = None
 
     def __init__(self, admit: list[int] = _FRESH, chunks: list[tuple[int, int]] = _FRESH,
                  decode: bool | Collection[int] = False, preempt: list[int] = _FRESH,
-                 swap: Collection[int] | None = None) -> None:
+                 swap: Collection[int] | None = None, spec: int | Mapping[int, int] | None = None) -> None:
         """The dataclass's own __init__, written out: the generated one would run as
         interpreted code even in the compiled build (kvsched/compiled.py), once per batch."""
         self.admit = [] if admit is _FRESH else admit
@@ -46,6 +54,7 @@ class Plan:
         self.decode = decode
         self.preempt = [] if preempt is _FRESH else preempt
         self.swap = swap
+        self.spec = spec
 
 
 class ServerView(Protocol):
@@ -83,6 +92,10 @@ class ServerView(Protocol):
                                       # swap, docs/kv-tiers.md); 0 without swap
     tier_free_blocks: tuple[tuple[str, int], ...]   # (name, free blocks) of each KV tier below the GPU,
                                       # fastest first; () without tiers
+    spec_method: str | None           # speculative decoding's method (draft, eagle, mtp, ngram), None without
+    spec_k: int                       # draft tokens proposed per step now (--spec's k, or --spec-adaptive's); 0 without
+    decode_tokens: int                # tokens one decode step of every decoder schedules: 1 + its drafts each
+    spec_pad: int                     # placeholder drafts vLLM pads a one-token admission with (Plan.spec)
 
     def blocks_for(self, tokens: int) -> int: ...
     def arrival(self, i: int) -> float: ...
@@ -94,7 +107,10 @@ class ServerView(Protocol):
     def kv_tokens(self, i: int) -> int: ...
     def kv_blocks(self, i: int) -> int: ...
     def is_decoding(self, i: int) -> bool: ...        # in its decode phase (selected or paused)
-    def needs_block(self, i: int) -> bool: ...        # its next decode token opens a new block
+    def needs_block(self, i: int) -> int: ...         # new blocks its next decode step opens (0 or 1
+                                                      # without speculation: a bool)
+    def spec_tokens(self, i: int) -> int: ...         # draft tokens decoder i verifies next step (0: none)
+    def spec_acceptance(self, i: int) -> float | None: ...   # accepted / drafted at its last verify step
     def tier_priority(self, i: int) -> int: ...
     def tbt_slo(self, i: int) -> float: ...           # seconds; infinity when its tier has none
     def last_token_time(self, i: int) -> float | None: ...   # None before its first token
@@ -150,6 +166,14 @@ def decodes_when_idle(policy) -> bool:
     return (owner is not None and owner.__dict__["decodes_when_idle"] is True
             and "schedule" not in getattr(policy, "__dict__", {})
             and getattr(cls, "schedule", None) is getattr(owner, "schedule", None))
+
+
+def allocates_in_order(policy) -> bool:
+    """Whether `policy` (or the policy a wrapper forwards to) declares `allocates_in_order =
+    True`: its victims are the ones vLLM v1 preempts when a running request's allocation fails,
+    so the replica frees each only when an allocation needs it (sim/kv_blocks.py,
+    `allocate_in_order`; it matters with prefix caching). `vllm-v1` declares it."""
+    return getattr(policy, "allocates_in_order", False) is True
 
 
 def replica_local(policy) -> bool:

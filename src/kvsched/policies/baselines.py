@@ -48,6 +48,39 @@ def make_room(v: ServerView, reserve: int = 0,
 
 
 @cython.locals(total=cython.longlong)
+def draft_slots(v: ServerView) -> int:
+    """Input slots a scheduled request takes beside its tokens under speculative decoding: vLLM's
+    `max_num_new_slots_for_drafting` (vllm/config/speculative.py: 1 for a sequential draft
+    model, 0 for EAGLE, MTP and n-gram)."""
+    return 1 if v.spec_method == "draft" else 0
+
+
+def spec_decodes(v: ServerView, budget: int, slots: int, gone: set) -> tuple[int, dict, dict, object]:
+    """The decoders' share of a token budget under speculative decoding, as vLLM 0.32 schedules
+    its running requests (scheduler.py `schedule`): each takes 1 + its drafts, cut to the budget
+    left (less `slots`, `draft_slots`), the budget less the tokens and slots; once it is spent the
+    rest get no step. Returns (budget left, {decoder: drafts} for the ones cut, {decoder: budget
+    it took}, True or the decoders that step)."""
+    cut: dict[int, int] = {}
+    taken: dict[int, int] = {}
+    chosen = []
+    everyone = True
+    for i in v.running:
+        if i in gone or not v.is_decoding(i):
+            continue
+        if budget <= slots:
+            everyone = False
+            break
+        want = 1 + v.spec_tokens(i)
+        n = want if want <= budget - slots else budget - slots
+        if n < want:
+            cut[i] = n - 1
+        chosen.append(i)
+        taken[i] = n + slots
+        budget -= n + slots
+    return budget, cut, taken, True if everyone else chosen
+
+
 def reserved_blocks(v: ServerView, prefilling: Iterable[int]) -> int:
     """Blocks the running prefills still need for their whole prompts (promised to them: the
     vLLM-v0 block manager's reservation, under Sarathi-Serve and SLAI)."""
@@ -172,6 +205,7 @@ class VllmV1(_Base):
     long_prefill_token_threshold: int = field(default=0, metadata={"range": "[0, inf)", 
         "help": "cap on one request's prefill tokens per step, 0 = none (vLLM's option; the chunk s_hat of stability-capacity.txt)"})
     name = "vllm-v1"
+    allocates_in_order = True               # victims freed as allocations fail (base.py, allocates_in_order)
     plans_prefix_hits = True                # chunks start after the cached prefix (view.prefix_planner)
     replica_local = True                    # reads only its own replica, shares nothing (base.py)
     decodes_when_idle = True                # nothing waits or prefills: decode everyone (base.py)
@@ -190,16 +224,23 @@ class VllmV1(_Base):
         hits = v.prefix_planner()
         release = hits.preempt if hits is not None else v.kv_blocks
         victims, free, nd = make_room(v, release=release)
-        budget = self.max_num_batched_tokens - nd
-        chunks: list[tuple[int, int]] = []
         gone = set(victims)
+        spec = spent = None
+        slots = 0
+        decode = True
+        if v.spec_method is None:
+            budget = self.max_num_batched_tokens - nd
+        else:                               # drafts count in the budget (sim/spec_decode.py)
+            slots = draft_slots(v)
+            budget, spec, spent, decode = spec_decodes(v, self.max_num_batched_tokens, slots, gone)
+        chunks: list[tuple[int, int]] = []
         newest = None                       # the running requests newest first, not yet preempted (made when needed)
         cap = self._cap if self._cap and len(v.running) + len(v.waiting) > 1 else None    # a lone request is not capped
         for i in v.prefilling:
             if i in gone:
                 break                       # reached the preempted tail of the running list
             done = v.prefill_done(i)
-            c = min(budget, v.prefill_target(i) - done)
+            c = min(budget - slots, v.prefill_target(i) - done)
             if cap is not None and cap < c:
                 c = cap
             if c <= 0:
@@ -216,38 +257,55 @@ class VllmV1(_Base):
                 free += release(j)
                 if v.is_decoding(j):
                     free += v.needs_block(j)
-                    budget += 1
+                    if spent is None:
+                        budget += 1
+                    else:
+                        budget += spent.pop(j, 0)
+                        spec.pop(j, None)
             if i in gone:
                 break
             chunks.append((i, c))
             if hits is not None:
                 hits.chunk(i, c)
             free -= need
-            budget -= c
+            budget -= c + slots
         admit: list[int] = []
         if not victims:
             seqs = len(v.running)
+            # vLLM pads a one-token admission to 1 + k rows (placeholder drafts, all rejected) unless
+            # a running prefill chunk was scheduled (scheduler.py `pad_spec_decode`)
+            pad_k = v.spec_pad if v.spec_method is not None and not chunks else 0
+            ran = bool(chunks) or (v.num_decoding > 0 if decode is True else len(decode) > 0)   # running ones scheduled
             for i in v.waiting:
-                if seqs >= self.max_num_seqs or budget <= 0:
+                if seqs >= self.max_num_seqs or budget <= slots:
                     break
                 target = v.prefill_target(i)
                 hit, taken = hits.lookup(i) if hits is not None else (0, 0)
-                c = min(budget, target - hit)
+                pad = pad_k if target - hit == 1 and (ran or hit > 0) else 0
+                if pad and 1 + pad > budget - slots:
+                    break                       # vLLM: "prefer to not schedule than schedule un-padded"
+                c = min(budget - slots, target - hit)
                 if cap is not None and cap < c:
                     c = cap
                 # the hit's blocks are shared, and those now free leave the free pool (vLLM's allocate_slots)
-                need = v.blocks_for(hit + c) - v.blocks_for(hit) + taken
-                if need > free or self.reserve_full_prompt and v.blocks_for(target) - v.blocks_for(hit) + taken > free:
+                need = v.blocks_for(hit + c + pad) - v.blocks_for(hit) + taken
+                if need > free or self.reserve_full_prompt and v.blocks_for(target + pad) - v.blocks_for(hit) + taken > free:
                     break
                 admit.append(i)
                 chunks.append((i, c))
                 if hits is not None:
                     hits.chunk(i, c)
+                if pad:
+                    if spec is None:
+                        spec = {}
+                    spec[i] = pad
                 free -= need
-                budget -= c
+                budget -= c + pad + slots
                 seqs += 1
+        if decode is not True:              # the budget ran out among the decoders
+            return Plan(admit, chunks, [j for j in decode if j not in gone], victims, spec=spec or None)
         decoders_left = v.num_decoding - (sum(1 for j in victims if v.is_decoding(j)) if victims else 0)
-        return Plan(admit, chunks, decoders_left > 0, victims)
+        return Plan(admit, chunks, decoders_left > 0, victims, spec=spec or None)
 
 
 @dataclass

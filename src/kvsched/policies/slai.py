@@ -29,6 +29,10 @@ requests decode (KV full, none critical yet), the batch is built as at the earli
 authors' engine would spin until then, and a simulated replica has no event to wait for
 (its clock only moves with batches and arrivals).
 
+With speculative decoding (--spec, not in the paper) a decode takes 1 + its drafts from the
+token budget, which bounds the batch's time: a verify step computes all of them. Drafts the
+budget left cannot hold are cut (Plan.spec), as vLLM cuts them.
+
 There is no starvation guard, as in the authors' code (a TTFT-slack ordering existed before
 release and was removed). `aging` > 0 (off by default, not in the paper) serves requests
 that have waited longer than `aging` seconds first, in queue order.
@@ -144,6 +148,7 @@ class Slai(_Base):
         budget = self.token_budget
         decode: list[int] = []
         victims: list[int] = []
+        cut: dict[int, int] = {}                            # decoders whose drafts the budget cuts (--spec)
         while free < 0 and partial:     # reservations overrun (KV pulled in on a decode replica)
             j = partial.pop()
             victims.append(j)
@@ -163,7 +168,7 @@ class Slai(_Base):
                 continue
             free -= need
             decode.append(i)
-            budget -= 1
+            budget -= self._verify(v, i, budget, cut)
         else:
             k = len(by_deadline)
         chunks: list[tuple[int, int]] = []
@@ -189,9 +194,20 @@ class Slai(_Base):
                 break
             free -= need
             decode.append(i)
-            budget -= 1
+            budget -= self._verify(v, i, budget, cut)
         which = True if len(decode) == v.num_decoding and decode else (decode or False)
-        return Plan(admit, chunks, which, victims)
+        return Plan(admit, chunks, which, victims, spec=cut or None)
+
+    @staticmethod
+    def _verify(v: ServerView, i: int, budget: int, cut: dict[int, int]) -> int:
+        """Tokens decoder i's step takes from the token budget: 1, and its speculative drafts
+        (--spec: a verify step is 1 + s tokens, and the budget bounds the batch's time), cut to
+        the budget left (Plan.spec)."""
+        s = v.spec_tokens(i)
+        if s >= budget:
+            s = budget - 1
+            cut[i] = s
+        return 1 + s
 
     def on_finish(self, i: int, view: ServerView) -> None:
         self._lst.pop(i, None)

@@ -264,7 +264,7 @@ class _Threshold:
         """The newest work goes first: prompts not yet admitted (the last planned first);
         then, if the decodes alone do not fit, running requests by recompute, paused ones
         before the batch's own, newest first; then the dropped prompts that fit again."""
-        need = v.decode_new_blocks if all_decoders else sum(1 for i in decode if v.needs_block(i))
+        need = v.decode_new_blocks if all_decoders else sum(v.needs_block(i) for i in decode)   # (an int with --spec)
         free = v.kv_free_blocks
         blocks = [v.blocks_for(v.prefill_target(i)) for i in admit]
         prompts = sum(blocks)
@@ -283,8 +283,8 @@ class _Threshold:
                     break
                 victims.append(i)
                 free += v.kv_blocks(i)
-                if v.is_decoding(i) and (chosen is None or i in chosen) and v.needs_block(i):
-                    need -= 1
+                if v.is_decoding(i) and (chosen is None or i in chosen):
+                    need -= v.needs_block(i)
         while dropped and need + prompts + dropped[-1][1] <= free:
             i, b = dropped.pop()
             admit.append(i)

@@ -9,7 +9,7 @@ from kvsched.sim.records cimport first_gaps, spill_logs, tier_first_gaps
 from kvsched.sim.replica cimport Replica
 
 cpdef execute(Replica rep, plan)
-cpdef prefill_shape(Replica rep, chunks, decode_blocks=*, lazy=*)
+cpdef prefill_shape(Replica rep, chunks, decode_blocks=*, lazy=*, defer=*, decoders=*, pads=*)
 cpdef selected(Replica rep, d)
 cpdef stalled(Replica rep, end)
 cpdef decode_step(Replica rep, end, cohorts)

@@ -15,12 +15,12 @@ except ModuleNotFoundError:                 # run as Python without Cython insta
 
 from kvsched.cost.shape import BatchShape
 from kvsched.errors import PASS_THROUGH, KvschedError, PlanError
-from kvsched.policies.base import Plan
+from kvsched.policies.base import Plan, allocates_in_order
 from kvsched.sim.decode_set import Cohort
-from kvsched.sim.kv_blocks import allocate, check, free_finished, take
+from kvsched.sim.kv_blocks import allocate, allocate_in_order, check, free_finished, release, take
 from kvsched.sim.lifecycle import (admit, finish, leave_decode, load_instead, plan_stale, preempt, prefill_complete,
                                    swap_out)
-from kvsched.sim.plan_check import check as check_plan, short, swap_choice
+from kvsched.sim.plan_check import check as check_plan, short, spec_cap, swap_choice
 from kvsched.sim.records import first_gaps, spill_logs, tier_first_gaps
 from kvsched.sim.requests import INF, PREFILL
 from kvsched.sim.rowlog import CHUNK
@@ -45,11 +45,14 @@ def execute(rep: Replica, plan: Plan) -> bool:
     chosen = getattr(plan, "swap", None)    # the policy's choice of victims to swap (Plan.swap)
     if chosen is not None:
         chosen = swap_choice(chosen, victims, swap is not None, rep.name)
+    # vLLM v1 frees a victim when a running request's allocation fails: with prefix caching, what
+    # the earlier requests allocate first evicts other cached blocks (kv_blocks.allocate_in_order)
+    defer = [] if victims and rep.cache is not None and allocates_in_order(rep.policy) else None
     for i in victims:                       # preempt: recompute, or swap a decoder out (sim/host_swap.py)
         if swap is not None and i in rep._where and i not in admitted and (chosen is None or i in chosen):
             swap_out(rep, i)
         else:
-            preempt(rep, i)
+            preempt(rep, i, defer)
     off = rep._offload
     if off is not None and off.reads and admitted:
         lazy = set(admitted)                # admitted at their chunk: a prefix there may load instead
@@ -70,7 +73,22 @@ def execute(rep: Replica, plan: Plan) -> bool:
         for co in cohorts:
             nd += co.n
     dnew = dctx = 0                         # allocate: the decode step's blocks, then the chunks'
-    if nd:
+    verify = order = pads = cap = None
+    sp = rep._spec
+    if sp is not None:                      # speculative decoding: drafts, lookahead slots (sim/spec_decode.py)
+        sp.padded = 0
+        cap = getattr(plan, "spec", None)
+        if cap is not None:
+            cap, pads = spec_cap(cap, cohorts, admitted, chunks, sp.pad_limit(), rep.name)
+    elif getattr(plan, "spec", None) is not None:
+        raise PlanError(f"policy {rep.name} limited speculative drafts (Plan.spec) in a run without --spec")
+    if nd and sp is not None:
+        for co in cohorts:
+            dctx += co.ctx
+        dnew, verify, _ = sp.plan(cohorts, cap)
+        if defer:
+            order = rep._spec.needs
+    elif nd:
         if len(cohorts) == 1:
             c0 = cohorts[0]
             dnew = c0.residue[-c0.clock % bs]     # c0.new_blocks, inline
@@ -79,8 +97,14 @@ def execute(rep: Replica, plan: Plan) -> bool:
             for co in cohorts:
                 dnew += co.new_blocks
                 dctx += co.ctx
+    if defer and order is None:             # each selected decoder's new block, if its step opens one
+        order = {}
+        for co in cohorts:
+            for i in co.members:
+                if co.kv_tokens(i) % bs == 0:
+                    order[i] = 1
     if chunks:
-        new_blocks, pt, pattn, pctx, shape_chunks = prefill_shape(rep, chunks, dnew, lazy)
+        new_blocks, pt, pattn, pctx, shape_chunks = prefill_shape(rep, chunks, dnew, lazy, defer, order, pads)
         if rep.cache is not None:          # allocated there, the decode step included
             dnew = 0
         if lazy is not None and len(shape_chunks) < len(chunks):    # some loaded instead, or were not admitted
@@ -90,8 +114,13 @@ def execute(rep: Replica, plan: Plan) -> bool:
         new_blocks = pt = pattn = pctx = 0
         shape_chunks = ()
         if rep.cache is not None and dnew:
-            allocate(rep, dnew)
+            if defer:
+                allocate_in_order(rep, defer, order, {})
+            else:
+                allocate(rep, dnew)
             dnew = 0
+    while defer:                            # victims no allocation needed
+        release(rep, defer.pop(0))
     if lazy and not rep._offload.broke:     # admitted without a chunk this batch (none past a break)
         for i in admitted:
             if i in lazy:
@@ -111,8 +140,12 @@ def execute(rep: Replica, plan: Plan) -> bool:
     if dense is not None and touched <= dense.ctx_limit:     # the roofline's time of this shape, in C
         dt = dense._batch(pt + nd, len(shape_chunks) + nd, pattn + (dctx + nd), touched)
     else:
+        shape = BatchShape(pt if sp is None else pt + sp.padded, len(shape_chunks), pattn, pctx, nd, dctx + nd,
+                           shape_chunks, switch)
+        if verify:
+            shape = verify_shape(shape, verify)
         try:
-            dt_o = rep.cost.time(BatchShape(pt, len(shape_chunks), pattn, pctx, nd, dctx + nd, shape_chunks, switch))
+            dt_o = rep.cost.time(shape)
         except KvschedError:
             raise
         except PASS_THROUGH:
@@ -149,6 +182,8 @@ def execute(rep: Replica, plan: Plan) -> bool:
             stalled(rep, end)
     if rep._finishing:                      # finishes free their blocks (prefix caching: vLLM's order)
         free_finished(rep)
+    if rep._spec is not None:               # the drafts of the next step (dynamic k: this batch's size)
+        rep._spec.batch_done(len(shape_chunks) + nd)
     rep.recent_batch_times.append(dt)       # records
     if rep.timeline is not None:
         rep.timeline.append((end, len(rep._queue), len(rep._running), kv.used * bs))
@@ -165,10 +200,11 @@ def execute(rep: Replica, plan: Plan) -> bool:
 
 
 @cython.locals(bs=cython.longlong, new_blocks=cython.longlong, pt=cython.longlong, pctx=cython.longlong,
-               p=cython.longlong, c=cython.longlong, n=cython.longlong, in_turn=cython.bint, inert=cython.bint)
+               p=cython.longlong, c=cython.longlong, cs=cython.longlong, n=cython.longlong, in_turn=cython.bint,
+               inert=cython.bint)
 @cython.overflowcheck(True)
-def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0,
-                  lazy: set | None = None) -> tuple[int, int, float, int, list[tuple[int, int]]]:
+def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0, lazy: set | None = None, defer: list | None = None,
+                  decoders: dict | None = None, pads: dict | None = None) -> tuple[int, int, float, int, list[tuple[int, int]]]:
     """The checked plan's chunks (sim/plan_check.py): (new KV blocks, tokens, query-key
     pairs, KV touched, per chunk).
 
@@ -184,7 +220,14 @@ def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0,
     instead of running its chunk (`lifecycle.load_instead`), as vLLM's waiting loop looks
     each request up after the ones before it allocated; its chunk is left out. A load that does
     not fit ends the admissions, as vLLM's loop breaks there: that request and the plan's later
-    admissions stay waiting (`Offload.broke`)."""
+    admissions stay waiting (`Offload.broke`).
+
+    `defer` (victims whose KV is freed as needed, `kv_blocks.allocate_in_order`): the running
+    requests allocate in admission order, the selected decoders `decoders` blocks each; an
+    admission frees every victim left before it allocates.
+
+    `pads` (Plan.spec naming admissions): a padded one-token last chunk takes its placeholder
+    drafts' slots and rows too (sim/spec_decode.py, `Speculation.pad`)."""
     computed, bs = rep._computed, rep.block_size
     cache, fresh = rep.cache, rep._fresh
     # an inert cache (nothing keyed, nothing to key) misses every lookup: one allocation
@@ -194,13 +237,14 @@ def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0,
     shape_chunks = []
     ends = {} if lazy is not None else None     # where each chunk placed so far ends (in-flight reservations)
     converted = False                       # an admission of this batch loads or waits instead
+    running = {} if defer else None         # running requests' chunk blocks (allocated in order)
     for i, c in chunks:
         if lazy is not None and i in lazy:
             lazy.discard(i)
             if rep._offload.broke:          # past a load that did not fit: not admitted
                 continue
             if not in_turn:
-                allocate(rep, new_blocks + decode_blocks)
+                first_turn(rep, new_blocks + decode_blocks, defer, decoders, running)
                 new_blocks = decode_blocks = 0
                 in_turn = True
             if load_instead(rep, i, ends):     # loads, waits, or (`broke`) does not fit
@@ -214,7 +258,7 @@ def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0,
             cache.miss(i)
         elif cache is not None and i in fresh:
             if not in_turn:
-                allocate(rep, new_blocks + decode_blocks)
+                first_turn(rep, new_blocks + decode_blocks, defer, decoders, running)
                 new_blocks = decode_blocks = 0
                 in_turn = True
             fresh.discard(i)
@@ -224,7 +268,10 @@ def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0,
             if h and rep.reqs.preempts[i]:
                 rep.reqs.recomputed[i] -= min(h, rep.reqs.recomputed[i])
         p = computed[i]
-        n = -(-(p + c) // bs) - -(-p // bs)
+        cs = c                              # rows and slots: with vLLM's pad_spec_decode, 1 + k
+        if pads and i in pads:
+            cs = rep._spec.pad(rep, i, p, c, pads[i])
+        n = -(-(p + cs) // bs) - -(-p // bs)
         if ends is not None:
             ends[i] = p + c
         if cache is not None and not inert:
@@ -233,14 +280,31 @@ def prefill_shape(rep: Replica, chunks, decode_blocks: int = 0,
             allocate(rep, n)
         else:
             new_blocks += n
+            if running is not None:
+                running[i] = n
         pt += c
-        pattn += c * (p + (c + 1) / 2)
-        pctx += p + c
-        shape_chunks.append((p, c))
+        pattn += cs * (p + (cs + 1) / 2)
+        pctx += p + cs
+        shape_chunks.append((p, cs))
     if cache is not None:
-        allocate(rep, new_blocks + decode_blocks)
+        if in_turn or not defer:
+            allocate(rep, new_blocks + decode_blocks)
+        else:
+            allocate_in_order(rep, defer, decoders, running)
         new_blocks = 0
     return new_blocks, pt, pattn, pctx, shape_chunks
+
+
+def first_turn(rep: Replica, n: int, defer: list | None, decoders: dict | None, running: dict | None) -> None:
+    """At the batch's first admission: the running requests' blocks (`n`, or in order with the
+    victims freed as needed), then every victim left (vLLM admits nothing in a step that
+    preempted; a policy that does, admits after the frees)."""
+    if defer:
+        allocate_in_order(rep, defer, decoders, running)
+        while defer:
+            release(rep, defer.pop(0))
+    else:
+        allocate(rep, n)
 
 
 def selected(rep: Replica, d: frozenset | set) -> list[Cohort]:
@@ -279,9 +343,28 @@ def decode_step(rep: Replica, end: float, cohorts) -> None:
         itl.add(gap, ch.n - len(fresh))
         if fresh:
             first_gaps(rep, ch, end)
+        if rep._spec is not None:           # accepted drafts come out too (sim/spec_decode.py)
+            rep._spec.verified(rep, ch)
         for i in ch.due():
             kv_tokens = leave_decode(rep, i)
             finish(rep, i, end, kv_tokens)
+
+
+def verify_shape(shape: BatchShape, verify: list[tuple[int, int]]) -> BatchShape:
+    """The batch with each verifying decoder as a prefill-like chunk of 1 + s tokens over its KV
+    (issue "Speculative decoding", item 4: attention over the context, the weights read once by
+    the whole batch): `verify` holds (KV tokens before the step, 1 + s) per such decoder; the
+    shape's decode aggregates keep the decoders without drafts."""
+    nv = len(verify)
+    vt = vattn = vctx = kv_before = 0
+    for p, c in verify:
+        vt += c
+        vattn += c * (p + (c + 1) / 2)
+        vctx += p + c
+        kv_before += p
+    return BatchShape(shape.prefill_tokens + vt, shape.prefill_seqs + nv, shape.prefill_attn + vattn,
+                      shape.prefill_ctx + vctx, shape.decode_seqs - nv, shape.decode_ctx - kv_before - nv,
+                      list(shape.chunks) + verify, shape.phase_switch)
 
 
 def batch_end(start: float, dt: float) -> float:

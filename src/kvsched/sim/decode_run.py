@@ -34,7 +34,7 @@ def idle_fits(rep: Replica) -> bool:
     """Nothing waits or prefills here, the decoders are one cohort and one decode step of
     them all fits in free KV: the state where a steady policy decodes everyone."""
     ds = rep._decoders
-    if rep._queue or rep._prefilling or not ds.n or len(ds.cohorts) != 1:
+    if rep._queue or rep._prefilling or not ds.n or len(ds.cohorts) != 1 or rep._spec is not None:
         return False
     c = ds.cohorts[0]
     kv = rep.kv

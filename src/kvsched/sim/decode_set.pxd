@@ -15,6 +15,7 @@ cdef class Cohort:
     cpdef long long kv_tokens(self, i)
     cpdef double last_token(self, i)
     cpdef join(self, i, kv, gen, output, time)
+    cpdef advance(self, i, e)
     cpdef step(self, end)
     cpdef list due(self)
     cpdef leave(self, i)

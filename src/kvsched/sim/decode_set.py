@@ -84,6 +84,20 @@ class Cohort:
         self._finish[i] = f
         heapq.heappush(self._heap, (f, i))
 
+    def advance(self, i: int, e: int) -> None:
+        """Member i emitted e tokens more in the step just taken (accepted speculative tokens,
+        sim/spec_decode.py): its state at join moves on by e, and so do its KV block residue,
+        the cohort's context and its completion clock (the old heap entry goes stale)."""
+        c0, k0, g0, t0 = self.members[i]
+        bs = self.block_size
+        self.residue[(k0 - c0) % bs] -= 1
+        self.residue[(k0 + e - c0) % bs] += 1
+        self.members[i] = (c0, k0 + e, g0 + e, t0)
+        self.ctx += e
+        f = self._finish[i] - e
+        self._finish[i] = f
+        heapq.heappush(self._heap, (f, i))
+
     @cython.overflowcheck(True)
     def step(self, end: float) -> float:
         """One decode step ending at `end`; returns its gap for members that decoded the

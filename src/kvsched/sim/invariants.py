@@ -135,6 +135,8 @@ def _tokens_conserved(rep, transfers: dict[int, int], step: int) -> None:
         want = sum(_blocks(t, bs) for t in held.values())
     else:
         want = _cache_blocks(rep, held) if _due(step, sum(len(b) for b in cache.held.values())) else None
+    if want is not None and rep._spec is not None:
+        want += _spec_slots(rep)
     if want is not None and rep.kv.used != want:
         raise InvariantError(name, f"replica {rep.index} counts {rep.kv.used} KV blocks in use; its "
                              f"requests hold {want} ({len(held)} requests)")
@@ -175,6 +177,22 @@ def _tokens_conserved(rep, transfers: dict[int, int], step: int) -> None:
 def _due(step: int, work: int) -> bool:
     """Whether a check over `work` items runs whole at a replica's `step`-th step (EVERY_STEP)."""
     return work <= EVERY_STEP or not step % -(-work // EVERY_STEP)
+
+
+def _spec_slots(rep) -> int:
+    """Blocks speculating decoders hold past their KV tokens (sim/spec_decode.py: the slots of
+    rejected drafts and the lookahead), each at most what one step of k drafts reaches."""
+    sp, bs = rep._spec, rep.block_size
+    total = 0
+    for i, c in rep._decoders.where.items():
+        kv = c.kv_tokens(i)
+        extra = sp.blocks_held(i, kv) - _blocks(kv, bs)
+        if not 0 <= extra <= _blocks(kv + 1 + sp.cfg.k + sp.cfg.lookahead, bs) - _blocks(kv, bs):
+            raise InvariantError("tokens-conserved", f"request {i} on replica {rep.index} holds {extra} blocks past "
+                                 f"its {kv} KV tokens; one step of {sp.cfg.k} drafts reaches at most "
+                                 f"{_blocks(kv + 1 + sp.cfg.k + sp.cfg.lookahead, bs) - _blocks(kv, bs)}")
+        total += extra
+    return total
 
 
 def _cache_blocks(rep, held: dict[int, int]) -> int:

@@ -32,8 +32,10 @@ def free(rep: Replica, i: int, kv_tokens: int, done: bool) -> None:
     """Request i's KV leaves this replica (finished, preempted or handed off)."""
     if rep.cache is None:
         rep.kv.used -= -(-kv_tokens // rep.block_size)
-    else:
+    elif rep._spec is None:
         rep.cache.free(i, kv_tokens, done)
+    else:                                   # the last step's accepted drafts fill blocks vLLM never hashed
+        rep.cache.free(i, kv_tokens, done, kv_tokens - rep._spec.unhashed.pop(i, 0))
 
 
 def free_finished(rep: Replica) -> None:
@@ -46,11 +48,40 @@ def free_finished(rep: Replica) -> None:
     else:
         if len(done) > 1:                   # landed (disaggregated) ones first
             done.sort(key=_ByAdmission(order))
+        unhashed = rep._spec.unhashed if rep._spec is not None else {}
         for i, kv_tokens in done:
-            cache.free(i, kv_tokens, True)
+            cache.free(i, kv_tokens, True, kv_tokens - unhashed.pop(i, 0) if unhashed else None)
     for i, _ in done:
         order.pop(i, None)
     done.clear()
+
+
+def allocate_in_order(rep: Replica, defer: list, decode: dict, chunks: dict) -> None:
+    """The running requests' new blocks in vLLM's order, victims freed as they are needed: each
+    running request, in admission order (vLLM's `running` list), allocates its decode step's
+    (`decode`) or its chunk's (`chunks`) blocks; one that does not fit frees the next victim
+    first (vllm/v1/core/sched/scheduler.py `schedule`: a failed `allocate_slots` preempts from
+    the tail, then retries). With prefix caching the order decides which cached blocks are
+    evicted: a victim freed before the others allocate would give them its uncached blocks."""
+    cap = rep.kv.capacity_blocks
+    for i in rep._running:
+        n = decode.get(i, 0) + chunks.get(i, 0)
+        while defer and rep.kv.used + n > cap:
+            release(rep, defer.pop(0))
+        allocate(rep, n)
+
+
+def release(rep: Replica, victim: tuple[int, int, int]) -> None:
+    """A deferred victim's KV freed (lifecycle.py, `preempt`): (request, KV tokens, blocks held past them)."""
+    i, kv_tokens, extra = victim
+    rep.kv.used -= extra
+    free(rep, i, kv_tokens, False)
+
+
+def decode_blocks(rep: Replica) -> int:
+    """Blocks one decode step of every decoder needs (with speculation: their drafts' and
+    lookahead slots, sim/spec_decode.py)."""
+    return rep._decoders.new_blocks if rep._spec is None else rep._spec.new_blocks(rep)
 
 
 def take(rep: Replica, n: int) -> None:

@@ -15,7 +15,7 @@ except ModuleNotFoundError:                 # run as Python without Cython insta
     from kvsched import cython_shim as cython
 
 from kvsched.sim.decode_set import Cohort
-from kvsched.sim.kv_blocks import free
+from kvsched.sim.kv_blocks import decode_blocks, free
 from kvsched.sim.records import fold
 from kvsched.sim.requests import DECODE, DONE, INF, LOADING, PREFILL, SWAPPED, TRANSFER, WAITING
 
@@ -43,16 +43,23 @@ def admit(rep: Replica, i: int) -> None:
 
 
 @cython.locals(r="RequestTable")
-def preempt(rep: Replica, i: int) -> None:
+def preempt(rep: Replica, i: int, defer: list | None = None) -> None:
+    """Preempt running request i by recompute. `defer` (a list): its KV is freed later, when an
+    allocation needs it (kv_blocks.py, `allocate_in_order`), as vLLM frees a victim only once a
+    running request's allocation fails."""
     r = rep.reqs
     if i in rep._where:                    # decoding
-        kv_tokens = leave_decode(rep, i)
-        free(rep, i, kv_tokens, False)
+        kv_tokens = leave_decode(rep, i, defer)
+        if defer is None:
+            free(rep, i, kv_tokens, False)
         requeue_decoder(rep, i, kv_tokens)
     else:                                   # prefilling (the check made sure it runs here)
         kv_tokens = r.computed[i]
         del rep._prefilling[i]
-        free(rep, i, kv_tokens, False)
+        if defer is None:
+            free(rep, i, kv_tokens, False)
+        else:
+            defer.append((i, kv_tokens, 0))
         requeue(rep, i, kv_tokens, kv_tokens)
     rep._fresh.discard(i)
     del rep._running[i]
@@ -235,7 +242,7 @@ def load_scan(rep: Replica) -> None:
     budget = getattr(rep.policy, "max_num_batched_tokens", None)     # 0 or None: none (orca's default)
     budget = budget - rep._decoders.n if type(budget) is int and budget > 0 else 1 << 62
     target = rep._target
-    room = kv.capacity_blocks - kv.used - rep._decoders.new_blocks     # free blocks once the decodes have theirs
+    room = kv.capacity_blocks - kv.used - decode_blocks(rep)     # free blocks once the decodes have theirs
     reserved = reservation(rep, {})         # what in-flight prefills still need (a load must leave it free)
     passed: set = set()                     # the prefixes of the requests left to the policy: a load spares them
     held, q = cache.held, rep._queue
@@ -441,6 +448,8 @@ def prefill_complete(rep: Replica, i: int, t: float) -> None:
         if gap > r.tbt[i]:
             r.viol[i] += 1
     r.last_tok[i] = t
+    if rep._spec is not None and (g >= r.output[i] or rep._handoff is not None):    # not decoding here:
+        rep.kv.used -= rep._spec.leave(i, r.computed[i])      # slots a padded chunk held (sim/spec_decode.py)
     if g >= r.output[i]:
         finish(rep, i, t, r.computed[i])
     elif rep._handoff is not None:         # prefill replica: the KV moves on, held until sent
@@ -478,6 +487,8 @@ def finish(rep: Replica, i: int, t: float, kv_tokens: int) -> None:
     r.in_flight -= 1
     rep.outstanding -= 1
     rep.recent_finished.append((r.prompt[i], r.output[i]))
+    if rep._spec is not None:
+        rep._spec.forget(i)
     if rep._on_finish is not None:
         rep._call(rep._on_finish, "on_finish", i)
     # drop this request's own int/float objects: later reads see shared ones
@@ -489,12 +500,22 @@ def finish(rep: Replica, i: int, t: float, kv_tokens: int) -> None:
 
 
 @cython.locals(ds="DecodeSet", c="Cohort")
-def leave_decode(rep: Replica, i: int) -> int:
+def leave_decode(rep: Replica, i: int, defer: list | None = None) -> int:
+    """Decoder i leaves the decode set: its KV tokens. `defer` (a preemption's): its blocks are
+    freed later (`preempt`), those past its KV included."""
     ds = rep._decoders
     c = ds.where[i]
     kv_tokens, gen, last, lo, hi = ds.leave(i)
     fold(rep, i, gen, last, c, lo, hi)
+    extra = 0
+    if rep._spec is not None:               # blocks it held past its KV (drafts' and lookahead slots)
+        extra = rep._spec.leave(i, kv_tokens)
+    if defer is not None:
+        defer.append((i, kv_tokens, extra))
+    else:
+        rep.kv.used -= extra
     return kv_tokens
+
 
 
 def move(rep: Replica, i: int, src: Cohort, dst: Cohort) -> None:

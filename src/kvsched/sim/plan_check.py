@@ -239,3 +239,43 @@ def swap_choice(chosen, victims, swapping: bool, name: str) -> frozenset:
         raise PlanError(f"policy {name} chose request {short(next(iter(extra)))} to swap (Plan.swap), "
                         "which its plan does not preempt")
     return ids
+
+
+def spec_cap(cap, cohorts, admitted, chunks, pad_limit: int, name: str):
+    """`Plan.spec` checked: (the decoders' limit, the padded admissions). The limit is None
+    (every decoder verifies its drafts), a whole number >= 0 (at most that many draft tokens each
+    this step) or a mapping of decoders selected in the plan to such numbers (the others verify
+    all of theirs). The mapping may also name an admission of the plan with a one-token chunk:
+    {request: n} pads it with n <= `pad_limit` placeholder drafts (vLLM's `pad_spec_decode`);
+    docs/speculative-decoding.md."""
+    if isinstance(cap, bool):
+        raise PlanError(f"policy {name}: Plan.spec must be a whole number or a mapping request -> number, "
+                        f"got {short(cap)}")
+    if hasattr(cap, "__index__"):
+        cap = cap.__index__()
+        if cap < 0:
+            raise PlanError(f"policy {name}: Plan.spec must be >= 0 draft tokens, got {cap}")
+        return cap, None
+    try:
+        items = list(cap.items())
+    except (AttributeError, TypeError):
+        raise PlanError(f"policy {name}: Plan.spec must be a whole number or a mapping request -> number, "
+                        f"got {short(cap)}") from None
+    out, pads = {}, {}
+    for i, n in items:
+        if isinstance(n, bool) or not hasattr(n, "__index__") or n.__index__() < 0:
+            raise PlanError(f"policy {name}: Plan.spec gives request {short(i)} {short(n)} draft tokens; "
+                            "it must be a whole number >= 0")
+        k = i.__index__() if not isinstance(i, bool) and hasattr(i, "__index__") else None
+        if k is not None and any(k in c.members for c in cohorts):
+            out[k] = n.__index__()
+        elif k is not None and k in admitted:
+            if dict(chunks).get(k) != 1 or n.__index__() > pad_limit:
+                raise PlanError(f"policy {name}: Plan.spec pads admission {k} with {n.__index__()} placeholder "
+                                f"drafts; only a one-token chunk is padded, with at most {pad_limit}")
+            if n.__index__():
+                pads[k] = n.__index__()
+        else:
+            raise PlanError(f"policy {name}: Plan.spec names request {short(i)}, which neither decodes nor is "
+                            "admitted in this batch")
+    return out, pads or None

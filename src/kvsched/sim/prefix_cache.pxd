@@ -17,6 +17,6 @@ cdef class PrefixCache:
     cpdef pin(self, i, list blocks)
     cpdef _unref(self, list blocks)
     cpdef allocate(self, n, protect=*)
-    cpdef free(self, i, kv_tokens, done)
+    cpdef free(self, i, kv_tokens, done, hashed=*)
     cpdef free_private(self, list done)
     cpdef _queue_run(self, n)

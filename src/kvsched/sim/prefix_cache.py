@@ -321,12 +321,14 @@ class PrefixCache:
                 spill.write(gone)
         kv.used += n
 
-    def free(self, i: int, kv_tokens: int, done: bool) -> None:
+    def free(self, i: int, kv_tokens: int, done: bool, hashed: int | None = None) -> None:
         """Request i frees its KV (finished, preempted or handed off): its full blocks stay
-        cached, queued tail first; blocks its decode steps filled are registered now."""
+        cached, queued tail first; blocks its decode steps filled are registered now. `hashed`
+        (default kv_tokens): the tokens whose full blocks vLLM has hashed (a speculating decoder's
+        last accepted drafts are not: sim/spec_decode.py); the blocks past them are freed uncached."""
         bs = self.bs
         held = self.held.pop(i, [])
-        full, total = kv_tokens // bs, -(-kv_tokens // bs)
+        full, total = (kv_tokens if hashed is None else hashed) // bs, -(-kv_tokens // bs)
         released = total - len(held)                # private blocks, the partial tail included
         q = self.free_q
         own = full - len(held)

@@ -5,6 +5,7 @@ without one, until it needs one.
 """
 from __future__ import annotations
 
+from kvsched.sim.kv_blocks import decode_blocks
 from kvsched.sim.prefix_cache import Block, PrefixCache, Run
 
 
@@ -99,8 +100,13 @@ class HitPlanner:
         kv_tokens = r.kv_tokens(i)
         n = c.exclusive_blocks(i, kv_tokens, self._dropped)
         held = c.held.get(i, ())
-        full = kv_tokens // c.bs
-        self._anon += kv_tokens % c.bs != 0
+        sp = self._r._spec
+        full = (kv_tokens - sp.unhashed.get(i, 0) if sp is not None else kv_tokens) // c.bs
+        self._anon += (kv_tokens % c.bs != 0) + (kv_tokens // c.bs - full)     # freed uncached
+        extra = r.kv_blocks(i) - -(-kv_tokens // c.bs)     # a speculating decoder's blocks past its KV
+        if extra:
+            self._anon += extra
+            n += extra
         if full > len(held):
             for k in reversed(c.keys(i, full)[len(held):full]):
                 b = Block(k, 0)
@@ -195,7 +201,7 @@ class HitPlanner:
         if not self._settled:
             self._settled = True
             r = self._r
-            self._alloc += self._decode if self._decode is not None else r._decoders.new_blocks - self._decoders_gone
+            self._alloc += self._decode if self._decode is not None else decode_blocks(r) - self._decoders_gone
 
     def _evict(self) -> None:
         """Evict, in queue order, the cached blocks the allocations so far took."""

@@ -25,7 +25,7 @@ cdef class Replica:
     cdef public object preemptions, outstanding, prefill_backlog, _blocked, _snap, track_start
     cdef public object recent_batch_times, recent_finished, timeline, batches, _schedule, _on_finish
     cdef public object _on_preempt, _on_batch_end, _plan_hooks, _steady
-    cdef public object runs_ahead, _decode_time, _dense_time, _face, view, _swap, _offload, _side, _planner
+    cdef public object runs_ahead, _decode_time, _dense_time, _face, view, _swap, _offload, _side, _planner, _spec
 
     cpdef next_event_time(self)
     cpdef accept(self, i, t)

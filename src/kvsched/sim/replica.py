@@ -36,7 +36,7 @@ from kvsched.policies.base import NOOP_HOOKS, decodes_when_idle
 from kvsched.sim.batch import execute
 from kvsched.sim.decode_run import decode_clock, decode_run, dense_time, idle_fits
 from kvsched.sim.decode_set import DecodeSet
-from kvsched.sim.kv_blocks import free, take
+from kvsched.sim.kv_blocks import decode_blocks, free, take
 from kvsched.sim.lifecycle import land_ready, load_unpin, move
 from kvsched.sim.plan_check import PlanFace, short as _short
 from kvsched.sim.prefix_cache import PrefixCache
@@ -88,6 +88,7 @@ class Replica:
         self._swap = None                       # --preemption swap: the host tier (sim/host_swap.py, HostSwap)
         self._offload = None                    # the prefix cache's tiers below the GPU (sim/kv_tiers.py, Offload)
         self._planner = None                    # the last prefix planner handed to the policy
+        self._spec = None                       # --spec: speculative decoding (sim/spec_decode.py, Speculation)
         self._side = None                       # whichever of the two is set: its tick, busy and wake
         self._decoders = DecodeSet(bs, partial(move, self))
         # prefix caching (sim/prefix_cache.py): admitted requests whose hit is taken at their first chunk
@@ -209,7 +210,7 @@ class Replica:
         need = -(-tokens // bs)
         mid = t < self.now and self.track_start
         used = self._snap[1] if mid else self.kv.used
-        if used + need + self._decoders.new_blocks + (tokens % bs == 0) > self.kv.capacity_blocks:
+        if used + need + decode_blocks(self) + (tokens % bs == 0) > self.kv.capacity_blocks:
             return False
         take(self, need)
         if mid:

@@ -271,9 +271,12 @@ class ReplicaView:
         return r.kv.capacity_blocks - r.kv.used
 
     @property
+    @cython.locals(r="Replica")
     def decode_new_blocks(self) -> int:
-        """Blocks one decode step of every decoder needs."""
-        return _R(self)._decoders.new_blocks
+        """Blocks one decode step of every decoder needs (with speculation, its drafts' and
+        lookahead slots too)."""
+        r = _R(self)
+        return r._decoders.new_blocks if r._spec is None else r._spec.new_blocks(r)
 
     @property
     def num_waiting(self) -> int:
@@ -299,6 +302,43 @@ class ReplicaView:
         sim/kv_tiers.py)."""
         off = _R(self)._offload
         return () if off is None else off.free_blocks()
+
+    @property
+    def spec_method(self) -> str | None:
+        """Speculative decoding's method (sim/spec_decode.py), None without it."""
+        sp = _R(self)._spec
+        return None if sp is None else sp.cfg.method
+
+    @property
+    def spec_k(self) -> int:
+        """Draft tokens proposed per step now (--spec's k, or --spec-adaptive's); 0 without."""
+        sp = _R(self)._spec
+        return 0 if sp is None else sp.k_now
+
+    @property
+    def spec_pad(self) -> int:
+        """Placeholder drafts vLLM pads a one-token admission with (its k; 0 without speculation
+        or with --spec-adaptive, where vLLM does not pad): Plan.spec names such an admission."""
+        sp = _R(self)._spec
+        return 0 if sp is None or sp.cfg.schedule else sp.cfg.k
+
+    @property
+    @cython.locals(r="Replica")
+    def decode_tokens(self) -> int:
+        """Tokens one decode step of every decoder schedules: 1 + its drafts each."""
+        r = _R(self)
+        return r._decoders.n if r._spec is None else r._spec.decode_tokens(r)
+
+    @cython.locals(r="Replica")
+    def spec_tokens(self, i: int) -> int:
+        """Draft tokens decoder i has for its next step (0: none, or not decoding here)."""
+        r = _R(self)
+        return 0 if r._spec is None or i not in r._where else r._spec.proposal(i)
+
+    def spec_acceptance(self, i: int) -> float | None:
+        """Accepted / drafted tokens at request i's last verify step (None before one)."""
+        sp = _R(self)._spec
+        return None if sp is None else sp.recent.get(i)
 
     @property
     def arrivals_pending(self) -> bool:
@@ -371,16 +411,25 @@ class ReplicaView:
     def _remote(self, i: int):
         raise PlanError(f"policy {self._policy_name} asked about request {i}, which is decoding on another replica")
 
+    @cython.locals(r="Replica")
     def kv_blocks(self, i: int) -> int:
+        """Blocks request i holds here (a speculating decoder's may reach past its KV tokens)."""
+        r = _R(self)
+        if r._spec is not None and i in r._where:
+            return r._spec.blocks_held(i, self.kv_tokens(i))
         return -(-self.kv_tokens(i) // self.block_size)
 
     def is_decoding(self, i: int) -> bool:
         return i in _R(self)._where
 
     @cython.locals(r="Replica", c="Cohort")
-    def needs_block(self, i: int) -> bool:
+    def needs_block(self, i: int):
+        """Whether decoder i's next step opens a block (with speculation: how many it opens,
+        its drafts and lookahead slots included)."""
         r = _R(self)
         c = r._where.get(i)
+        if c is not None and r._spec is not None:
+            return r._spec.step_blocks(i, c.kv_tokens(i), r._spec.proposal(i))
         return c is not None and c.kv_tokens(i) % r.block_size == 0
 
     def tier_priority(self, i: int) -> int:
