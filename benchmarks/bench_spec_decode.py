@@ -2,7 +2,9 @@
 
 Llama-3.1-8B on one H100 SXM (roofline, vllm-v1 with its defaults: 8192 tokens and 1024 seats a
 step, prefix caching on, vLLM's KV capacity at 0.9 memory utilisation, less the EAGLE head's
-weights and KV), the bundled ShareGPT preset's --requests requests at each rate (Poisson). Three
+weights and KV), --requests requests at each rate (Poisson), prompts of --prompt-len and outputs
+of --output-len tokens (default: uniform 32-256 and 32-512: short contexts, so that the batch
+grows large before the KV fills). Three
 configurations per rate:
   - no speculation;
   - `--spec eagle:3 --spec-acceptance 0.7` (an EAGLE head proposing 3 tokens, each accepted with

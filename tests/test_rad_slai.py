@@ -42,6 +42,7 @@ class View:
     kv_capacity_blocks: int = 1000
     mean_batch_time: float | None = 0.02
     block_size: int = 1
+    spec_method = None                                   # no speculative decoding (docs/speculative-decoding.md)
 
     @property
     def running(self):

@@ -117,21 +117,26 @@ def test_bad_plan_spec_is_the_policys_error(bad, msg):
         simulate(scenario(one(output=5)), Bad())
 
 
-def test_view_shows_method_k_drafts_and_acceptance():
-    seen = []
+def watching(read):
+    """vllm-v1 recording read(view, i) of every decoder i at every schedule: (policy, records)."""
+    seen: list = []
 
-    class Look:
-        name = "look"
+    class Watch:
+        name = "watch"
 
         def __init__(self) -> None:
             self.inner = make_policy("vllm-v1", {}, GPU)
 
         def schedule(self, v):
-            for i in v.decoding:
-                seen.append((v.spec_method, v.spec_k, v.spec_tokens(i), v.spec_acceptance(i), v.decode_tokens,
-                             v.needs_block(i), v.kv_blocks(i)))
+            seen.extend(read(v, i) for i in v.decoding)
             return self.inner.schedule(v)
-    simulate(scenario(one(prompt=28, output=6), spec="eagle:3", acc="0"), Look())
+    return Watch(), seen
+
+
+def test_view_shows_method_k_drafts_and_acceptance():
+    look, seen = watching(lambda v, i: (v.spec_method, v.spec_k, v.spec_tokens(i), v.spec_acceptance(i),
+                                        v.decode_tokens, v.needs_block(i), v.kv_blocks(i)))
+    simulate(scenario(one(prompt=28, output=6), spec="eagle:3", acc="0"), look)
     assert seen[0][:5] == ("eagle", 3, 3, None, 4)
     assert seen[0][5] == 1 and seen[0][6] == 2          # 29 tokens in 2 blocks; 28+1+3+3 needs a 3rd
     assert seen[1][3] == 0.0 and seen[1][5] == 0 and seen[1][6] == 3     # holds 3 now, needs none
@@ -163,6 +168,9 @@ def test_per_tier_acceptance():
         simulate(scenario(w, acc="0.5;math=1"), "vllm-v1")
     with pytest.raises(KvschedError, match="no rate for chat"):
         simulate(scenario(w, acc="code=1"), "vllm-v1")
+    untiered = Workload.build(np.zeros(3), [16] * 3, [41] * 3, tiers=tiers, tier_index=[0, 1, -1])
+    with pytest.raises(KvschedError, match="no rate for requests of no tier"):
+        simulate(scenario(untiered, acc="code=1;chat=0"), "vllm-v1")
 
 
 def test_proposal_rate_and_keyed_draws():
@@ -310,6 +318,8 @@ def test_disaggregated_decode_pool_speculates():
     ({"spec": "eagle"}, "must be METHOD:k"),
     ({"spec": "eagle:0"}, "k must be a whole number from 1 to 64"),
     ({"spec": "eagle:x"}, "k must be a whole number"),
+    ({"spec": "ngram:\u00b3"}, "k must be a whole number"),
+    ({"spec": "ngram:\u0663"}, "k must be a whole number"),
     ({"spec": "eagle:3", "spec_acceptance": ""}, "needs --spec-acceptance"),
     ({"spec": "eagle:3", "spec_acceptance": "1.5"}, "each rate must be in \\[0, 1\\]"),
     ({"spec": "eagle:3", "spec_acceptance": "0.5,0.5"}, "one rate or one per speculative token"),
@@ -352,34 +362,42 @@ def test_cli_flags_json_and_one_line_errors():
 
 
 # ----- calibrate: step logs with speculative steps ------------------------------------------------
-def test_calibrate_fits_the_drafter_and_simulate_uses_it(tmp_path):
-    """A step log of a linear target plus a drafter of k passes (e0 + e1 per token a pass runs):
-    calibrate recovers e0 and e1 and the target's d0, d1 exactly, and --spec then uses the fitted
-    drafter (its time in every batch)."""
+def spec_step_log(path, target, e0: float, e1: float, steps: int):
+    """A step log of `target`'s times plus a drafter's (k passes of e0 + e1 per token: the first
+    over the step's tokens, the others over one per request) on random verify-heavy steps."""
     import csv
-    import json
 
-    from kvsched.cost import LinearCost, cost_file_drafter
-    from kvsched.cost.calibrate import STEP_LOG_HEADER, calibrate, read_step_log
-    from kvsched.cost.spec_cost import DrafterLine
+    from kvsched.cost.calibrate import STEP_LOG_HEADER
     rng = np.random.default_rng(0)
-    target, e0, e1 = LinearCost(d0=0.004, d1=3e-6), 4e-4, 2e-6
-    path = tmp_path / "steps.csv"
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(STEP_LOG_HEADER + ["draft_passes"])
-        for step in range(200):
+        for step in range(steps):
             chunks = [(int(rng.integers(10, 3000)), int(rng.integers(1, 5))) for _ in range(rng.integers(1, 60))]
             n = int(rng.integers(0, 30))
             ctx = int(rng.integers(n, 40 * n + 1)) if n else 0
             s = BatchShape(sum(c for _, c in chunks), len(chunks), sum(c * (p + (c + 1) / 2) for p, c in chunks),
                            sum(p + c for p, c in chunks), n, ctx, chunks)
             k = int(rng.integers(0, 4))
-            t = target.time(s) + (k * e0 + e1 * (s.tokens + (k - 1) * s.seqs) if k else 0.0)
+            t = float(target.time(s)) + (k * e0 + e1 * (s.tokens + (k - 1) * s.seqs) if k else 0.0)
             w.writerow([step, s.prefill_tokens, s.prefill_seqs, s.prefill_attn, s.prefill_ctx, n, ctx,
                         " ".join(f"{p}:{c}" for p, c in chunks), 0, s.tokens, s.tokens, repr(t), k])
+    return path
+
+
+def test_calibrate_fits_the_drafter_and_simulate_uses_it(tmp_path):
+    """A step log of a linear target plus a drafter of k passes (e0 + e1 per token a pass runs):
+    calibrate recovers e0 and e1 and the target's d0, d1 exactly, and --spec then uses the fitted
+    drafter (its time in every batch)."""
+    import json
+
+    from kvsched.cost import LinearCost, cost_file_drafter
+    from kvsched.cost.calibrate import calibrate, read_step_log
+    from kvsched.cost.spec_cost import DrafterLine
+    target, e0, e1 = LinearCost(d0=0.004, d1=3e-6), 4e-4, 2e-6
+    path = spec_step_log(tmp_path / "steps.csv", target, e0, e1, 200)
     cal = calibrate(read_step_log(path), ["linear"])
-    assert cal.drafter == pytest.approx((e0, e1), rel=1e-6)
+    assert cal.fits["linear"].drafter == pytest.approx((e0, e1), rel=1e-6)
     assert cal.fits["linear"].params == pytest.approx({"d0": 0.004, "d1": 3e-6}, rel=1e-6)
     assert cal.fits["linear"].errors["all"]["median"] < 1e-6
     out = tmp_path / "cost.json"
@@ -400,3 +418,70 @@ def test_calibrate_fits_the_drafter_and_simulate_uses_it(tmp_path):
     bad.write_text(json.dumps({**json.loads(out.read_text()), "drafter": {"e0": -1, "e1": 0}}))
     with pytest.raises(KvschedError, match="drafter"):
         simulate(Scenario(w, cost=str(bad), **base), "vllm-v1")
+
+
+def test_a_request_without_room_for_its_last_verify_step_is_rejected():
+    """Prompt 50 + output 14 fits 64 KV tokens, but its last step's 3 draft slots do not: vLLM
+    would preempt it for ever; it is rejected on arrival, counted, with a warning."""
+    w = Workload.build([0.0, 0.0], [50, 20], [14, 10])
+    with pytest.warns(UserWarning, match="3 slots for its drafts"):
+        s = simulate(scenario(w, kv=64, acc="0"), "vllm-v1").summary
+    assert s["rejected"] == 1 and s["completed"] == 1
+    assert simulate(scenario(w, kv=64, spec=""), "vllm-v1").summary["completed"] == 2
+
+
+def test_drafts_stop_at_max_model_len():
+    """vLLM caps a running request's tokens at max_model_len - num_computed - 1: near the end a
+    request verifies fewer drafts (the view's spec_tokens), never reaching past the model."""
+    look, seen = watching(lambda v, i: (v.kv_tokens(i), v.spec_tokens(i)))
+    w = Workload.build([0.0], [250], [60])
+    simulate(dataclasses.replace(scenario(w, spec="ngram:5", acc="0.9"), max_model_len=310), look)
+    assert all(kv + 1 + s <= 310 - 1 for kv, s in seen)
+    assert any(s < 5 for _, s in seen) and seen[0][1] == 5
+
+
+def test_sarathi_and_slai_count_drafts_in_their_token_budgets():
+    """A batch's tokens (chunks, and 1 + the drafts each decoder verifies) stay within sarathi's
+    chunk size and SLAI's token budget; the drafts that do not fit are cut (Plan.spec)."""
+    for policy, params, budget in (("sarathi", {"chunk_size": 24, "max_num_seqs": 16}, 24),
+                                   ("slai", {"token_budget": 24, "max_num_seqs": 16, "max_decodes": 16}, 24)):
+        worst = []
+
+        class Count:
+            name = policy
+
+            def __init__(self) -> None:
+                self.inner = make_policy(policy, params, GPU)
+
+            def schedule(self, v):
+                p = self.inner.schedule(v)
+                cap = p.spec if isinstance(p.spec, dict) else {}
+                decoders = [i for i in v.decoding if i not in p.preempt] if p.decode is True else list(p.decode or ())
+                worst.append(sum(c for _, c in p.chunks)
+                             + sum(1 + min(v.spec_tokens(i), cap.get(i, 99)) for i in decoders))
+                return p
+
+            def on_finish(self, i, v):
+                getattr(self.inner, "on_finish", lambda *a: None)(i, v)
+
+            def on_preempt(self, i, v):
+                getattr(self.inner, "on_preempt", lambda *a: None)(i, v)
+        rng = np.random.default_rng(5)
+        w = Workload.build(np.sort(rng.uniform(0, 1, 40)), rng.integers(2, 40, 40), rng.integers(10, 60, 40),
+                           output_known=True)
+        s = simulate(scenario(w, spec="eagle:3", acc="0.7", kv=4096), Count()).summary
+        assert s["completed"] == 40 and max(worst) <= budget and max(worst) > budget - 4
+
+
+def test_calibrate_recovers_a_roofline_target_and_its_drafter(tmp_path):
+    """Alternating least squares: a roofline target (llama-3-8b, a100) plus a drafter of e0 = 0.4 ms
+    and e1 = 2 us per token: both come back (the roofline's efficiencies and overhead too)."""
+    from kvsched.cost import RooflineCost
+    from kvsched.cost.calibrate import calibrate, read_step_log
+    m, g = get_model("llama-3-8b"), GPU
+    target, e0, e1 = RooflineCost(model=m, gpu=g), 4e-4, 2e-6
+    path = spec_step_log(tmp_path / "steps.csv", target, e0, e1, 300)
+    fit = calibrate(read_step_log(path), ["roofline"], m, g).fits["roofline"]
+    assert fit.drafter == pytest.approx((e0, e1), rel=1e-4)
+    assert fit.params["overhead"] == pytest.approx(target.overhead, rel=1e-4)
+    assert fit.errors["all"]["median"] < 1e-6

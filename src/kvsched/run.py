@@ -176,7 +176,8 @@ class Scenario:
         if self.spec_draft_model is not None:
             get_model(self.spec_draft_model)
         return spec_config(self.spec, self.spec_acceptance, self.workload.tiers, self.spec_proposal_rate,
-                           self.spec_adaptive, self.spec_seed, self.spec_draft_model)
+                           self.spec_adaptive, self.spec_seed, self.spec_draft_model,
+                           bool((self.workload.tier_index < 0).any()))
 
     def host_tier(self):
         """--kv-tier and --preemption, checked: the host tier that swap preemption uses, or None
@@ -545,6 +546,7 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
         link = pools.link_gbps(kinds) if kinds and prefill else 25.0
     offload = scenario.offload_tiers()
     per_node = node_groups(scenario.gpus_per_node, scenario.layout.gpus) if offload else 1
+    spec = scenario.spec_config()
     cluster = Cluster(scenario.workload, pols, cost, kv, router=scenario.router, router_seed=scenario.router_seed,
                       router_params=scenario.router_params, kinds=[k.describe() for k in each] if kinds else None,
                       prefill_replicas=prefill, kv_bytes_per_token=pools.transfer_bytes(kinds) if kinds else
@@ -553,15 +555,15 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
                       max_model_len=max_len, record_timeline=record_timeline, record_batches=record_batches,
                       strict=scenario.strict, stall_batches=scenario.stall_batches,
                       prefix_caching=prefix_caching_for(scenario, pols[0]),
-                      shared_tiers=shares_tiers(offload, per_node, (prefill or len(pols)) > 1))
+                      shared_tiers=shares_tiers(offload, per_node, (prefill or len(pols)) > 1),
+                      spec_slots=spec.k + spec.lookahead if spec is not None else 0)
     tier = scenario.host_tier()
     if tier is not None:                    # each replica its own host tier and links
         for rep in cluster.replicas:
             attach_host_swap(rep, tier, kv_bytes_per_token(model, scenario.layout))
-    spec = scenario.spec_config()
     if spec is not None:
         from kvsched.cost import cost_file_drafter
-        attach_spec(cluster.replicas, spec, model, gpu, scenario.layout, cost_file_drafter(scenario.cost))
+        attach_spec(cluster.replicas, spec, model, gpu, scenario.layout, cost_file_drafter(scenario.cost), max_len)
     if offload:                             # disaggregated: the prefill replicas, the ones that look prefixes up
         attach_offload(cluster.replicas[:prefill] if prefill else cluster.replicas, offload, scenario.kv_write,
                        kv_bytes_per_token(model, scenario.layout), cluster.links, per_node)
@@ -613,7 +615,7 @@ def attach_host_swap(rep, tier, kv_bytes_per_token: int) -> None:
     rep._swap = rep._side = HostSwap(tier, rep.block_size * kv_bytes_per_token)
 
 
-def attach_spec(replicas: list, cfg, model, gpu, layout, drafter=None) -> None:
+def attach_spec(replicas: list, cfg, model, gpu, layout, drafter=None, max_len: int | None = None) -> None:
     """--spec on every replica (sim/spec_decode.py): its drafts and acceptances, and its cost model
     with the verify chunks and the drafter's passes (cost/spec_cost.py). The dense roofline's
     fast path is off: the verify chunks need the general shape. `--spec-adaptive auto`: the
@@ -633,9 +635,9 @@ def attach_spec(replicas: list, cfg, model, gpu, layout, drafter=None) -> None:
         ctx = int(np.mean(w.prompt) + np.mean(w.output) / 2) if len(w) else 1
         seats = getattr(replicas[0].policy, "max_num_seqs", None) or 1024
         cfg = dataclasses.replace(cfg, schedule=best_k_schedule(replicas[0].cost, drafter, cfg.acceptance.rates,
-                                                                ctx, min(int(seats), 4096)))
+                                                                ctx, min(int(seats), 4096), cfg.proposal_rate))
     for rep in replicas:
-        rep._spec = Speculation(cfg, rep.block_size, rep.reqs.tier, rep.cache is not None)
+        rep._spec = Speculation(cfg, rep.block_size, rep.reqs.tier, rep.cache is not None, max_len)
         rep.cost = SpecCost(rep.cost, drafter, rep._spec)
         rep._dense_time = None
 

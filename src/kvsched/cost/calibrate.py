@@ -16,12 +16,13 @@ median and p90 per batch kind and over all steps, with predictions from the mode
 
 Speculative steps (docs/speculative-decoding.md): a verifying decoder is a prefill-like chunk
 of 1 + s tokens in the step's shape, and the optional column `draft_passes` gives the drafter's
-passes after the step (its k; 0 or absent without speculation). The drafter is fitted first,
-jointly with the linear model as a proxy for the target (`fit_drafter`): each pass costs e0 plus
-e1 per token it runs, the first over the step's tokens and the others over one token per
-request. Its time is taken off every step, each model is fitted to what is left, and scored on
-the sum. The cost file carries `"drafter": {"e0", "e1"}`, which `--spec` then uses in place of
-the roofline's drafter (cost/spec_cost.py, `DrafterLine`).
+passes after the step (its k; 0 or absent without speculation). Each pass costs e0 plus e1 per
+token it runs, the first over the step's tokens and the others over one token per request. Each
+model is fitted with its drafter by alternating least squares (`fit_with_drafter`): the drafter
+starts from a joint fit with the linear model (`fit_drafter`), the model is fitted to the steps
+less the drafter's time, the drafter to the steps less the model's, until neither moves. The
+model is scored on the sum, and its cost file carries `"drafter": {"e0", "e1"}`, which `--spec`
+then uses in place of the roofline's drafter (cost/spec_cost.py, `DrafterLine`).
 """
 from __future__ import annotations
 
@@ -235,9 +236,14 @@ class Fit:
     fixed: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     errors: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
+    drafter: tuple[float, float] | None = None      # (e0, e1) with speculative steps (`fit_with_drafter`)
+
+    def drafter_params(self) -> dict:
+        return {"drafter": dict(zip(("e0", "e1"), self.drafter))} if self.drafter else {}
 
     def as_dict(self) -> dict:
-        return {"params": self.params, "fallbacks": self.fallbacks, "fixed": self.fixed, "notes": self.notes,
+        return {**self.drafter_params(), "params": self.params, "fallbacks": self.fallbacks, "fixed": self.fixed,
+                "notes": self.notes,
                 "errors": self.errors}
 
 
@@ -378,6 +384,30 @@ def fit_drafter(log: StepLog) -> tuple[float, float]:
     return float(coef[2]), float(coef[3])
 
 
+def fit_with_drafter(name: str, log: StepLog, model: Model | None, gpu: GPU | None,
+                     rounds: int = 100) -> tuple[Fit, tuple[float, float]]:
+    """Model `name` and its drafter, alternately (module docstring): the model on the steps less
+    the drafter's time, the drafter (e0, e1 >= 0, least squares relative to each step's measured
+    time) on the steps less the model's, from `fit_drafter`'s start, until the relative squared
+    error stops falling by 1e-12 (at most `rounds` rounds); deterministic."""
+    from scipy.optimize import lsq_linear
+    d = fit_drafter(log)
+    X = np.column_stack([log.draft_passes, log.drafter_time(0.0, 1.0)]) / log.seconds[:, None]
+    scale = np.abs(X).max(axis=0)
+    scale[scale == 0] = 1.0
+    best, err = None, math.inf
+    for _ in range(rounds):
+        fit = _FITTERS[name](without_drafter(log, *d), model, gpu)
+        pred = predict(fitted_model(name, fit.params, model, gpu), log)
+        e = float(np.sum(((pred + log.drafter_time(*d) - log.seconds) / log.seconds) ** 2))
+        if e > err - 1e-12:
+            break
+        best, err = (fit, d), e
+        res = lsq_linear(X / scale, (log.seconds - pred) / log.seconds, bounds=(0.0, np.inf), method="bvls", tol=1e-14)
+        d = tuple(float(x) for x in res.x / scale)
+    return best
+
+
 def without_drafter(log: StepLog, e0: float, e1: float) -> StepLog:
     """The log with the drafter's fitted time taken off every step (what the target took)."""
     rest = log.seconds - log.drafter_time(e0, e1)
@@ -480,7 +510,6 @@ class Calibration:
     gpu: str | None
     fits: dict[str, Fit] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
-    drafter: tuple[float, float] | None = None      # (e0, e1): speculative steps' drafter (`fit_drafter`)
 
     def free_parameters(self, name: str) -> int:
         """Parameters of fitted model `name` not held fixed."""
@@ -516,15 +545,13 @@ class Calibration:
 
     def as_dict(self) -> dict:
         return {**self.provenance(), "model": self.model, "gpu": self.gpu, "best": self.best(),
-                **({"drafter": dict(zip(("e0", "e1"), self.drafter))} if self.drafter else {}),
                 "models": {**{k: f.as_dict() for k, f in self.fits.items()},
                            **{k: {"skipped": why} for k, why in self.skipped.items()}}}
 
     def cost_file(self, name: str) -> dict:
         """The cost file of fitted model `name` (docs/calibration.md, "The cost file")."""
         fit = self.fits[name]
-        return {COST_FILE_KEY: COST_FILE_VERSION, "cost": fit.cost, "params": fit.params,
-                **({"drafter": dict(zip(("e0", "e1"), self.drafter))} if self.drafter else {}),
+        return {COST_FILE_KEY: COST_FILE_VERSION, "cost": fit.cost, "params": fit.params, **fit.drafter_params(),
                 "model": self.model, "gpu": self.gpu,
                 "provenance": {**self.provenance(), "fallbacks": fit.fallbacks, "fixed": fit.fixed, "notes": fit.notes},
                 "errors": fit.errors}
@@ -540,15 +567,6 @@ def calibrate(log: StepLog, models: Sequence[str] = MODELS, model: Model | None 
     """Fit `models` to `log` (already without its `skip` warm-up steps, recorded only). roofline
     and tiled need `model` and `gpu`; a model the log does not determine is skipped with why."""
     cal = Calibration(log, skip, model.name if model else None, gpu.name if gpu else None)
-    target = log
-    if log.draft_passes is not None:        # speculative steps: the drafter first (module docstring)
-        try:
-            cal.drafter = fit_drafter(log)
-            target = without_drafter(log, *cal.drafter)
-        except CannotFit as exc:
-            cal.skipped = {name: f"drafter: {exc}" for name in models}
-            return cal
-    extra = log.drafter_time(*cal.drafter) if cal.drafter else 0.0
     for name in models:
         if name not in MODELS:
             raise KvschedError(f"cannot calibrate {name!r}; models: {', '.join(MODELS)}")
@@ -556,7 +574,12 @@ def calibrate(log: StepLog, models: Sequence[str] = MODELS, model: Model | None 
             cal.skipped[name] = NEEDS_HARDWARE
             continue
         try:
-            fit = _FITTERS[name](target, model, gpu)
+            if log.draft_passes is None:
+                fit = _FITTERS[name](log, model, gpu)
+                extra = 0.0
+            else:                           # speculative steps: the model with its drafter
+                fit, fit.drafter = fit_with_drafter(name, log, model, gpu)
+                extra = log.drafter_time(*fit.drafter)
             fit.errors = relative_errors(predict(fitted_model(name, fit.params, model, gpu), log) + extra, log)
         except CannotFit as exc:
             cal.skipped[name] = str(exc)

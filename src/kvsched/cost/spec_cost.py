@@ -88,14 +88,16 @@ def capacity_with_drafter(tokens: int, block_size: int, target: Model, drafter: 
     return max(blocks, 0) * block_size
 
 
-def best_k_schedule(target, drafter, rates: tuple[float, ...], ctx: int, max_batch: int = 1024
-                    ) -> tuple[tuple[int, int, int], ...]:
+def best_k_schedule(target, drafter, rates: tuple[float, ...], ctx: int, max_batch: int = 1024,
+                    proposal_rate: float = 1.0) -> tuple[tuple[int, int, int], ...]:
     """`--spec-adaptive auto`: for each batch size b of decoders (1..max_batch), the k in 0..K
-    (K = len(rates)) with the most expected tokens per second, b x E[tokens | k] / time(b, k):
-    E[tokens | k] = sum_{j=0..k} prod_{i<j} a_i (sim/spec_acceptance.py), time(b, k) the batch of b
-    decoders over `ctx` KV tokens each verifying k drafts (`SpecCost`, the drafter's k passes
-    included; k = 0 is plain decoding). As vLLM's schedule, inclusive batch-size ranges with
-    their k (sim/spec_decode.py, `parse_schedule`)."""
+    (K = len(rates)) with the most expected tokens per second, tokens(b, k) / time(b, k). Of the b
+    decoders, v = round(b x proposal_rate) have drafts (n-gram hits) and yield
+    E[tokens | k] = sum_{j=0..k} prod_{i<j} a_i each (sim/spec_acceptance.py), the others 1;
+    time(b, k) is that batch over `ctx` KV tokens per decoder (`SpecCost`, the drafter's k passes
+    included; k = 0 is plain decoding). The default acceptance only (per-tier rates are not
+    weighed). As vLLM's schedule: inclusive batch-size ranges with their k
+    (sim/spec_decode.py, `parse_schedule`)."""
     expect = [1.0]
     run = 1.0
     for a in rates:
@@ -109,12 +111,14 @@ def best_k_schedule(target, drafter, rates: tuple[float, ...], ctx: int, max_bat
     best = []
     for b in range(1, max_batch + 1):
         rate = []
+        v = int(round(b * proposal_rate))
         for k in range(len(rates) + 1):
             probe.k_now = k
             q = 1 + k
-            shape = BatchShape(b * q, b, b * q * (ctx + (q + 1) / 2), b * (ctx + q), 0, 0, [(ctx, q)] * b) if k \
-                else BatchShape(decode_seqs=b, decode_ctx=b * (ctx + 1))
-            rate.append(b * expect[k] / float(cost.time(shape)))
+            n = v if k else 0               # decoders verifying drafts
+            shape = BatchShape(n * q, n, n * q * (ctx + (q + 1) / 2), n * (ctx + q), b - n, (b - n) * (ctx + 1),
+                               [(ctx, q)] * n)
+            rate.append((b - n + n * expect[k]) / float(cost.time(shape)))
         best.append(max(range(len(rate)), key=lambda k: (rate[k], -k)))
     out = []
     for b, k in enumerate(best, start=1):

@@ -390,7 +390,7 @@ class _Recorder:
                 planner.preempt(i)
             for i, c in plan.chunks:
                 done = 0 if i in gone or i in plan.admit else v.prefill_done(i)
-                start = planner.chunk(i, c)
+                start = planner.chunk(i, c, cap.get(i, 0) if isinstance(cap, dict) and i in plan.admit else 0)
                 if start > done:
                     hits[i] = start - done
         decoding = [i for i in v.decoding if i not in gone] if plan.decode is True else list(plan.decode or ())
@@ -432,13 +432,14 @@ def kvsched_steps(workload, policy: str, params: dict[str, Any], limits: Limits,
     from kvsched.sim.server import Server
     rec = _Recorder(engine_policy(policy, params, limits.max_num_batched_tokens, limits.max_num_seqs,
                                   limits.long_prefill_token_threshold))
+    spec = limits.spec_config()
     server = Server(workload, rec, ConstantCost(step_time), PagedKV((limits.num_gpu_blocks - 1) * limits.block_size,
                                                                     limits.block_size),
-                    max_model_len=limits.max_model_len, prefix_caching=limits.prefix_caching)
-    spec = limits.spec_config()
+                    max_model_len=limits.max_model_len, prefix_caching=limits.prefix_caching,
+                    spec_slots=spec.k + spec.lookahead if spec is not None else 0)
     if spec is not None:                    # n-gram: no drafter model, no GPU time of its own
         from kvsched.run import attach_spec
-        attach_spec(server.replicas, spec, None, None, None)
+        attach_spec(server.replicas, spec, None, None, None, max_len=limits.max_model_len)
     if limits.kv_offloading_gib:            # a host tier of vLLM's CPU blocks, written through, loads at once
         from kvsched.run import attach_offload
         gb = (limits.offload_blocks() + 0.5) * KV_BYTES_PER_TOKEN * limits.block_size / 1e9   # floors to the count

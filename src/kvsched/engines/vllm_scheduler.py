@@ -78,6 +78,9 @@ class VllmView:
     def spec_acceptance(i: int) -> None:
         return None
 
+    def spec_step_blocks(self, i: int, drafts: int) -> int:
+        return self.needs_block(i)
+
     @property
     def decode_tokens(self) -> int:
         return self.num_decoding

@@ -110,6 +110,7 @@ class ServerView(Protocol):
     def needs_block(self, i: int) -> int: ...         # new blocks its next decode step opens (0 or 1
                                                       # without speculation: a bool)
     def spec_tokens(self, i: int) -> int: ...         # draft tokens decoder i verifies next step (0: none)
+    def spec_step_blocks(self, i: int, drafts: int) -> int: ...   # new blocks its next step takes with `drafts`
     def spec_acceptance(self, i: int) -> float | None: ...   # accepted / drafted at its last verify step
     def tier_priority(self, i: int) -> int: ...
     def tbt_slo(self, i: int) -> float: ...           # seconds; infinity when its tier has none

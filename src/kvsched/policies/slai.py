@@ -149,6 +149,7 @@ class Slai(_Base):
         decode: list[int] = []
         victims: list[int] = []
         cut: dict[int, int] = {}                            # decoders whose drafts the budget cuts (--spec)
+        spec = v.spec_method is not None
         while free < 0 and partial:     # reservations overrun (KV pulled in on a decode replica)
             j = partial.pop()
             victims.append(j)
@@ -168,7 +169,7 @@ class Slai(_Base):
                 continue
             free -= need
             decode.append(i)
-            budget -= self._verify(v, i, budget, cut)
+            budget -= self._verify(v, i, budget, cut) if spec else 1
         else:
             k = len(by_deadline)
         chunks: list[tuple[int, int]] = []
@@ -194,7 +195,7 @@ class Slai(_Base):
                 break
             free -= need
             decode.append(i)
-            budget -= self._verify(v, i, budget, cut)
+            budget -= self._verify(v, i, budget, cut) if spec else 1
         which = True if len(decode) == v.num_decoding and decode else (decode or False)
         return Plan(admit, chunks, which, victims, spec=cut or None)
 

@@ -47,7 +47,10 @@ def execute(rep: Replica, plan: Plan) -> bool:
         chosen = swap_choice(chosen, victims, swap is not None, rep.name)
     # vLLM v1 frees a victim when a running request's allocation fails: with prefix caching, what
     # the earlier requests allocate first evicts other cached blocks (kv_blocks.allocate_in_order)
-    defer = [] if victims and rep.cache is not None and allocates_in_order(rep.policy) else None
+    # (not with tiers below the GPU: vLLM's offloading connector defers frees of blocks it stores,
+    # and frees-first is what its replay agrees with, docs/kv-tiers.md)
+    defer = ([] if victims and rep.cache is not None and rep._offload is None and allocates_in_order(rep.policy)
+             else None)
     for i in victims:                       # preempt: recompute, or swap a decoder out (sim/host_swap.py)
         if swap is not None and i in rep._where and i not in admitted and (chosen is None or i in chosen):
             swap_out(rep, i)
@@ -129,6 +132,8 @@ def execute(rep: Replica, plan: Plan) -> bool:
         rep._offload.broke = False
     if pt == 0 and nd == 0:
         return False
+    if sp is not None:                      # the drafter's k after this step (dynamic k: this batch's size)
+        sp.batch_done(len(shape_chunks) + nd)
     kv = rep.kv
     held = kv.used + new_blocks + dnew
     check(rep, held)
@@ -182,8 +187,6 @@ def execute(rep: Replica, plan: Plan) -> bool:
             stalled(rep, end)
     if rep._finishing:                      # finishes free their blocks (prefix caching: vLLM's order)
         free_finished(rep)
-    if rep._spec is not None:               # the drafts of the next step (dynamic k: this batch's size)
-        rep._spec.batch_done(len(shape_chunks) + nd)
     rep.recent_batch_times.append(dt)       # records
     if rep.timeline is not None:
         rep.timeline.append((end, len(rep._queue), len(rep._running), kv.used * bs))

@@ -92,7 +92,7 @@ class Cluster:
                  max_model_len: int | None = None, record_timeline: bool = False,
                  record_batches: bool = False, strict: bool = False,
                  stall_batches: int = DEFAULT_STALL_BATCHES, prefix_caching: bool = False,
-                 kinds: Sequence[str] | None = None, shared_tiers: bool = False) -> None:
+                 kinds: Sequence[str] | None = None, shared_tiers: bool = False, spec_slots: int = 0) -> None:
         r = len(policies)
         if r < 1:
             raise KvschedError("a cluster needs at least one replica")
@@ -103,7 +103,7 @@ class Cluster:
         if prefill_replicas and not 0 < prefill_replicas < r:
             raise KvschedError(f"{prefill_replicas} prefill replicas out of {r} leaves no decode replica")
         self.reqs = RequestTable(workload, kv.block_size, kv.capacity_blocks,
-                                 max_model_len=max_model_len, strict=strict)
+                                 max_model_len=max_model_len, strict=strict, spec_slots=spec_slots)
         self.arrivals = Arrivals()
         self._turns = _Turns(workload, self.reqs) if workload.has_sessions else None
         if self._turns is not None:
@@ -114,7 +114,8 @@ class Cluster:
         self.router = make_router(router, router_seed, router_params) if isinstance(router, str) else router
         self._costs = costs
         self.shared_tiers = shared_tiers
-        self._tables = None if shared_tiers else apart_tables(self, policies, kv, max_model_len, strict)   # None: together
+        self._tables = None if shared_tiers else apart_tables(self, policies, kv, max_model_len, strict,
+                                                              spec_slots)   # None: together
         self.replicas: list[Replica] = []
         # the bins of the inter-token gap histograms (one, and one per tier), shared by the replicas
         itl_bins = GapHistogram().counts

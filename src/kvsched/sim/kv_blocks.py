@@ -43,14 +43,21 @@ def free_finished(rep: Replica) -> None:
     (its scheduled order: running requests by admission, then the new ones), which decides
     which cached blocks are evicted first."""
     done, order, cache = rep._finishing, rep._order, rep.cache
+    # a speculating request's last accepted drafts: vLLM has not hashed their blocks (sim/spec_decode.py)
+    unhashed = rep._spec.unhashed if rep._spec is not None else None
     if cache.inert:                         # no keys, no shared blocks: the order cannot matter
-        cache.free_private(done)
+        if unhashed:
+            cache.free_private(done, unhashed)
+        else:
+            cache.free_private(done)
     else:
         if len(done) > 1:                   # landed (disaggregated) ones first
             done.sort(key=_ByAdmission(order))
-        unhashed = rep._spec.unhashed if rep._spec is not None else {}
         for i, kv_tokens in done:
-            cache.free(i, kv_tokens, True, kv_tokens - unhashed.pop(i, 0) if unhashed else None)
+            if unhashed:
+                cache.free(i, kv_tokens, True, kv_tokens - unhashed.pop(i, 0))
+            else:
+                cache.free(i, kv_tokens, True)
     for i, _ in done:
         order.pop(i, None)
     done.clear()

@@ -18,5 +18,5 @@ cdef class PrefixCache:
     cpdef _unref(self, list blocks)
     cpdef allocate(self, n, protect=*)
     cpdef free(self, i, kv_tokens, done, hashed=*)
-    cpdef free_private(self, list done)
+    cpdef free_private(self, list done, unhashed=*)
     cpdef _queue_run(self, n)

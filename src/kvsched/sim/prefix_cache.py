@@ -349,14 +349,15 @@ class PrefixCache:
                     self.spill.finished(self.keys(i, end)[lo:end])
             self._keys.pop(i, None)
 
-    def free_private(self, done: list[tuple[int, int]]) -> None:
+    def free_private(self, done: list[tuple[int, int]], unhashed: dict | None = None) -> None:
         """`free(i, kv_tokens, True)` for each (i, kv_tokens) of `done`, while the cache is
         inert: no request holds a cached block, so each frees all its blocks and queues its
-        full ones as one run (runs side by side are one run: the same eviction order)."""
+        full ones as one run (runs side by side are one run: the same eviction order).
+        `unhashed`: tokens at a speculating request's end that vLLM has not hashed (`free`)."""
         bs, keys, held = self.bs, self._keys, self.held
         full = released = 0
         for i, kv_tokens in done:
-            full += kv_tokens // bs
+            full += (kv_tokens - unhashed.pop(i, 0) if unhashed else kv_tokens) // bs
             released += -(-kv_tokens // bs)
             held.pop(i, None)
             keys.pop(i, None)

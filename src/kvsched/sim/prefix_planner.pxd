@@ -15,6 +15,6 @@ cdef class LazyPlanner:
     cdef public object _real
 
     cpdef lookup(self, i, chunk=*)
-    cpdef chunk(self, i, tokens)
+    cpdef chunk(self, i, tokens, slots=*)
     cpdef decodes(self, blocks)
     cpdef preempt(self, i)

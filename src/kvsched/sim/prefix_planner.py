@@ -30,10 +30,10 @@ class LazyPlanner:
         self._calls.append(("lookup", i, chunk))
         return 0, 0
 
-    def chunk(self, i: int, tokens: int) -> int:
+    def chunk(self, i: int, tokens: int, slots: int = 0) -> int:
         if self._real is not None:
-            return self._real.chunk(i, tokens)
-        self._calls.append(("chunk", i, tokens))
+            return self._real.chunk(i, tokens, slots)
+        self._calls.append(("chunk", i, tokens, slots))
         start = self._start.get(i)
         if start is None:                       # a waiting request's hit is empty
             start = 0 if self._r.awaits_hit(i) else self._r._computed[i]
@@ -135,9 +135,11 @@ class HitPlanner:
         hit = self._hit(i, chunk)
         return len(hit) * self._c.bs, sum(1 for b in hit if b is not None and self._free(b))
 
-    def chunk(self, i: int, tokens: int) -> int:
+    def chunk(self, i: int, tokens: int, slots: int = 0) -> int:
         """A chunk of `tokens` for request i is placed in the plan (a waiting request's hit is
-        taken then, as far as the chunk leaves room); returns the token the chunk starts at."""
+        taken then, as far as the chunk leaves room); returns the token the chunk starts at.
+        `slots`: KV slots it takes past its tokens (a padded admission's placeholder drafts,
+        Plan.spec)."""
         c, r = self._c, self._r
         bs = c.bs
         start = self._start.get(i)
@@ -154,7 +156,7 @@ class HitPlanner:
         lo, hi = start // bs, min((start + tokens) // bs, c._share[i])   # as `PrefixCache.register`
         if hi > lo:
             self._pending.update(c.keys(i, hi)[lo:hi])
-        self._alloc += -(-(start + tokens) // bs) - -(-start // bs)
+        self._alloc += -(-(start + tokens + slots) // bs) - -(-start // bs)
         return start
 
     # ----- the cache as the plan leaves it ------------------------------------------------

@@ -21,7 +21,7 @@ INF = float("inf")
 
 class RequestTable:
     def __init__(self, workload: Workload, block_size: int, capacity_blocks: int, *,
-                 max_model_len: int | None = None, strict: bool = False) -> None:
+                 max_model_len: int | None = None, strict: bool = False, spec_slots: int = 0) -> None:
         if not workload.timed:
             raise KvschedError(f"{workload.source} has no arrival times: give --rate or --arrivals")
         w = self.workload = workload
@@ -53,7 +53,7 @@ class RequestTable:
         # (requests.pxd; no numpy scalar per access); as Python they are the arrays themselves
         self.admitted_c, self.first_c, self.finished_c, self.itl_max_c = self.admitted, self.first, self.finished, self.itl_max
         self.output_ro = tuple(self.output)             # a read-only copy for the view
-        self.rejected = self._find_rejected(block_size, capacity_blocks, max_model_len, strict)
+        self.rejected = self._find_rejected(block_size, capacity_blocks, max_model_len, strict, spec_slots)
         self.rejected_list = self.rejected.tolist()
         for i in np.flatnonzero(self.rejected).tolist():
             self.status[i] = REJECTED
@@ -64,18 +64,23 @@ class RequestTable:
         self.rows = None        # a replica's own table: its requests' rows in the cluster's (routed_ahead.py)
 
     def _find_rejected(self, block_size: int, capacity_blocks: int, max_model_len: int | None,
-                       strict: bool) -> np.ndarray:
+                       strict: bool, spec_slots: int = 0) -> np.ndarray:
+        """Requests no replica can serve: KV for prompt + output - 1 tokens, and with speculative
+        decoding (`spec_slots` = k + lookahead) the slots of its last verify step past them (vLLM
+        allocates them whatever the output left: alone, such a request preempts itself forever);
+        or longer than the model."""
         w = self.workload
         cap = capacity_blocks * block_size
         # each length alone first, so that the sums below cannot overflow int64 unnoticed
-        too_big = (w.prompt > cap) | (w.output > cap) | (w.prompt + w.output - 1 > cap)
+        too_big = (w.prompt > cap) | (w.output > cap) | (w.prompt + w.output - 1 > cap - spec_slots)
         too_long = ((w.prompt > max_model_len) | (w.output > max_model_len) | (w.prompt + w.output > max_model_len)
                     if max_model_len else np.zeros(len(w), bool))
         bad = too_big | too_long
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
             s, o = int(w.prompt[k]), int(w.output[k])
-            why = (f"needs {s + o - 1} KV tokens, capacity is {cap}" if too_big[k]
+            why = (f"needs {s + o - 1} KV tokens" + (f" and {spec_slots} slots for its drafts (--spec)" if spec_slots
+                                                    else "") + f", capacity is {cap}" if too_big[k]
                    else f"is {s + o} tokens, model max is {max_model_len}")
             msg = (f"{int(bad.sum())} request(s) can never be served; first: request "
                    f"{int(w.ids[k])} (prompt {s}, output {o}) {why}")

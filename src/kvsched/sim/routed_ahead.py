@@ -85,7 +85,7 @@ def routed_ahead(cluster: Cluster, chain: bool) -> Ahead | None:
 
 
 def apart_tables(cluster: Cluster, policies, kv: PagedKV, max_model_len: int | None,
-                 strict: bool) -> list[RequestTable] | None:
+                 strict: bool, spec_slots: int = 0) -> list[RequestTable] | None:
     """Each replica's own request table (its requests in arrival order, `rows` their rows in
     the cluster's table), when its replicas may run one after another (`run_apart`): routes
     made `ahead_of_time` and built-in `replica_local` policies, one object per replica. Else
@@ -102,7 +102,7 @@ def apart_tables(cluster: Cluster, policies, kv: PagedKV, max_model_len: int | N
     for k in range(len(policies)):
         rows = order[ends[k]:ends[k + 1]]
         table = RequestTable(w.take(rows), kv.block_size, kv.capacity_blocks, max_model_len=max_model_len,
-                             strict=strict)
+                             strict=strict, spec_slots=spec_slots)
         table.rows = rows
         tables.append(table)
     return tables

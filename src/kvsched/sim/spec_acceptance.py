@@ -1,5 +1,5 @@
-"""Speculative decoding's acceptance model (issue "Speculative decoding", item 2; first part:
-not yet wired into the replica, which still decodes one token per step).
+"""Speculative decoding's acceptance model (issue "Speculative decoding", item 2; the replica
+draws from it through sim/spec_decode.py).
 
 A verify step checks a request's k proposed tokens in order. Position j (0-based) is accepted
 with probability a_j given that every earlier one was; the first rejection ends the run, and

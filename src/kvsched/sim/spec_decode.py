@@ -24,10 +24,13 @@ The draws are keyed, not streamed: the uniforms of request i's n-th decode step 
 depend on what else ran in its batch, on the policy, or on the engine: `kvsched replay` feeds
 vLLM's scheduler the same drafts and acceptances (engines/vllm_replay.py).
 
-Not modelled (docs/speculative-decoding.md): the lookahead slots of prefill chunks (vLLM passes
-`num_lookahead_tokens` to every allocation; here only decode steps reserve them), vLLM's padding of
-a one-token admission to 1 + k rows (cudagraph uniformity), and the drafter's prefill lookahead of
-multi-module MTP.
+Also as vLLM: a running request's tokens are capped at max_model_len - num_computed - 1
+(`proposal`), and a one-token admission is padded to 1 + k rows of placeholder drafts, all
+rejected (`pad`, vLLM's `pad_spec_decode`).
+
+Not modelled (docs/speculative-decoding.md): the lookahead slots of prefill chunks, padded ones
+included (vLLM passes `num_lookahead_tokens` to every allocation; here only decode steps reserve
+them), and the drafter's prefill lookahead of multi-module MTP.
 """
 from __future__ import annotations
 
@@ -88,7 +91,7 @@ def parse_spec(text: str) -> tuple[str, int]:
     method, k = (p.strip() for p in text.split(":"))
     if method not in METHODS:
         raise KvschedError(f"--spec {text!r}: unknown method {method!r} (one of {', '.join(METHODS)})")
-    if not k.isdigit() or not 1 <= int(k) <= MAX_K:
+    if not (k.isascii() and k.isdigit()) or not 1 <= int(k) <= MAX_K:
         raise KvschedError(f"--spec {text!r}: k must be a whole number from 1 to {MAX_K}, got {k!r}")
     return method, int(k)
 
@@ -123,10 +126,11 @@ def parse_schedule(text: str) -> tuple[tuple[int, int, int], ...] | str:
 
 
 def spec_config(spec: str, acceptance: str, tiers=(), proposal_rate: float = 1.0, adaptive: str = "",
-                seed: int = 0, draft_model: str | None = None) -> SpecConfig:
+                seed: int = 0, draft_model: str | None = None, untiered: bool = True) -> SpecConfig:
     """The checked configuration. `acceptance`: RATES for every request, or entries
     `RATES;TIER=RATES;...` (RATES: ALPHA or a_1,..,a_k) naming the workload's tiers; requests of
-    a tier not named take the unnamed entry, which is then required."""
+    a tier not named, and requests of no tier (`untiered`: the workload has some), take the
+    unnamed entry, which is then required."""
     method, k = parse_spec(spec)
     if not isinstance(acceptance, str) or not acceptance.strip():
         raise KvschedError("--spec needs --spec-acceptance: a constant alpha, one rate per position "
@@ -148,10 +152,10 @@ def spec_config(spec: str, acceptance: str, tiers=(), proposal_rate: float = 1.0
             default = parsed
     by_tier = tuple(named.get(n) for n in names)
     if default is None:
-        if None in by_tier or not names:
+        if None in by_tier or not names or untiered:
             missing = names[by_tier.index(None)] if names and None in by_tier else "requests of no tier"
             raise KvschedError(f"--spec-acceptance {acceptance!r}: no rate for {missing} (give an unnamed entry)")
-        default = by_tier[0]
+        default = by_tier[0]                # used by no request: every one has a named tier
     if isinstance(proposal_rate, bool) or not isinstance(proposal_rate, (int, float)) \
             or not 0.0 <= proposal_rate <= 1.0:
         raise KvschedError(f"--spec-proposal-rate must be in [0, 1], got {proposal_rate!r}")
@@ -210,8 +214,9 @@ class Speculation:
     """One replica's speculative decoding: per decoder its decode steps so far (the draws' key),
     the blocks it holds ahead of its KV, its last acceptance; the step being run; totals."""
 
-    def __init__(self, cfg: SpecConfig, block_size: int, tier: list[int], cached: bool = False) -> None:
-        self.cfg, self.block_size, self._tier, self._cached = cfg, block_size, tier, cached
+    def __init__(self, cfg: SpecConfig, block_size: int, tier: list[int], cached: bool = False,
+                 max_len: int | None = None) -> None:
+        self.cfg, self.block_size, self._tier, self._cached, self.max_len = cfg, block_size, tier, cached, max_len
         self.steps: dict[int, int] = {}         # decode steps so far (kept across preemptions)
         self.held: dict[int, int] = {}          # blocks held while decoding, where more than its KV fills
         self.recent: dict[int, float] = {}      # accepted / drafted at its last verify step
@@ -226,14 +231,19 @@ class Speculation:
         self.padded = 0                         # placeholder rows of this batch's padded admissions
 
     # what a policy sees (sim/view.py)
-    def proposal(self, i: int) -> int:
-        """Draft tokens request i (decoding) has for its next step."""
-        if not self.k_now:
+    def proposal(self, i: int, kv: int) -> int:
+        """Draft tokens request i (decoding, `kv` KV tokens) has for its next step: k_now if its
+        lookup finds drafts, at most max_model_len - kv - 2 (vLLM caps a running request's
+        tokens at max_model_len - num_computed - 1, "necessary when using spec decoding")."""
+        k = self.k_now
+        if self.max_len is not None and k > self.max_len - kv - 2:
+            k = max(0, self.max_len - kv - 2)
+        if not k:
             return 0
         rate = self.cfg.proposal_rate
         if rate >= 1.0:
-            return self.k_now
-        return self.k_now if keyed_uniform(self.cfg.seed, i, self.steps.get(i, 0), 0) < rate else 0
+            return k
+        return k if keyed_uniform(self.cfg.seed, i, self.steps.get(i, 0), 0) < rate else 0
 
     def blocks_held(self, i: int, kv: int) -> int:
         return max(self.held.get(i, 0), -(-kv // self.block_size))
@@ -249,12 +259,17 @@ class Speculation:
         total = 0
         for c in rep._decoders.cohorts:
             for i in c.members:
-                total += self.step_blocks(i, c.kv_tokens(i), self.proposal(i))
+                kv = c.kv_tokens(i)
+                total += self.step_blocks(i, kv, self.proposal(i, kv))
         return total
 
     def decode_tokens(self, rep: Replica) -> int:
         """Tokens one decode step of every decoder schedules: 1 + its drafts each."""
-        return rep._decoders.n + sum(self.proposal(i) for i in rep._decoders.where)
+        total = rep._decoders.n
+        for c in rep._decoders.cohorts:
+            for i in c.members:
+                total += self.proposal(i, c.kv_tokens(i))
+        return total
 
     # the step (sim/batch.py)
     def plan(self, cohorts, cap) -> tuple[int, list[tuple[int, int]], int]:
@@ -271,6 +286,8 @@ class Speculation:
         n = [steps.get(i, 0) for i in ids]
         u = keyed_uniforms(cfg.seed, ids, n, cfg.k + 1)
         drafts = np.where(u[:, 0] < cfg.proposal_rate, self.k_now, 0)
+        if self.max_len is not None:        # `proposal`: vLLM's max_model_len cap
+            drafts = np.minimum(drafts, np.maximum(0, self.max_len - np.array(kvs, dtype=np.int64) - 2))
         if cap is not None:
             drafts = np.minimum(drafts, cap if type(cap) is int else [cap.get(i, cfg.k) for i in ids])
         tiers = np.array([self._tier[i] + 1 for i in ids], dtype=np.int64)
@@ -340,7 +357,9 @@ class Speculation:
         return c + n
 
     def batch_done(self, scheduled: int) -> None:
-        """The drafts proposed after a step of `scheduled` requests (dynamic k)."""
+        """The drafts proposed after a step of `scheduled` requests (dynamic k: vLLM's
+        `num_spec_tokens_to_schedule`, looked up from the step's own size), set before the step
+        is timed: its drafter passes are these (cost/spec_cost.py)."""
         if self.cfg.schedule:
             self.k_now = self.cfg.k_for(scheduled)
 

@@ -152,8 +152,8 @@ class PlannerFace:
     def lookup(self, i: int, chunk: int | None = None) -> tuple[int, int]:
         return _P(self).lookup(i, chunk)
 
-    def chunk(self, i: int, tokens: int) -> int:
-        return _P(self).chunk(i, tokens)
+    def chunk(self, i: int, tokens: int, slots: int = 0) -> int:
+        return _P(self).chunk(i, tokens, slots)
 
     def preempt(self, i: int) -> int:
         return _P(self).preempt(i)
@@ -333,7 +333,20 @@ class ReplicaView:
     def spec_tokens(self, i: int) -> int:
         """Draft tokens decoder i has for its next step (0: none, or not decoding here)."""
         r = _R(self)
-        return 0 if r._spec is None or i not in r._where else r._spec.proposal(i)
+        c = r._where.get(i)
+        return 0 if r._spec is None or c is None else r._spec.proposal(i, c.kv_tokens(i))
+
+    @cython.locals(r="Replica", c="Cohort")
+    def spec_step_blocks(self, i: int, drafts: int) -> int:
+        """New blocks decoder i's next step allocates verifying `drafts` draft tokens (its slots
+        for kv + 1 + drafts + lookahead past the blocks it holds; sim/spec_decode.py)."""
+        r = _R(self)
+        c = r._where.get(i)
+        if c is None:
+            return 0
+        if r._spec is None:                 # no drafts without speculation
+            return c.kv_tokens(i) % r.block_size == 0
+        return r._spec.step_blocks(i, c.kv_tokens(i), drafts)
 
     def spec_acceptance(self, i: int) -> float | None:
         """Accepted / drafted tokens at request i's last verify step (None before one)."""
@@ -429,7 +442,7 @@ class ReplicaView:
         r = _R(self)
         c = r._where.get(i)
         if c is not None and r._spec is not None:
-            return r._spec.step_blocks(i, c.kv_tokens(i), r._spec.proposal(i))
+            return r._spec.step_blocks(i, c.kv_tokens(i), r._spec.proposal(i, c.kv_tokens(i)))
         return c is not None and c.kv_tokens(i) % r.block_size == 0
 
     def tier_priority(self, i: int) -> int:
