@@ -424,10 +424,13 @@ def test_a_request_without_room_for_its_last_verify_step_is_rejected():
     """Prompt 50 + output 14 fits 64 KV tokens, but its last step's 3 draft slots do not: vLLM
     would preempt it for ever; it is rejected on arrival, counted, with a warning."""
     w = Workload.build([0.0, 0.0], [50, 20], [14, 10])
-    with pytest.warns(UserWarning, match="3 slots for its drafts"):
+    with pytest.warns(UserWarning, match="needs 66 KV tokens with its drafts' slots"):
         s = simulate(scenario(w, kv=64, acc="0"), "vllm-v1").summary
     assert s["rejected"] == 1 and s["completed"] == 1
     assert simulate(scenario(w, kv=64, spec=""), "vllm-v1").summary["completed"] == 2
+    # vLLM caps a step's tokens at max_model_len - computed - 1: 100 + 29 in 128 tokens of KV fits
+    near = dataclasses.replace(scenario(Workload.build([0.0], [100], [29]), kv=128, acc="0.7"), max_model_len=129)
+    assert simulate(near, "vllm-v1").summary["completed"] == 1
 
 
 def test_drafts_stop_at_max_model_len():

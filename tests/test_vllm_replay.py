@@ -16,8 +16,9 @@ from kvsched.engines.vllm_replay import Limits, replay  # noqa: E402
 from kvsched.workload.source import WorkloadOptions, load  # noqa: E402
 
 
-def workload(n=60, rate=50.0, prompt="uniform:10:300", output="uniform:1:60", seed=2):
-    return load(WorkloadOptions(num_requests=n, rate=rate, prompt_len=prompt, output_len=output, seed=seed))
+def workload(n=60, rate=50.0, prompt="uniform:10:300", output="uniform:1:60", seed=2, shared=None):
+    return load(WorkloadOptions(num_requests=n, rate=rate, prompt_len=prompt, output_len=output, seed=seed,
+                                shared_prefix=shared))
 
 
 def v1(limits: Limits, **extra) -> dict:
@@ -200,18 +201,25 @@ def test_offloading_needs_the_prefix_cache():
      dict(n=20, prompt="uniform:250:250", output="uniform:60:60")),
     ("padded admissions evict cached blocks", Limits(24, 4, 48, 4, 20, 8192, True, 0.0, "ngram:6", "0.5", 0.8, 672),
      dict(prompt="uniform:2:17", output="uniform:1:40", seed=672)),
+    ("no padding past max_model_len", Limits(64, 8, num_gpu_blocks=60, max_model_len=20, prefix_caching=True,
+                                             spec="ngram:4", spec_acceptance="0.5"),
+     dict(n=40, rate=20.0, prompt="fixed:1", output="fixed:3", seed=1, shared="16:1.0")),
+    ("max_model_len spares the last step's slots", Limits(256, 4, num_gpu_blocks=9, max_model_len=129, spec="ngram:3",
+                                                          spec_acceptance="0.7"),
+     dict(n=4, rate=30.0, prompt="fixed:100", output="fixed:29")),
 ])
 def test_speculative_vllm_v1_agrees_with_vllm_on_every_step(name, limits, w):
     """n-gram speculation (vLLM's speculative_config), k = 3: both sides get the same drafts and
     acceptances (kvsched's keyed draws, fed through vLLM's update_draft_token_ids and sampled
     tokens); the drafts count in the budget, rejected slots stay held, and the steps agree."""
     a = replay(workload(**w), "vllm-v1", v1(limits), limits, 0.01)
-    assert a.steps > 50 and a.steps_differing == 0, a.first_difference
+    assert a.steps > 30 and a.steps_differing == 0, a.first_difference
     assert a.preemptions["vllm"] == a.preemptions["kvsched"]
     if name.startswith("KV") or name.startswith("padded"):
         assert a.preemptions["vllm"] > 0
     multi = [r for r in a.rows if r["tokens_vllm"] > r["requests_vllm"] and r["requests_vllm"] > 1]
-    assert len(multi) > a.steps // 3                        # verify steps: more tokens than requests
+    if w.get("n", 60) >= 60:                                # (the max_model_len cases are short: a few)
+        assert len(multi) > a.steps // 3                    # verify steps: more tokens than requests
     assert a.first_token_step_diff["max"] == 0 and a.finish_step_diff["max"] == 0
 
 

@@ -556,7 +556,7 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
                       strict=scenario.strict, stall_batches=scenario.stall_batches,
                       prefix_caching=prefix_caching_for(scenario, pols[0]),
                       shared_tiers=shares_tiers(offload, per_node, (prefill or len(pols)) > 1),
-                      spec_slots=spec.k + spec.lookahead if spec is not None else 0)
+                      spec_slots=(spec.k, spec.lookahead) if spec is not None else (0, 0))
     tier = scenario.host_tier()
     if tier is not None:                    # each replica its own host tier and links
         for rep in cluster.replicas:

@@ -389,7 +389,8 @@ def fit_with_drafter(name: str, log: StepLog, model: Model | None, gpu: GPU | No
     """Model `name` and its drafter, alternately (module docstring): the model on the steps less
     the drafter's time, the drafter (e0, e1 >= 0, least squares relative to each step's measured
     time) on the steps less the model's, from `fit_drafter`'s start, until the relative squared
-    error stops falling by 1e-12 (at most `rounds` rounds); deterministic."""
+    error stops falling by 1e-12 (at most `rounds` rounds), or a round's drafter takes a whole
+    step (the round before stands); deterministic."""
     from scipy.optimize import lsq_linear
     d = fit_drafter(log)
     X = np.column_stack([log.draft_passes, log.drafter_time(0.0, 1.0)]) / log.seconds[:, None]
@@ -397,8 +398,14 @@ def fit_with_drafter(name: str, log: StepLog, model: Model | None, gpu: GPU | No
     scale[scale == 0] = 1.0
     best, err = None, math.inf
     for _ in range(rounds):
-        fit = _FITTERS[name](without_drafter(log, *d), model, gpu)
-        pred = predict(fitted_model(name, fit.params, model, gpu), log)
+        try:
+            fit = _FITTERS[name](without_drafter(log, *d), model, gpu)
+            pred = predict(fitted_model(name, fit.params, model, gpu), log)
+        except CannotFit:
+            if best is None:
+                raise
+            break                           # this round's drafter leaves the model nothing: the last one stands
+
         e = float(np.sum(((pred + log.drafter_time(*d) - log.seconds) / log.seconds) ** 2))
         if e > err - 1e-12:
             break

@@ -436,7 +436,7 @@ def kvsched_steps(workload, policy: str, params: dict[str, Any], limits: Limits,
     server = Server(workload, rec, ConstantCost(step_time), PagedKV((limits.num_gpu_blocks - 1) * limits.block_size,
                                                                     limits.block_size),
                     max_model_len=limits.max_model_len, prefix_caching=limits.prefix_caching,
-                    spec_slots=spec.k + spec.lookahead if spec is not None else 0)
+                    spec_slots=(spec.k, spec.lookahead) if spec is not None else (0, 0))
     if spec is not None:                    # n-gram: no drafter model, no GPU time of its own
         from kvsched.run import attach_spec
         attach_spec(server.replicas, spec, None, None, None, max_len=limits.max_model_len)

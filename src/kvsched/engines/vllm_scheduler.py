@@ -68,7 +68,11 @@ class VllmView:
     swapped = 0                     # vLLM v1 preempts by recompute only
     tier_free_blocks = ()           # no tiers below the GPU in the adapter
     spec_method = None              # the adapter refuses vLLM's speculative decoding (KvschedScheduler)
-    spec_k = spec_pad = 0
+    spec_k = 0
+
+    @staticmethod
+    def spec_pad(computed: int) -> int:
+        return 0
 
     @staticmethod
     def spec_tokens(i: int) -> int:

@@ -34,7 +34,7 @@ class Plan:
              decoders it does not name verify all of theirs). Lowering it lowers the tokens and
              the lookahead slots the step takes. The mapping may also name an admitted request
              whose chunk is its last prompt token: that chunk is padded with that many
-             placeholder drafts, all rejected (vLLM's `pad_spec_decode`, at most `spec_pad`).
+             placeholder drafts, all rejected (vLLM's `pad_spec_decode`, at most `spec_pad(hit)`).
     An empty plan (nothing to compute) means: wait for the next event (an arrival, KV freed).
     """
     admit: list[int] = field(default_factory=list)
@@ -95,7 +95,6 @@ class ServerView(Protocol):
     spec_method: str | None           # speculative decoding's method (draft, eagle, mtp, ngram), None without
     spec_k: int                       # draft tokens proposed per step now (--spec's k, or --spec-adaptive's); 0 without
     decode_tokens: int                # tokens one decode step of every decoder schedules: 1 + its drafts each
-    spec_pad: int                     # placeholder drafts vLLM pads a one-token admission with (Plan.spec)
 
     def blocks_for(self, tokens: int) -> int: ...
     def arrival(self, i: int) -> float: ...
@@ -111,6 +110,8 @@ class ServerView(Protocol):
                                                       # without speculation: a bool)
     def spec_tokens(self, i: int) -> int: ...         # draft tokens decoder i verifies next step (0: none)
     def spec_step_blocks(self, i: int, drafts: int) -> int: ...   # new blocks its next step takes with `drafts`
+    def spec_pad(self, computed: int) -> int: ...    # placeholder drafts vLLM pads a one-token admission
+                                                      # after `computed` tokens with (Plan.spec); 0: none
     def spec_acceptance(self, i: int) -> float | None: ...   # accepted / drafted at its last verify step
     def tier_priority(self, i: int) -> int: ...
     def tbt_slo(self, i: int) -> float: ...           # seconds; infinity when its tier has none

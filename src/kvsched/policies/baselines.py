@@ -185,8 +185,9 @@ class _Base:
 @dataclass
 class VllmV1(_Base):
     """vLLM v1 scheduler: one token budget per step, running requests first (decodes, then
-    unfinished chunked prefills in admission order), then waiting requests FCFS with the
-    last one chunked to fit. KV is allocated per chunk; a running prefill whose chunk does
+    unfinished chunked prefills in admission order; with speculative decoding vLLM's single
+    loop over the running requests in admission order, `_running_spec`), then waiting requests
+    FCFS with the last one chunked to fit. KV is allocated per chunk; a running prefill whose chunk does
     not fit preempts the newest running requests (itself last, ending the step's running
     phase). Defaults are vLLM's: 8192 tokens / 1024 sequences on GPUs with >= 70 GiB,
     else 2048 / 256.
@@ -229,7 +230,7 @@ class VllmV1(_Base):
             slots = draft_slots(v)
         admit: list[int] = []
         if not victims:
-            pad_k = v.spec_pad if v.spec_method is not None and not chunks else 0
+            pad_k = 1 if v.spec_method is not None and not chunks else 0       # padding possible
             ran = bool(chunks) or decode is True or (decode is not False and len(decode) > 0)   # running ones stepped
             spec = self._admit(v, hits, cap, free, budget, slots, pad_k, ran, admit, chunks, spec)
         return Plan(admit, chunks, decode, victims, spec=spec or None)
@@ -343,15 +344,16 @@ class VllmV1(_Base):
         """Waiting requests FCFS while seats, budget and KV allow (appended to `admit` and
         `chunks`); returns Plan.spec with the padded admissions: vLLM pads a one-token admission
         to 1 + k rows (placeholder drafts, all rejected) when no running prefill chunk was
-        scheduled (`pad_k`) and running requests were or it has a prefix hit (`ran`;
-        scheduler.py `pad_spec_decode`), and rather stops than admit it unpadded."""
+        scheduled (`pad_k`), running requests were or it has a prefix hit (`ran`), and the
+        rows stay within max_model_len (`spec_pad`; scheduler.py `pad_spec_decode`), and rather
+        stops than admit it unpadded."""
         seqs = len(v.running)
         for i in v.waiting:
             if seqs >= self.max_num_seqs or budget <= slots:
                 break
             target = v.prefill_target(i)
             hit, taken = hits.lookup(i) if hits is not None else (0, 0)
-            pad = pad_k if target - hit == 1 and (ran or hit > 0) else 0
+            pad = v.spec_pad(hit) if pad_k and target - hit == 1 and (ran or hit > 0) else 0
             if pad and 1 + pad > budget - slots:
                 break
             c = min(budget - slots, target - hit)

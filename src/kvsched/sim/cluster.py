@@ -92,7 +92,8 @@ class Cluster:
                  max_model_len: int | None = None, record_timeline: bool = False,
                  record_batches: bool = False, strict: bool = False,
                  stall_batches: int = DEFAULT_STALL_BATCHES, prefix_caching: bool = False,
-                 kinds: Sequence[str] | None = None, shared_tiers: bool = False, spec_slots: int = 0) -> None:
+                 kinds: Sequence[str] | None = None, shared_tiers: bool = False,
+                 spec_slots: tuple[int, int] = (0, 0)) -> None:
         r = len(policies)
         if r < 1:
             raise KvschedError("a cluster needs at least one replica")

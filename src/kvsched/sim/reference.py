@@ -196,6 +196,6 @@ class ReferenceReplica:
             needs_block=lambda i: i in self.decoding and self.kv_tokens(i) % self.bs == 0,
             tier_priority=lambda i: 0 if self.w.tier_index[i] < 0 else self.w.tiers[self.w.tier_index[i]].priority,
             tbt_slo=self.tbt.__getitem__, last_token_time=lambda i: self.last[i] if self.gen[i] else None,
-            cached_tokens=lambda i: 0, prefix_planner=lambda: None, spec_method=None, spec_k=0, spec_pad=0,
+            cached_tokens=lambda i: 0, prefix_planner=lambda: None, spec_method=None, spec_k=0, spec_pad=lambda computed: 0,
             decode_tokens=len(self.decoding), spec_tokens=lambda i: 0, spec_acceptance=lambda i: None,
             spec_step_blocks=lambda i, s: i in self.decoding and self.kv_tokens(i) % self.bs == 0)

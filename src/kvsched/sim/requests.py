@@ -21,7 +21,8 @@ INF = float("inf")
 
 class RequestTable:
     def __init__(self, workload: Workload, block_size: int, capacity_blocks: int, *,
-                 max_model_len: int | None = None, strict: bool = False, spec_slots: int = 0) -> None:
+                 max_model_len: int | None = None, strict: bool = False,
+                 spec_slots: tuple[int, int] = (0, 0)) -> None:
         if not workload.timed:
             raise KvschedError(f"{workload.source} has no arrival times: give --rate or --arrivals")
         w = self.workload = workload
@@ -64,23 +65,29 @@ class RequestTable:
         self.rows = None        # a replica's own table: its requests' rows in the cluster's (routed_ahead.py)
 
     def _find_rejected(self, block_size: int, capacity_blocks: int, max_model_len: int | None,
-                       strict: bool, spec_slots: int = 0) -> np.ndarray:
+                       strict: bool, spec_slots: tuple[int, int] = (0, 0)) -> np.ndarray:
         """Requests no replica can serve: KV for prompt + output - 1 tokens, and with speculative
-        decoding (`spec_slots` = k + lookahead) the slots of its last verify step past them (vLLM
+        decoding (`spec_slots` = (k, lookahead)) the slots of its last verify step past them (vLLM
         allocates them whatever the output left: alone, such a request preempts itself forever);
-        or longer than the model."""
+        or longer than the model. vLLM gives no request slots past max_model_len."""
         w = self.workload
         cap = capacity_blocks * block_size
         # each length alone first, so that the sums below cannot overflow int64 unnoticed
-        too_big = (w.prompt > cap) | (w.output > cap) | (w.prompt + w.output - 1 > cap - spec_slots)
+        last = w.prompt + w.output - 1
+        k, look = spec_slots
+        if k:                               # its last verify step's slots: vLLM caps a step's tokens at
+            last = last + k + look          # max_model_len - computed - 1 and its slots at max_model_len
+            if max_model_len:
+                last = np.minimum(last, max_model_len - 1 + min(look, 1))
+        too_big = (w.prompt > cap) | (w.output > cap) | (last > cap)
         too_long = ((w.prompt > max_model_len) | (w.output > max_model_len) | (w.prompt + w.output > max_model_len)
                     if max_model_len else np.zeros(len(w), bool))
         bad = too_big | too_long
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
             s, o = int(w.prompt[k]), int(w.output[k])
-            why = (f"needs {s + o - 1} KV tokens" + (f" and {spec_slots} slots for its drafts (--spec)" if spec_slots
-                                                    else "") + f", capacity is {cap}" if too_big[k]
+            why = (f"needs {int(last[k])} KV tokens" + (" with its drafts' slots (--spec)" if spec_slots[0] else "")
+                   + f", capacity is {cap}" if too_big[k]
                    else f"is {s + o} tokens, model max is {max_model_len}")
             msg = (f"{int(bad.sum())} request(s) can never be served; first: request "
                    f"{int(w.ids[k])} (prompt {s}, output {o}) {why}")

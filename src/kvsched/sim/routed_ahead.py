@@ -85,7 +85,7 @@ def routed_ahead(cluster: Cluster, chain: bool) -> Ahead | None:
 
 
 def apart_tables(cluster: Cluster, policies, kv: PagedKV, max_model_len: int | None,
-                 strict: bool, spec_slots: int = 0) -> list[RequestTable] | None:
+                 strict: bool, spec_slots: tuple[int, int] = (0, 0)) -> list[RequestTable] | None:
     """Each replica's own request table (its requests in arrival order, `rows` their rows in
     the cluster's table), when its replicas may run one after another (`run_apart`): routes
     made `ahead_of_time` and built-in `replica_local` policies, one object per replica. Else

@@ -17,7 +17,8 @@ class Server(Cluster):
 
     def __init__(self, workload: Workload, policy, cost, kv: PagedKV, *, max_model_len: int | None = None,
                  record_timeline: bool = False, record_batches: bool = False, strict: bool = False,
-                 stall_batches: int = DEFAULT_STALL_BATCHES, prefix_caching: bool = False, spec_slots: int = 0) -> None:
+                 stall_batches: int = DEFAULT_STALL_BATCHES, prefix_caching: bool = False,
+                 spec_slots: tuple[int, int] = (0, 0)) -> None:
         super().__init__(workload, [policy], cost, kv, max_model_len=max_model_len,
                          record_timeline=record_timeline, record_batches=record_batches, strict=strict,
                          stall_batches=stall_batches, prefix_caching=prefix_caching, spec_slots=spec_slots)

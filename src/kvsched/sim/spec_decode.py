@@ -248,10 +248,15 @@ class Speculation:
     def blocks_held(self, i: int, kv: int) -> int:
         return max(self.held.get(i, 0), -(-kv // self.block_size))
 
+    def slots(self, tokens: int) -> int:
+        """KV slots vLLM's allocate_slots gives `tokens` (computed, new and lookahead): at most
+        max_model_len (kv_cache_manager.py, `num_tokens_need_slot`)."""
+        return tokens if self.max_len is None or tokens <= self.max_len else self.max_len
+
     def step_blocks(self, i: int, kv: int, drafts: int) -> int:
         """New blocks decoder i's step with `drafts` draft tokens allocates (vLLM's
         allocate_slots: slots for kv + 1 + drafts + lookahead, past the blocks it holds)."""
-        need = -(-(kv + 1 + drafts + self.cfg.lookahead) // self.block_size)
+        need = -(-self.slots(kv + 1 + drafts + self.cfg.lookahead) // self.block_size)
         return max(0, need - self.blocks_held(i, kv))
 
     def new_blocks(self, rep: Replica) -> int:
@@ -301,7 +306,7 @@ class Speculation:
         needs.clear()
         for i, kv, s, a, k in zip(ids, kvs, drafts.tolist(), accepted.tolist(), n):
             have = max(held.get(i, 0), -(-kv // bs))
-            need = -(-(kv + 1 + s + look) // bs)
+            need = -(-self.slots(kv + 1 + s + look) // bs)
             if need > have:
                 new_blocks += need - have
                 needs[i] = need - have
@@ -339,9 +344,13 @@ class Speculation:
             elif unhashed:
                 unhashed.pop(i, None)
 
-    def pad_limit(self) -> int:
-        """Placeholder drafts an admission may be padded with: k (vLLM pads only without dynamic k)."""
-        return 0 if self.cfg.schedule else self.cfg.k
+    def pad_limit(self, computed: int | None = None) -> int:
+        """Placeholder drafts an admission may be padded with: k, as vLLM pads without dynamic k
+        and when `computed` + 1 + k + 1 tokens stay within max_model_len (scheduler.py); else 0."""
+        k = 0 if self.cfg.schedule else self.cfg.k
+        if k and computed is not None and self.max_len is not None and computed + k + 2 > self.max_len:
+            return 0
+        return k
 
     def pad(self, rep: Replica, i: int, p: int, c: int, n: int) -> int:
         """Admission i's one-token last chunk (after `p` tokens) padded with n placeholder drafts, all
@@ -350,7 +359,7 @@ class Speculation:
         if c != 1 or p + c != rep._target[i]:
             raise PlanError(f"policy {rep.name} padded request {i}'s chunk of {c} tokens after {p}; only the "
                             f"last token of a prefill ({rep._target[i]} tokens) is padded")
-        have = -(-(p + c + n) // self.block_size)
+        have = -(-self.slots(p + c + n) // self.block_size)
         if have > -(-(p + c) // self.block_size):
             self.held[i] = have
         self.padded += n

@@ -315,12 +315,12 @@ class ReplicaView:
         sp = _R(self)._spec
         return 0 if sp is None else sp.k_now
 
-    @property
-    def spec_pad(self) -> int:
-        """Placeholder drafts vLLM pads a one-token admission with (its k; 0 without speculation
-        or with --spec-adaptive, where vLLM does not pad): Plan.spec names such an admission."""
+    def spec_pad(self, computed: int) -> int:
+        """Placeholder drafts vLLM pads a one-token admission after `computed` tokens (its hit)
+        with: k; 0 without speculation, with --spec-adaptive, or where 1 + k + 1 more tokens
+        would pass max_model_len (vLLM does not pad then). Plan.spec names such an admission."""
         sp = _R(self)._spec
-        return 0 if sp is None or sp.cfg.schedule else sp.cfg.k
+        return 0 if sp is None else sp.pad_limit(computed)
 
     @property
     @cython.locals(r="Replica")
