@@ -74,9 +74,9 @@ class RequestTable:
         cap = capacity_blocks * block_size
         # each length alone first, so that the sums below cannot overflow int64 unnoticed
         last = w.prompt + w.output - 1
-        k, look = spec_slots
-        if k:                               # its last verify step's slots: vLLM caps a step's tokens at
-            last = last + k + look          # max_model_len - computed - 1 and its slots at max_model_len
+        drafts, look = spec_slots
+        if drafts:                          # its last verify step's slots: vLLM caps a step's tokens at
+            last = last + drafts + look     # max_model_len - computed - 1 and its slots at max_model_len
             if max_model_len:
                 last = np.minimum(last, max_model_len - 1 + min(look, 1))
         too_big = (w.prompt > cap) | (w.output > cap) | (last > cap)
@@ -86,7 +86,12 @@ class RequestTable:
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
             s, o = int(w.prompt[k]), int(w.output[k])
-            why = (f"needs {int(last[k])} KV tokens" + (" with its drafts' slots (--spec)" if spec_slots[0] else "")
+            need = s + o - 1                # Python ints: the lengths may be near int64's limit
+            if spec_slots[0]:
+                need += spec_slots[0] + spec_slots[1]
+                if max_model_len:
+                    need = min(need, max_model_len - 1 + min(spec_slots[1], 1))
+            why = (f"needs {need} KV tokens" + (" with its drafts' slots (--spec)" if spec_slots[0] else "")
                    + f", capacity is {cap}" if too_big[k]
                    else f"is {s + o} tokens, model max is {max_model_len}")
             msg = (f"{int(bad.sum())} request(s) can never be served; first: request "
