@@ -76,22 +76,28 @@ def test_held_blocks_run_ahead_of_the_kv_and_are_freed_with_the_request():
     assert r.batches[1][5] == 32                # 28 + 1 + 3 = 32 slots: 2 blocks
 
 
+def wrapped(edit, params: dict | None = None):
+    """vllm-v1 (with `params`) whose plans pass through edit(view, plan) -> plan."""
+    class Wrapped:
+        name = "wrapped"
+
+        def __init__(self) -> None:
+            self.inner = make_policy("vllm-v1", params or {}, GPU)
+
+        def schedule(self, v):
+            return edit(v, self.inner.schedule(v))
+    return Wrapped()
+
+
 def test_plan_spec_zero_verifies_no_drafts():
     """A policy that caps every step at 0 drafts (Plan.spec = 0) decodes a token a step; an
     adaptive schedule of k = 0 at every batch size runs what plain vllm-v1 runs, bit for bit
     (n-gram: no drafter cost, no lookahead)."""
-    class NoDrafts:
-        name = "no-drafts"
-
-        def __init__(self) -> None:
-            self.inner = make_policy("vllm-v1", {"max_num_batched_tokens": 256, "max_num_seqs": 8}, GPU)
-
-        def schedule(self, v):
-            p = self.inner.schedule(v)
-            return Plan(p.admit, p.chunks, p.decode, p.preempt, None, 0)
+    no_drafts = wrapped(lambda v, p: Plan(p.admit, p.chunks, p.decode, p.preempt, None, 0),
+                        {"max_num_batched_tokens": 256, "max_num_seqs": 8})
     rng = np.random.default_rng(3)
     w = Workload.build(np.sort(rng.uniform(0, 2, 40)), rng.integers(10, 200, 40), rng.integers(1, 80, 40))
-    s = simulate(scenario(w, kv=1024, acc="0.8"), NoDrafts()).summary
+    s = simulate(scenario(w, kv=1024, acc="0.8"), no_drafts).summary
     assert s["completed"] == 40 and s["spec_draft_tokens"] == 0 and s["spec_verify_steps"] == 0
     params = {"max_num_batched_tokens": 256, "max_num_seqs": 8}
     a = simulate(scenario(w, kv=1024, acc="0.8", spec_adaptive="1-10000:0"), "vllm-v1", params).records
@@ -104,33 +110,19 @@ def test_plan_spec_zero_verifies_no_drafts():
     ({0: -2}, "whole number >= 0"), ({99: 1}, "neither decodes nor is admitted"),
 ])
 def test_bad_plan_spec_is_the_policys_error(bad, msg):
-    class Bad:
-        name = "bad"
-
-        def __init__(self) -> None:
-            self.inner = make_policy("vllm-v1", {}, GPU)
-
-        def schedule(self, v):
-            p = self.inner.schedule(v)
-            return Plan(p.admit, p.chunks, p.decode, p.preempt, None, bad if v.num_decoding else None)
+    policy = wrapped(lambda v, p: Plan(p.admit, p.chunks, p.decode, p.preempt, None, bad if v.num_decoding else None))
     with pytest.raises(PlanError, match=msg):
-        simulate(scenario(one(output=5)), Bad())
+        simulate(scenario(one(output=5)), policy)
 
 
 def watching(read):
     """vllm-v1 recording read(view, i) of every decoder i at every schedule: (policy, records)."""
     seen: list = []
 
-    class Watch:
-        name = "watch"
-
-        def __init__(self) -> None:
-            self.inner = make_policy("vllm-v1", {}, GPU)
-
-        def schedule(self, v):
-            seen.extend(read(v, i) for i in v.decoding)
-            return self.inner.schedule(v)
-    return Watch(), seen
+    def edit(v, plan):
+        seen.extend(read(v, i) for i in v.decoding)
+        return plan
+    return wrapped(edit), seen
 
 
 def test_view_shows_method_k_drafts_and_acceptance():
@@ -202,19 +194,12 @@ def test_drafts_count_in_the_token_budget():
     the 2 left (1 token and 1 draft), the fourth none: vLLM's running loop (scheduler.py)."""
     seen = []
 
-    class Rec:
-        name = "rec"
-
-        def __init__(self) -> None:
-            self.inner = make_policy("vllm-v1", {"max_num_batched_tokens": 10, "max_num_seqs": 8}, GPU)
-
-        def schedule(self, v):
-            p = self.inner.schedule(v)
-            if v.num_decoding == 4 and not seen:
-                seen.append((sorted(p.decode) if p.decode is not True else True, p.spec))
-            return p
+    def record(v, p):
+        if v.num_decoding == 4 and not seen:
+            seen.append((sorted(p.decode) if p.decode is not True else True, p.spec))
+        return p
     w = Workload.build(np.zeros(4), [2] * 4, [30] * 4)
-    simulate(scenario(w, acc="0.5"), Rec())
+    simulate(scenario(w, acc="0.5"), wrapped(record, {"max_num_batched_tokens": 10, "max_num_seqs": 8}))
     assert seen == [([0, 1, 2], {2: 1})]
 
 

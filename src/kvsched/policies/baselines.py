@@ -55,30 +55,30 @@ def draft_slots(v: ServerView) -> int:
     return 1 if v.spec_method == "draft" else 0
 
 
-def spec_decodes(v: ServerView, budget: int, slots: int, gone: set) -> tuple[int, dict, dict, object]:
-    """The decoders' share of a token budget under speculative decoding, as vLLM 0.32 schedules
-    its running requests (scheduler.py `schedule`): each takes 1 + its drafts, cut to the budget
-    left (less `slots`, `draft_slots`), the budget less the tokens and slots; once it is spent the
-    rest get no step. Returns (budget left, {decoder: drafts} for the ones cut, {decoder: budget
-    it took}, True or the decoders that step)."""
+def verify_tokens(v: ServerView, i: int, room: int, cut: dict[int, int]) -> int:
+    """Tokens decoder i's step takes from a budget with `room` left (>= 1): 1 and its drafts,
+    those that do not fit cut (recorded in `cut`, for Plan.spec), as vLLM cuts them."""
+    s = v.spec_tokens(i)
+    if s >= room:
+        s = room - 1
+        cut[i] = s
+    return 1 + s
+
+
+def spec_decodes(v: ServerView, budget: int, gone: set) -> tuple[int, dict, object]:
+    """The decoders' share of a token budget under speculative decoding, in running order: each
+    takes 1 + its drafts (`verify_tokens`); once the budget is spent the rest get no step.
+    Returns (budget left, {decoder: drafts} for the ones cut, True or the decoders that step)."""
     cut: dict[int, int] = {}
-    taken: dict[int, int] = {}
     chosen = []
-    everyone = True
     for i in v.running:
         if i in gone or not v.is_decoding(i):
             continue
-        if budget <= slots:
-            everyone = False
-            break
-        want = 1 + v.spec_tokens(i)
-        n = want if want <= budget - slots else budget - slots
-        if n < want:
-            cut[i] = n - 1
+        if budget <= 0:
+            return budget, cut, chosen
         chosen.append(i)
-        taken[i] = n + slots
-        budget -= n + slots
-    return budget, cut, taken, True if everyone else chosen
+        budget -= verify_tokens(v, i, budget, cut)
+    return budget, cut, True
 
 
 def reserved_blocks(v: ServerView, prefilling: Iterable[int]) -> int:
@@ -422,7 +422,7 @@ class Sarathi(_Base):
         if v.spec_method is None:
             budget = self.chunk_size - nd
         else:                               # a decode takes 1 + its drafts of the chunk (sim/spec_decode.py)
-            budget, cut, _, decode = spec_decodes(v, self.chunk_size, 0, gone)
+            budget, cut, decode = spec_decodes(v, self.chunk_size, gone)
             if decode is True:
                 decode = nd > 0
         chunks: list[tuple[int, int]] = []

@@ -49,7 +49,7 @@ except ModuleNotFoundError:                 # run as Python without Cython insta
 
 from kvsched.policies.base import Plan, ServerView
 from kvsched.policies.baselines import (_Base, _check_limits, admit_reserving, prefill_order, reserved_blocks,
-                                        whole_count)
+                                        verify_tokens, whole_count)
 
 
 @dataclass
@@ -169,7 +169,7 @@ class Slai(_Base):
                 continue
             free -= need
             decode.append(i)
-            budget -= self._verify(v, i, budget, cut) if spec else 1
+            budget -= verify_tokens(v, i, budget, cut) if spec else 1
         else:
             k = len(by_deadline)
         chunks: list[tuple[int, int]] = []
@@ -195,20 +195,9 @@ class Slai(_Base):
                 break
             free -= need
             decode.append(i)
-            budget -= self._verify(v, i, budget, cut) if spec else 1
+            budget -= verify_tokens(v, i, budget, cut) if spec else 1
         which = True if len(decode) == v.num_decoding and decode else (decode or False)
         return Plan(admit, chunks, which, victims, spec=cut or None)
-
-    @staticmethod
-    def _verify(v: ServerView, i: int, budget: int, cut: dict[int, int]) -> int:
-        """Tokens decoder i's step takes from the token budget: 1, and its speculative drafts
-        (--spec: a verify step is 1 + s tokens, and the budget bounds the batch's time), cut to
-        the budget left (Plan.spec)."""
-        s = v.spec_tokens(i)
-        if s >= budget:
-            s = budget - 1
-            cut[i] = s
-        return 1 + s
 
     def on_finish(self, i: int, view: ServerView) -> None:
         self._lst.pop(i, None)

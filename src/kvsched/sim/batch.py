@@ -88,7 +88,7 @@ def execute(rep: Replica, plan: Plan) -> bool:
     if nd and sp is not None:
         for co in cohorts:
             dctx += co.ctx
-        dnew, verify, _ = sp.plan(cohorts, cap)
+        dnew, verify = sp.plan(cohorts, cap)
         if defer:
             order = rep._spec.needs
     elif nd:

@@ -259,13 +259,16 @@ class Speculation:
         need = -(-self.slots(kv + 1 + drafts + self.cfg.lookahead) // self.block_size)
         return max(0, need - self.blocks_held(i, kv))
 
+    def next_blocks(self, i: int, kv: int) -> int:
+        """New blocks decoder i (`kv` KV tokens) allocates at its next step, with its drafts."""
+        return self.step_blocks(i, kv, self.proposal(i, kv))
+
     def new_blocks(self, rep: Replica) -> int:
         """Blocks one decode step of every decoder needs, each with its drafts."""
         total = 0
         for c in rep._decoders.cohorts:
             for i in c.members:
-                kv = c.kv_tokens(i)
-                total += self.step_blocks(i, kv, self.proposal(i, kv))
+                total += self.next_blocks(i, c.kv_tokens(i))
         return total
 
     def decode_tokens(self, rep: Replica) -> int:
@@ -277,11 +280,11 @@ class Speculation:
         return total
 
     # the step (sim/batch.py)
-    def plan(self, cohorts, cap) -> tuple[int, list[tuple[int, int]], int]:
+    def plan(self, cohorts, cap) -> tuple[int, list[tuple[int, int]]]:
         """The decode step of `cohorts` (the selected decoders), with `cap` (Plan.spec: None, a
         limit for all, or a mapping request -> limit): (new blocks, verify chunks as (KV tokens
-        before, 1 + drafts), decoders without drafts). Draws the step's acceptances, takes the
-        blocks' room as held (the batch then runs or the run fails) and keys the next draws."""
+        before, 1 + drafts)). Draws the step's acceptances, takes the blocks' room as held (the
+        batch then runs or the run fails) and keys the next draws."""
         ids, kvs = [], []
         for c in cohorts:
             for i in c.members:
@@ -299,13 +302,13 @@ class Speculation:
         ok = np.cumprod(u[:, 1:] < self._rates[tiers], axis=1)
         accepted = (ok * (np.arange(cfg.k)[None, :] < drafts[:, None])).sum(axis=1)
         bs, look, held = self.block_size, cfg.lookahead, self.held
-        new_blocks, plain = 0, 0
+        new_blocks = 0
         chunks = []
         step, needs = self._step, self.needs
         step.clear()
         needs.clear()
         for i, kv, s, a, k in zip(ids, kvs, drafts.tolist(), accepted.tolist(), n):
-            have = max(held.get(i, 0), -(-kv // bs))
+            have = self.blocks_held(i, kv)
             need = -(-self.slots(kv + 1 + s + look) // bs)
             if need > have:
                 new_blocks += need - have
@@ -317,9 +320,7 @@ class Speculation:
             if s:
                 chunks.append((kv, 1 + s))
                 step[i] = (s, a)
-            else:
-                plain += 1
-        return new_blocks, chunks, plain
+        return new_blocks, chunks
 
     def verified(self, rep: Replica, ch) -> None:
         """After cohort `ch` stepped (one token each): each verifying member emits its accepted

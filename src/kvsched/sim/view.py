@@ -39,6 +39,7 @@ except ModuleNotFoundError:                 # run as Python without Cython insta
     from kvsched import cython_shim as cython
 
 from kvsched.errors import KvschedError, PlanError
+from kvsched.sim.kv_blocks import decode_blocks
 from kvsched.sim.requests import DECODE, DONE
 
 _FIXED = ("index", "role", "block_size", "kv_capacity_blocks", "waiting", "running",
@@ -275,8 +276,7 @@ class ReplicaView:
     def decode_new_blocks(self) -> int:
         """Blocks one decode step of every decoder needs (with speculation, its drafts' and
         lookahead slots too)."""
-        r = _R(self)
-        return r._decoders.new_blocks if r._spec is None else r._spec.new_blocks(r)
+        return decode_blocks(_R(self))
 
     @property
     def num_waiting(self) -> int:
@@ -442,7 +442,7 @@ class ReplicaView:
         r = _R(self)
         c = r._where.get(i)
         if c is not None and r._spec is not None:
-            return r._spec.step_blocks(i, c.kv_tokens(i), r._spec.proposal(i, c.kv_tokens(i)))
+            return r._spec.next_blocks(i, c.kv_tokens(i))
         return c is not None and c.kv_tokens(i) % r.block_size == 0
 
     def tier_priority(self, i: int) -> int:
