@@ -134,7 +134,7 @@ def test_the_scenarios_exercise_what_they_name(here):
     for name in ("reading/one-replica", "reading/caching-kv=8000", "reading/least-outstanding"):
         assert int(here[name].split()[0].split("=")[1]) > 100, here[name]
     # numpy numbers from a policy leave no numpy state: rows of Python floats and ints
-    assert here["numpy-chunks"].startswith("row_types=float,int summary_types=NoneType,float,int,str ")
+    assert here["numpy-chunks"].startswith("row_types=float,int summary_types=NoneType,dict,float,int,str ")
     assert here["numpy-ints/block"] == here["numpy-ints/none"]
     assert here["numpy-ints/block-and-kv"] != here["numpy-ints/block"]
     assert here["fractional-kv-bytes"].startswith("kv_bytes=float:")

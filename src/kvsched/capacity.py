@@ -19,6 +19,7 @@ Method (docs/capacity.md):
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -334,3 +335,45 @@ def process_pool(jobs: int):
             raise KvschedError("a worker process died (killed, or out of memory?); run the command again, "
                                "or with --jobs 1") from None
     return run, ex
+
+
+SLO_SAMPLE = 2000           # requests of the run's workload a per-replica capacity is measured on
+
+
+@dataclass
+class SampledPoint:
+    """A point over a built workload's requests (lengths, tiers, adapters), re-timed as a Poisson
+    process at `rate` seeded by `seed`: what `Search` bisects when there are no workload
+    options to rebuild from (the SLO scaler inside a run, `rate_at_ttft_slo`)."""
+    template: Any               # run.Scenario, its workload the sample
+    policy: Any
+    params: dict[str, Any]
+    rate: float = 1.0
+    seed: int = 0
+
+    def run(self, timeline: bool = True):
+        from kvsched.run import simulate
+        from kvsched.workload.arrivals import Poisson
+        w = self.template.workload
+        times = Poisson(self.rate).times(np.random.default_rng(self.seed), len(w))
+        sc = dataclasses.replace(self.template, workload=dataclasses.replace(w, arrival=times))
+        policy = self.policy if isinstance(self.policy, str) else copy.deepcopy(self.policy)   # fresh state each run
+        return simulate(sc, policy, self.params, record_timeline=timeline)
+
+
+def rate_at_ttft_slo(template, policy, params: dict[str, Any] | None, ttft_slo_s: float, seed: int = 0) -> float:
+    """The largest Poisson rate at which one replica of `template` (its workload's first
+    `SLO_SAMPLE` requests, re-timed) keeps p99 TTFT within `ttft_slo_s` and stays stable: the
+    capacity search of `kvsched capacity` (`Search`, one seed, 5% tolerance), which the SLO
+    scaler divides the forecast rate by (sim/autoscale.py)."""
+    from kvsched.theory.plan import PlanInputs, service_rate
+    w = template.workload
+    sample = w.take(np.arange(min(len(w), SLO_SAMPLE)))
+    one = dataclasses.replace(template, workload=sample)
+    mu = service_rate(PlanInputs(one, seed=seed))[0].mu
+    criteria = Criteria([Slo("ttft", "p99", ttft_slo_s * 1000)])
+    point = SampledPoint(one, policy, dict(params or {}), seed=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")         # the search's doubts are about its own short runs
+        res = Search(point, criteria, mu, [seed], tolerance=0.05).run(lambda js: [evaluate(j) for j in js])
+    return float(res["max_rate"])

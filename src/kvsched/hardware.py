@@ -23,7 +23,7 @@ GiB = 1024**3
 DATA = Path(__file__).parent / "data"
 FORMATS = ("bf16", "fp8", "fp4")        # number formats a GPU file may give FLOP/s for
 LINKS = ("nvlink", "xgmi", "pcie")
-LARGEST = {"memory_gib": 1e7, "link_latency": 1.0}      # a GPU file's bounds (others: 1e20 per second)
+LARGEST = {"memory_gib": 1e7, "link_latency": 1.0, "power": 1e5, "idle_power": 1e5}      # a GPU file's bounds (others: 1e20 per second)
 ROOFLINE_KEYS = ("compute_efficiency", "memory_efficiency", "overhead", "cpu_per_request", "cpu_per_token")
 EFFICIENCIES = ("compute_efficiency", "memory_efficiency")     # in (0, 1]; the others seconds >= 0
 
@@ -40,6 +40,8 @@ class GPU:
     link_latency: float = 1e-5      # seconds per collective call
     network_bandwidth: float = 25e9     # bytes/s per GPU between replicas (KV transfer)
     roofline: Mapping[str, float] = field(default_factory=dict)   # the roofline's defaults measured on this GPU
+    power: float = 0.0         # W at full load (board power); 0: unknown (fleet.py reports no energy)
+    idle_power: float = 0.0    # W with nothing running (fleet.py, `Power`)
 
     @property
     def memory_bytes(self) -> float:
@@ -142,7 +144,7 @@ def read_gpu(path: str | Path) -> GPU:
     except tomllib.TOMLDecodeError as exc:
         raise KvschedError(f"{p}: not TOML: {exc}") from None
     known = {"name", "memory_gib", "bandwidth", "link", "link_bandwidth", "link_latency", "network_bandwidth",
-             "flops", "roofline"}
+             "flops", "roofline", "power", "idle_power"}
     for key in data:
         if key not in known:
             raise KvschedError(f"{p}: unknown key {key!r}; keys: {', '.join(sorted(known))}")
@@ -171,8 +173,10 @@ def read_gpu(path: str | Path) -> GPU:
         raise KvschedError(f"{p}: name must be text, got {name!r}")
     if link not in LINKS:
         raise KvschedError(f"{p}: link must be one of {', '.join(LINKS)}, got {link!r}")
-    extra = {k: number(k, data[k], positive=k != "link_latency")
-             for k in ("link_bandwidth", "link_latency", "network_bandwidth") if k in data}
+    extra = {k: number(k, data[k], positive=k not in ("link_latency", "idle_power"))
+             for k in ("link_bandwidth", "link_latency", "network_bandwidth", "power", "idle_power") if k in data}
+    if extra.get("idle_power", 0.0) > extra.get("power", 0.0) or ("idle_power" in data) != ("power" in data):
+        raise KvschedError(f"{p}: give power and idle_power together, idle_power <= power (W per GPU)")
     roof = data.get("roofline", {})
     if not isinstance(roof, dict) or set(roof) - set(ROOFLINE_KEYS):
         raise KvschedError(f"{p}: [roofline] takes {', '.join(ROOFLINE_KEYS)} (the roofline's defaults on this GPU)")

@@ -199,6 +199,7 @@ class RunRecords:
     tiers: tuple = ()
     tier_itl: list[GapHistogram] | None = None
     client: Any = None          # kvsched.client.ClientPath: the summary's TTFT and E2E as a client sees them
+    dropped: np.ndarray | None = None   # the control plane's: 1 shed, 2 abandoned, 0 neither (sim/admission.py)
 
 
 def percentiles(values: np.ndarray, qs: tuple[float, ...]) -> list[float]:

@@ -84,6 +84,15 @@ class Scenario:
     spec_adaptive: str = ""                 # --spec-adaptive FIRST-LAST:K,... (vLLM's dynamic k per batch size)
     spec_draft_model: str | None = None     # --spec-draft-model: the catalogue model of --spec draft:k
     spec_seed: int = 0                      # --spec-seed: the key of the draws of drafts and acceptances
+    autoscale: str = ""                     # --autoscale hpa|slo (sim/autoscale.py); "": a fixed fleet
+    autoscale_params: dict[str, Any] = field(default_factory=dict)     # --autoscale-set key=value
+    admit: tuple[str, ...] = ()             # --admit TIER:rate=R[:burst=B] | TIER:concurrency=N (sim/admission.py)
+    shed: tuple[str, ...] = ()              # --shed TIER[:ttft=S]
+    abandon_after: tuple[str, ...] = ()     # --abandon-after [TIER=]S
+    lora_params: dict[str, Any] = field(default_factory=dict)          # --lora-set key=value (sim/lora.py)
+    prices: str | None = None               # --prices FILE: price per GPU-hour (prices.py); None: the bundled table
+    report_bucket_s: float | None = None    # --report-bucket: seconds per window of `over_time` (an autoscaled
+                                            # run's default: 3600)
 
     def pools(self) -> tuple[int, int]:
         """(replicas, prefill replicas), checked: whole numbers, within `limits.MAX_REPLICAS`
@@ -158,6 +167,54 @@ class Scenario:
         if self.pool:
             self.kinds_of_pools()
         self.spec_config()
+        self.control_config()
+
+    def control_config(self) -> dict[str, Any]:
+        """The control plane's settings, checked (sim/control.py): autoscale (an AutoscaleConfig
+        or None), admission (an Admission or None), lora (a LoraConfig or None); {} when none
+        is used (the cluster then runs without a control plane)."""
+        from kvsched.sim.admission import Admission, parse_abandon, parse_admit, parse_shed
+        from kvsched.sim.autoscale import parse_autoscale
+        from kvsched.sim.lora import parse_lora
+        w = self.workload
+        for name in ("admit", "shed", "abandon_after"):
+            v = getattr(self, name)
+            if not isinstance(v, (tuple, list)) or not all(isinstance(x, str) for x in v):
+                raise KvschedError(f"Scenario.{name} must be a tuple of texts, got {v!r}")
+        for name in ("autoscale_params", "lora_params"):
+            if not isinstance(getattr(self, name), dict):
+                raise KvschedError(f"Scenario.{name} must be a dict of key=value settings")
+        b = self.report_bucket_s
+        if b is not None and (isinstance(b, bool) or not isinstance(b, Real) or not 0 < b < math.inf):
+            raise KvschedError(f"--report-bucket must be a positive number of seconds, got {self.report_bucket_s!r}")
+        if self.autoscale_params and not self.autoscale:
+            raise KvschedError("--autoscale-set sets the scaler's parameters: it needs --autoscale hpa|slo")
+        auto = parse_autoscale(self.autoscale, self.autoscale_params) if self.autoscale else None
+        if w is None:                       # a template (a sweep's): the rest is checked with its workload
+            parse_lora(self.lora_params)
+            return {}
+        names = [t.name for t in w.tiers]
+        adm = Admission(w.tiers, [parse_admit(x, names) for x in self.admit],
+                        [parse_shed(x, names, {t.name: t.ttft_slo for t in w.tiers}) for x in self.shed],
+                        [parse_abandon(x, names) for x in self.abandon_after])
+        adapters = bool(len(w) and (w.adapter >= 0).any())
+        if self.lora_params and not adapters:
+            raise KvschedError("--lora-set sets how replicas hold LoRA adapters: the workload names none "
+                               "(--adapters N)")
+        lora = parse_lora(self.lora_params) if adapters else None
+        out = {"autoscale": auto, "admission": adm if adm.active else None, "lora": lora}
+        if not any(out.values()) and not w.models:
+            return {}
+        if self.prefill_replicas or self.decode_replicas or any(t.split("=")[0].strip() in ("prefill", "decode")
+                                                                for t in self.pool):
+            raise KvschedError("the control plane (--autoscale, --admit, --shed, --abandon-after, adapters, "
+                               "--model-mix) is modelled on replicas behind one router, not on prefill/decode pools")
+        if (adm.active and (w.closed_loop or w.has_sessions)):
+            raise KvschedError("--admit, --shed and --abandon-after drop requests: a closed loop or sessions would "
+                               "wait for them forever; use open-loop arrivals")
+        if self.spec or self.kv_tiers or self.preemption != "recompute":
+            raise KvschedError("the control plane is not modelled with --spec, --kv-tier or --preemption swap")
+        return out
 
     def spec_config(self):
         """--spec and its options, checked (sim/spec_decode.py): a SpecConfig, or None without --spec."""
@@ -312,6 +369,8 @@ def _request_columns(records: RunRecords, rows: slice) -> list[Column]:
     with np.errstate(invalid="ignore"):
         ttft, e2el, itl_sum = r.first_token - r.arrival, r.finished - r.arrival, r.finished - r.first_token
     status = np.where(r.rejected, "rejected", np.where(done, "finished", "unfinished"))
+    if r.dropped is not None:
+        status = np.where(r.dropped == 1, "shed", np.where(r.dropped == 2, "abandoned", status))
     replica = r.replica if r.replica is not None else np.where(r.rejected, -1, 0)
     cols = [(r.ids.astype(np.int64), None), (r.arrival, None), (r.prompt.astype(np.int64), None),
             (r.output.astype(np.int64), None), (status, None), (r.admitted, np.isfinite(r.admitted)),
@@ -547,6 +606,7 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     offload = scenario.offload_tiers()
     per_node = node_groups(scenario.gpus_per_node, scenario.layout.gpus) if offload else 1
     spec = scenario.spec_config()
+    ctl = scenario.control_config()
     cluster = Cluster(scenario.workload, pols, cost, kv, router=scenario.router, router_seed=scenario.router_seed,
                       router_params=scenario.router_params, kinds=[k.describe() for k in each] if kinds else None,
                       prefill_replicas=prefill, kv_bytes_per_token=pools.transfer_bytes(kinds) if kinds else
@@ -556,7 +616,7 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
                       strict=scenario.strict, stall_batches=scenario.stall_batches,
                       prefix_caching=prefix_caching_for(scenario, pols[0]),
                       shared_tiers=shares_tiers(offload, per_node, (prefill or len(pols)) > 1),
-                      spec_slots=(spec.k, spec.lookahead) if spec is not None else (0, 0))
+                      spec_slots=(spec.k, spec.lookahead) if spec is not None else (0, 0), controlled=bool(ctl))
     tier = scenario.host_tier()
     if tier is not None:                    # each replica its own host tier and links
         for rep in cluster.replicas:
@@ -567,7 +627,10 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     if offload:                             # disaggregated: the prefill replicas, the ones that look prefixes up
         attach_offload(cluster.replicas[:prefill] if prefill else cluster.replicas, offload, scenario.kv_write,
                        kv_bytes_per_token(model, scenario.layout), cluster.links, per_node)
+    layouts = [k.pool.layout for k in each] if kinds else [scenario.layout] * replicas
+    control = attach_control(cluster, scenario, ctl, kinds, model, gpus, layouts, policy, policy_params) if ctl else None
     records = cluster.run(progress)
+    records.dropped = control.dropped if control is not None else None
     name = pols[0].name if hasattr(pols[0], "name") else type(pols[0]).__name__
     records.extra = {"policy": name, "cost_model": scenario.cost,
                      "model": "+".join(dict.fromkeys(k.model.name for k in kinds)) if kinds else model.name,
@@ -597,10 +660,100 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
     if spec is not None:
         from kvsched.sim.spec_decode import spec_summary
         summary.update(spec_summary([r._spec for r in cluster.replicas]))
+    summary.update(run_cost(scenario, records, cluster, control, gpus, layouts))
     reports = [p.report() for p in pols if callable(getattr(p, "report", None))]
     if reports:                 # what the policy decided (e.g. WAIT's thresholds), per replica
         summary["policy_report"] = reports[0] if len(pols) == 1 else reports
     return Result(name, summary, records, cluster.timeline, cluster.batches, pols[0], pols)
+
+
+def attach_control(cluster: Cluster, scenario: Scenario, ctl: dict[str, Any], kinds: list, model, gpus: list,
+                   layouts: list, policy, params):
+    """The control plane of `ctl` (Scenario.control_config) on the cluster (sim/control.py):
+    its pools (--pool's, or one of every replica), each pool's cold start from its weights,
+    the SLO scaler's capacity per replica (measured when not given: `rate_at_ttft_slo`), and
+    the adapters' size per replica."""
+    from kvsched.layout import weight_bytes_per_gpu
+    from kvsched.sim.autoscale import SloScaler
+    from kvsched.sim.control import ControlPlane
+    from kvsched.sim.lora import BYTES, adapter_params
+    if kinds:
+        pools, start = [], 0
+        for k in kinds:
+            pools.append((k.pool.name, k.model.name, list(range(start, start + k.pool.count))))
+            start += k.pool.count
+        models = [k.model for k in kinds for _ in range(k.pool.count)]
+    else:
+        pools, models = [("replicas", model.name, list(range(len(cluster.replicas))))], [model] * len(cluster.replicas)
+    auto, lora = ctl["autoscale"], ctl["lora"]
+    scaler = cold = None
+    if auto is not None:
+        slo = auto_ttft_slo(scenario)
+        scaler = auto.build(slo)
+        cold = [auto.cold_start(weight_bytes_per_gpu(models[m[0]], layouts[m[0]])) for _, _, m in pools]
+        if isinstance(scaler, SloScaler):
+            if scaler.ttft_slo_s is None:
+                raise KvschedError("--autoscale slo scales to a TTFT SLO: give --autoscale-set ttft_slo_s=S (or "
+                                   "--goodput ttft:MS)")
+            if not scaler.rate_per_replica:
+                from kvsched.capacity import rate_at_ttft_slo
+                scaler.rates = [rate_at_ttft_slo(pool_template(scenario, kinds[k] if kinds else None), policy, params,
+                                                 scaler.ttft_slo_s) for k in range(len(pools))]
+    sizes = [adapter_params(m, lora.rank) * BYTES for m in models] if lora else None
+    cluster.control = ControlPlane(cluster, pools, autoscale=auto, scaler=scaler, cold_s=cold,
+                                   admission=ctl["admission"], lora=lora, adapter_bytes=sizes, gpus=gpus,
+                                   layouts=layouts)
+    return cluster.control
+
+
+def auto_ttft_slo(scenario: Scenario) -> float | None:
+    """The TTFT bound (s) of an autoscaled run: --autoscale-set ttft_slo_s, else --goodput ttft."""
+    v = scenario.autoscale_params.get("ttft_slo_s")
+    if v is not None:
+        return float(v)
+    g = scenario.goodput
+    return g.ttft / 1000 if g is not None and g.ttft is not None else None
+
+
+def pool_template(scenario: Scenario, kind) -> Scenario:
+    """One replica of the scenario's kind (or of `kind`, a --pool's), without the control plane:
+    what the SLO scaler's capacity per replica is measured on."""
+    import dataclasses
+    one = dataclasses.replace(scenario, replicas=1, pool=(), autoscale="", autoscale_params={}, admit=(), shed=(),
+                              abandon_after=(), lora_params={}, report_bucket_s=None)
+    if kind is not None:
+        one = dataclasses.replace(one, gpu=kind.pool.gpu, model=kind.pool.model, layout=kind.pool.layout)
+    w = one.workload
+    if w.models:                            # the requests of this model only
+        mine = np.flatnonzero(np.array(w.models)[np.maximum(w.model_index, 0)] == (kind.model.name if kind else one.model)
+                              if len(w) else np.zeros(0, bool))
+        w = w.take(mine)
+        one = dataclasses.replace(one, workload=dataclasses.replace(w, model_index=np.full(len(w), -1, np.int16),
+                                                                    models=()))
+    return one
+
+
+def run_cost(scenario: Scenario, records, cluster: Cluster, control, gpus: list, layouts: list) -> dict[str, Any]:
+    """The run's GPU-hours, dollars and joules (fleet.py), and with a control plane or
+    --report-bucket its figures per window (`over_time`)."""
+    from kvsched import fleet
+    from kvsched.prices import read_prices
+    end = fleet.run_end(records)
+    scaled = control is not None and control.scaler is not None
+    holds = control.holds(end) if scaled else [end] * len(cluster.replicas)
+    out_tokens = int(records.output[np.isfinite(records.finished)].sum())
+    out = fleet.fleet_summary(holds, [r.busy for r in cluster.replicas], gpus, [lay.gpus for lay in layouts],
+                              out_tokens, read_prices(scenario.prices))
+    if control is not None:
+        out.update(control.summary(end))
+    bucket = scenario.report_bucket_s
+    if bucket is None and scaled:
+        bucket = 3600.0
+    if bucket is not None:
+        counts = control.fleet.counts if scaled else [(0.0, [len(cluster.replicas)])]
+        out["over_time"] = fleet.over_time(records, counts, bucket, end, auto_ttft_slo(scenario),
+                                           control.dropped if control is not None else None)
+    return out
 
 
 def attach_host_swap(rep, tier, kv_bytes_per_token: int) -> None:

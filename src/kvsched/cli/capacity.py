@@ -38,7 +38,7 @@ def capacity_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOpti
                  utilization: Optional[float] = typer.Option(None, "--utilization", show_default="0.9", help="with --rate: rho of the closed form ceil(rate / (mu rho))"),
                  out: Optional[Path] = typer.Option(None, "--out", help="write capacity.json (every evaluation, the runs at max_rate) here"),
                  candidate: list[str] = typer.Option([], "--candidate", help="with --rate: a replica kind to price, NAME=GPU[:tp=N][:pp=N][:ep=N][:dp-attention][:model=M][:weight-dtype=D][:kv-dtype=D] (repeatable); names the cheapest pool meeting the SLOs"),
-                 prices: Optional[Path] = typer.Option(None, "--prices", help="with --candidate: a TOML price table ([per_gpu_hour] GPU = USD) replacing the bundled one's entries"),
+                 minimise: Optional[str] = typer.Option(None, "--minimise", help="with --candidate: cost (USD per hour, the default) or gpus; the candidate meeting the SLOs at --rate with the least"),
                  json_: bool = JsonOpt) -> None:
     """Largest arrival rate meeting the SLOs, by bisection in simulation below the stability
     service rate mu (the upper bracket); with --rate, the replicas that rate needs, closed form
@@ -54,8 +54,8 @@ def capacity_cmd(wopts: WorkloadOptions, hw: HardwareOptions, copts: ClusterOpti
         from kvsched.run import check_out, jsonable, write_atomically
         if out is not None:
             check_out(out)
-        if candidate or prices is not None:
-            payload = _cheapest(candidate, prices, wopts, hw, copts, policies, set_, slo, goodput, attainment, seeds,
+        if candidate or copts.prices is not None or minimise is not None:
+            payload = _cheapest(candidate, copts.prices, minimise, wopts, hw, copts, policies, set_, slo, goodput, attainment, seeds,
                                 tolerance, jobs, batch_time, chunk_size, utilization, json_)
             if out is not None:
                 text = json.dumps(jsonable(payload), indent=2, allow_nan=False, default=str) + "\n"
@@ -155,7 +155,11 @@ def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], 
     return payload
 
 
-def _cheapest(candidates: list[str], prices: Path | None, wopts, hw, copts, policies: str, *search) -> dict[str, Any]:
+MINIMISE = {"cost": "usd_per_hour", "gpus": "gpus"}     # --minimise: the candidates' figure it takes the least of
+
+
+def _cheapest(candidates: list[str], prices: Path | None, minimise: str | None, wopts, hw, copts, policies: str,
+              *search) -> dict[str, Any]:
     """Each --candidate's replicas for --rate at the SLOs (a capacity search of one replica,
     then the fewest replicas meeting them in simulation), priced per GPU-hour; the cheapest."""
     from kvsched.capacity import Infeasible
@@ -163,8 +167,10 @@ def _cheapest(candidates: list[str], prices: Path | None, wopts, hw, copts, poli
     from kvsched.layout import layout_summary
     from kvsched.pools import parse_candidate
     from kvsched.prices import price_of, read_prices
+    if minimise not in (None, *MINIMISE):
+        raise KvschedError(f"--minimise must be one of {', '.join(MINIMISE)}, got {minimise!r}")
     if not candidates:
-        raise KvschedError("--prices prices the --candidate pools: give --candidate too")
+        raise KvschedError("--prices and --minimise choose among the --candidate pools: give --candidate too")
     if wopts.rate is None:
         raise KvschedError("--candidate needs --rate: the arrival rate each candidate pool must serve")
     if "," in policies:
@@ -205,8 +211,10 @@ def _cheapest(candidates: list[str], prices: Path | None, wopts, hw, copts, poli
     if not feasible:
         raise KvschedError(f"no --candidate meets the SLOs at {wopts.rate:g} req/s: " + "; ".join(
             f"{r['name']}: {r['infeasible']}" for r in rows))
-    best = min(feasible, key=lambda r: (r["usd_per_hour"], names.index(r["name"])))
-    return {"kind": "cheapest", "rate": wopts.rate, "policy": policies.strip(), "cheapest": best["name"],
+    key = MINIMISE[minimise or "cost"]
+    best = min(feasible, key=lambda r: (r[key], r["usd_per_hour"], names.index(r["name"])))
+    return {"kind": "cheapest", "rate": wopts.rate, "policy": policies.strip(), "minimise": minimise or "cost",
+            "cheapest": best["name"],
             "candidates": rows, "prices": {"source": table["source"], "date": table["date"]}}
 
 

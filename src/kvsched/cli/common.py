@@ -128,6 +128,8 @@ WORKLOAD_FLAGS = {
     "window": (Optional[str], typer.Option(None, "--window", help="trace time window START:END, seconds from its first request")),
     "spread": (Optional[float], typer.Option(None, "--spread", help="spread replayed times uniformly over [t, t + S) seconds (Mooncake's 3 s grid)")),
     "shared_prefix": (Optional[str], typer.Option(None, "--shared-prefix", help="system prompts of synthetic phases: TOKENS:SHARE[,TOKENS:SHARE...]; a request (a session) begins with prompt k with probability SHARE_k")),
+    "adapters": (Optional[str], typer.Option(None, "--adapters", help="a LoRA adapter per request: N[:zipf=S][:none=F], Zipf(S) over N adapters (S 1), a share F with none (docs/control-plane.md)")),
+    "model_mix": (Optional[str], typer.Option(None, "--model-mix", help="a base model per request: NAME:SHARE,...; each model is served by the --pool pools of that model")),
     "sessions": (Optional[str], typer.Option(None, "--sessions", help="multi-turn sessions in synthetic open-loop phases: turns=T[,think=S] (T an integer or a length distribution; S seconds, fixed:S, exponential:MEAN or uniform:LOW:HIGH); --num-requests counts every turn")),
 }
 
@@ -293,6 +295,14 @@ CLUSTER_FLAGS = {
     "spec_adaptive": (str, typer.Option("", "--spec-adaptive", help="with --spec: k by batch size, FIRST-LAST:K,... (vLLM's num_speculative_tokens_per_batch_size)")),
     "spec_draft_model": (Optional[str], typer.Option(None, "--spec-draft-model", help="with --spec draft:k: the draft model (a catalogue name)")),
     "spec_seed": (int, typer.Option(0, "--spec-seed", help="with --spec: the seed of the drafts and acceptances drawn")),
+    "autoscale": (str, typer.Option("", "--autoscale", help="a scaler in the loop: hpa (Kubernetes HPA on KV use or queue) or slo (replicas for the forecast rate at one replica's capacity at the TTFT SLO); --replicas or a pool's COUNT is the most it runs (docs/control-plane.md)")),
+    "autoscale_set": (list[str], typer.Option([], "--autoscale-set", help="scaler parameter key=value (repeatable): interval_s, window_s, min, initial, start_s, storage_gbps, cold_start_s; hpa: metric (kv|queue|outstanding), target, tolerance, down_stabilization_s; slo: ttft_slo_s, rate_per_replica, headroom, down_stabilization_s")),
+    "admit": (list[str], typer.Option([], "--admit", help="admission limit per tier: TIER:rate=R[:burst=B] (token bucket) or TIER:concurrency=N; TIER a tier's name or all (repeatable)")),
+    "shed": (list[str], typer.Option([], "--shed", help="shed a tier's arrivals whose predicted TTFT breaks TIER[:ttft=S] (default its TTFT SLO); repeatable")),
+    "abandon_after": (list[str], typer.Option([], "--abandon-after", help="clients give up without a first token after [TIER=]S seconds (repeatable)")),
+    "lora_set": (list[str], typer.Option([], "--lora-set", help="LoRA serving key=value (with --adapters): max_loras (slots per replica, 8), rank (16), load_gbps (2)")),
+    "prices": (Optional[Path], typer.Option(None, "--prices", help="a TOML price table ([per_gpu_hour] GPU = USD) replacing the bundled one's entries (usd_per_mtok; capacity --candidate)")),
+    "report_bucket": (Optional[float], typer.Option(None, "--report-bucket", show_default="3600 with --autoscale", help="seconds per window of the over_time table (requests, p99 TTFT, SLO attainment, replicas up)")),
 }
 
 
@@ -319,6 +329,14 @@ class ClusterOptions:
     spec_adaptive: str = ""
     spec_draft_model: Optional[str] = None
     spec_seed: int = 0
+    autoscale: str = ""
+    autoscale_set: list[str] = dataclasses.field(default_factory=list)
+    admit: list[str] = dataclasses.field(default_factory=list)
+    shed: list[str] = dataclasses.field(default_factory=list)
+    abandon_after: list[str] = dataclasses.field(default_factory=list)
+    lora_set: list[str] = dataclasses.field(default_factory=list)
+    prices: Optional[Path] = None
+    report_bucket: Optional[float] = None
 
     def apply(self, sc: Scenario, seed: int, grid: bool = False) -> Scenario:
         """The scenario with these replicas, router (seeded by the workload --seed) and link;
@@ -350,11 +368,18 @@ class ClusterOptions:
             stall_batches=self.stall_batches, pool=tuple(self.pool), preemption=self.preemption,
             kv_tiers=tuple(self.kv_tier), kv_write=self.kv_write, gpus_per_node=self.gpus_per_node,
             spec=self.spec, spec_acceptance=self.spec_acceptance, spec_proposal_rate=self.spec_proposal_rate,
-            spec_adaptive=self.spec_adaptive, spec_draft_model=self.spec_draft_model, spec_seed=self.spec_seed, **link)
+            spec_adaptive=self.spec_adaptive, spec_draft_model=self.spec_draft_model, spec_seed=self.spec_seed,
+            autoscale=self.autoscale, autoscale_params=parse_assignments(self.autoscale_set, "--autoscale-set"),
+            admit=tuple(self.admit), shed=tuple(self.shed), abandon_after=tuple(self.abandon_after),
+            lora_params=parse_assignments(self.lora_set, "--lora-set"),
+            prices=str(self.prices) if self.prices is not None else None, report_bucket_s=self.report_bucket, **link)
         sc.pools()
         sc.host_tier()                                              # checks --preemption and --kv-tier
         sc.kinds_of_pools()                                         # checks --pool
         sc.spec_config()                                            # checks --spec and its options
+        if sc.prices is not None:
+            from kvsched.prices import read_prices
+            read_prices(sc.prices)                                  # checks --prices
         KVLink(25.0 if sc.kv_transfer_bandwidth is None else sc.kv_transfer_bandwidth, sc.kv_transfer_latency)
         return sc
 

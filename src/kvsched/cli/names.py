@@ -11,7 +11,7 @@ POLICIES = ("vllm-v1", "sarathi", "vllm-v0", "orca", "request-level", "eb", "eb-
             "nested-wait", "rad", "slai", "distserve")                       # kvsched.policies.POLICIES
 BASELINES = ("vllm-v1", "sarathi", "vllm-v0", "orca", "request-level")       # kvsched.policies.BASELINES
 ROUTERS = ("round-robin", "random", "least-outstanding", "least-kv", "least-prefill",
-           "prefix-affinity")                                                # kvsched.sim.routers.ROUTERS
+           "prefix-affinity", "lora-affinity")                               # kvsched.sim.routers.ROUTERS
 FORMATS = ("azure", "mooncake", "lengths", "csv", "jsonl", "auto")          # kvsched.workload.readers.FORMATS
 DEFAULT_RATE = 8.0                                  # kvsched.workload.source.DEFAULT_RATE
 DEFAULT_LENGTH = "jitter:512"                       # kvsched.workload.source.DEFAULT_LENGTH

@@ -42,6 +42,8 @@ def sweep_cmd(ctx: typer.Context, wopts: WorkloadOptions, hw: HardwareOptions, c
               backend: str = typer.Option("process", "--backend", help="process (this machine) or ray (a Ray cluster; the ray extra)"),
               ray_address: Optional[str] = typer.Option(None, "--ray-address", help="with --backend ray: the cluster's address (default: RAY_ADDRESS, else a local Ray)"),
               retry_failed: bool = typer.Option(False, "--retry-failed", help="run failed points again (by default a re-run keeps their recorded error)"),
+              minimise: Optional[str] = typer.Option(None, "--minimise", help="name the point with the least cost (usd_per_mtok), energy (joules_per_mtok) or gpu_hours among those meeting every --slo"),
+              slo: list[str] = typer.Option([], "--slo", help="with --minimise: METRIC:STAT:MS a point must meet (repeatable), as capacity's"),
               goodput: list[str] = OUTPUT_FLAGS["goodput"][1],
               trim: int = OUTPUT_FLAGS["trim"][1],
               json_: bool = JsonOpt) -> None:
@@ -52,6 +54,7 @@ def sweep_cmd(ctx: typer.Context, wopts: WorkloadOptions, hw: HardwareOptions, c
         from kvsched import sweep as sw
         from kvsched.cli.run import _scoped_params
         _check_flags(wopts, backend, jobs)
+        best = _best_rule(minimise, slo)
         if backend == "ray":
             sw.ray_module()
         raw = sw.from_flags(policies, rates, seeds, set_)
@@ -61,7 +64,7 @@ def sweep_cmd(ctx: typer.Context, wopts: WorkloadOptions, hw: HardwareOptions, c
         tasks = sw.plan(the_grid, sw.Base(wopts, hw, copts, list(goodput), trim))
         store = sw.Store(sw.check_folder(out))
         outcome.update(_run(the_grid, tasks, store, json_, retry_failed,
-                           lambda todo, save: _execute(todo, save, backend, jobs, ray_address)))
+                           lambda todo, save: _execute(todo, save, backend, jobs, ray_address), best))
     guard(body)
     if outcome.get("failed"):
         say("warning", f"{outcome['failed']} of {outcome['points']} points failed (first: {outcome['first_error']}); "
@@ -87,7 +90,34 @@ def _given(ctx: typer.Context) -> set[str]:
             if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
 
 
-def _run(grid: Grid, tasks: list[Task], store: Store, json_: bool, retry_failed: bool, execute) -> dict[str, Any]:
+MINIMISE = {"cost": "usd_per_mtok", "energy": "joules_per_mtok", "gpu_hours": "gpu_hours"}
+
+
+def _best_rule(minimise: str | None, slo: list[str]):
+    """--minimise and --slo checked: (figure, SLOs), or None."""
+    from kvsched.capacity import Slo
+    if minimise is None:
+        if slo:
+            raise KvschedError("--slo in a sweep bounds the points --minimise chooses among: give --minimise too")
+        return None
+    if minimise not in MINIMISE:
+        raise KvschedError(f"--minimise must be one of {', '.join(MINIMISE)}, got {minimise!r}")
+    return MINIMISE[minimise], [Slo.parse(s) for s in slo]
+
+
+def _best(records: list[dict], rule) -> dict[str, Any] | None:
+    """The finished point meeting every SLO with the least of the rule's figure (None: none)."""
+    key, slos = rule
+    ok = [r for r in records if r["status"] == "ok" and all(s.met(r["figures"]) for s in slos)
+          and r["figures"].get(key) is not None]
+    if not ok:
+        return None
+    r = min(ok, key=lambda r: r["figures"][key])
+    return {"axes": r["axes"], key: r["figures"][key], **{s.key: r["figures"].get(s.key) for s in slos}}
+
+
+def _run(grid: Grid, tasks: list[Task], store: Store, json_: bool, retry_failed: bool, execute,
+         best=None) -> dict[str, Any]:
     """Run the points not yet finished, saving each as it arrives; write the tables from all
     point files; print the summary, and return it with the first failed point's error."""
     from kvsched import sweep as sw
@@ -114,6 +144,8 @@ def _run(grid: Grid, tasks: list[Task], store: Store, json_: bool, retry_failed:
               for r in records if r["status"] != "ok"]
     summary = {"points": len(tasks), "done": len(todo), "skipped": len(tasks) - len(todo), "failed": len(failed),
                "seconds": round(time.perf_counter() - start, 3), "tables": [str(p) for p in paths]}
+    if best is not None:
+        summary["best"] = _best(records, best)
     emit(summary, json_, lambda: _summary_table(summary))
     return {**summary, "first_error": failed[0] if failed else None}
 
@@ -125,6 +157,11 @@ def _summary_table(summary: dict[str, Any]) -> Table:
                         ("already done", summary["skipped"]), ("failed", summary["failed"]),
                         ("seconds", f"{summary['seconds']:.1f}"), ("tables", "\n".join(summary["tables"]))):
         t.add_row(name, str(value))
+    if "best" in summary:
+        b = summary["best"]
+        t.add_row("best", "none meets the SLOs" if b is None else
+                  ", ".join(f"{k}={v}" for k, v in b["axes"].items() if k != "params") + "  " +
+                  ", ".join(f"{k}={v:.4g}" for k, v in b.items() if k != "axes" and isinstance(v, float)))
     return t
 
 

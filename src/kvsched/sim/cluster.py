@@ -1,6 +1,7 @@
 """Replicas behind a router, one event loop in time order (docs/architecture.md, "Cluster").
 
-Events, earliest first; at equal times: arrivals, then the loop's own events (closed-loop
+Events, earliest first; at equal times: the control plane's (sim/control.py: a replica whose
+cold start ends at t takes an arrival at t), arrivals, then the loop's own events (closed-loop
 seats freed, prefill hand-offs, KV landing), then the replica steps (lowest index first).
 A replica steps at its clock and jumps to the end of the batch it runs, so every other
 replica's events up to that end are processed before it decides again.
@@ -52,7 +53,7 @@ from kvsched.sim.rowlog import MergedRows
 from kvsched.sim.transfer import KVLink
 from kvsched.workload.request import Workload
 
-SEAT, HANDOFF, PULL, LAND, ISSUE = range(5)
+SEAT, HANDOFF, PULL, LAND, ISSUE, CONTROL = range(6)   # CONTROL: sim/control.py's work
 SCAN_UP_TO = 8          # replicas up to which choosing the next one scans them all (else a heap)
 RAISED_AS_THEY_ARE = (KvschedError, *PASS_THROUGH)     # a router's other errors are named (`_route`)
 
@@ -93,7 +94,7 @@ class Cluster:
                  record_batches: bool = False, strict: bool = False,
                  stall_batches: int = DEFAULT_STALL_BATCHES, prefix_caching: bool = False,
                  kinds: Sequence[str] | None = None, shared_tiers: bool = False,
-                 spec_slots: tuple[int, int] = (0, 0)) -> None:
+                 spec_slots: tuple[int, int] = (0, 0), controlled: bool = False) -> None:
         r = len(policies)
         if r < 1:
             raise KvschedError("a cluster needs at least one replica")
@@ -115,7 +116,8 @@ class Cluster:
         self.router = make_router(router, router_seed, router_params) if isinstance(router, str) else router
         self._costs = costs
         self.shared_tiers = shared_tiers
-        self._tables = None if shared_tiers else apart_tables(self, policies, kv, max_model_len, strict,
+        self.control = None                     # the control plane (sim/control.py), set after the replicas
+        self._tables = None if shared_tiers or controlled else apart_tables(self, policies, kv, max_model_len, strict,
                                                               spec_slots)   # None: together
         self.replicas: list[Replica] = []
         # the bins of the inter-token gap histograms (one, and one per tier), shared by the replicas
@@ -183,7 +185,8 @@ class Cluster:
         the loop, so the hand-off is an event at t)."""
         self._push(t, HANDOFF, i)
 
-    def _route(self, router: Router, pool: list[Replica], i: int, t: float) -> int:
+    def _route(self, router: Router, pool: list[Replica], i: int, t: float, lora: list[int] | None = None) -> int:
+        """`lora`: each replica's LoRA state for request i's adapter (ReplicaSummary.lora)."""
         if len(pool) == 1:
             return 0
         if router.uses_state:
@@ -192,7 +195,7 @@ class Cluster:
             for k, rep in enumerate(pool):
                 out, kv, backlog = rep.summary_at(t)
                 view.append(ReplicaSummary(k, out, kv, rep.kv_capacity_blocks, backlog, cached[k] if cached else 0,
-                                           self.kinds[rep.index]))
+                                           self.kinds[rep.index], lora[k] if lora is not None else 2))
             args, kw = (i, t, view), ({} if cached is None else {"prompt": self.reqs.target[i]})
         else:
             args, kw = (i, t, len(pool)), {}
@@ -216,6 +219,9 @@ class Cluster:
         return [c.count_cached(keys) for c in caches]
 
     def _arrive(self, i: int, t: float) -> None:
+        if self.control is not None:
+            self.control.arrive(i, t)
+            return
         k = self._route(self.router, self.front, i, t)
         self.front[k].accept(i, t)
         self.reqs.replica[i] = self.front[k].index
@@ -236,6 +242,8 @@ class Cluster:
             self._pull(ev[3], t)
         elif kind == ISSUE:
             self._issue_turn(ev[3], t)
+        elif kind == CONTROL:
+            ev[3](t, *ev[4:])
         else:
             _, _, _, i, p, k = ev
             self.replicas[p].release(i, t)
@@ -300,7 +308,9 @@ class Cluster:
             self._issue(0.0, closed)
         else:
             self._set_next(0, 0.0)
-        single = reps[0] if len(reps) == 1 else None
+        single = reps[0] if len(reps) == 1 and self.control is None else None
+        if self.control is not None:
+            self.control.start()
         index = single.index if single is not None else -1
         # a replica may run several decode-only batches in one step() until the next thing that
         # happens elsewhere; a closed loop and sessions react to each batch's finishes
@@ -337,7 +347,7 @@ class Cluster:
                 rep, t_rep = (reps[ready[0][1]], ready[0][0]) if ready else (None, INF)
             if t_arr <= t_rep or events:           # else the common case: the replica runs a batch
                 t_ev = events[0][0] if events else INF
-                if t_arr <= t_rep and t_arr <= t_ev and t_arr < INF:
+                if t_arr <= t_rep and t_arr < INF and (t_arr < t_ev or t_arr == t_ev and events[0][2] != CONTROL):
                     if rejected[nxt]:
                         pass
                     elif single is not None:        # _arrive, inline: one replica takes every request

@@ -61,6 +61,7 @@ def ahead_of_time(cluster: Cluster, chain: bool, size: int) -> bool:
     (`chain`: no closed loop, no sessions) on one pool of two replicas or more behind a
     built-in router that reads no state, with a built-in cost model."""
     return (chain and not cluster.disaggregated and size >= 2 and not cluster.router.uses_state
+            and cluster.control is None
             and type(cluster.router).__module__ == "kvsched.sim.routers"
             and all(type(c).__module__.startswith("kvsched.") for c in cluster._costs))
 

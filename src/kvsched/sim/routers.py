@@ -26,6 +26,8 @@ class ReplicaSummary(NamedTuple):
     prefill_backlog: int        # prefill tokens queued there (waiting + unfinished prefills)
     cached_tokens: int = 0      # prompt tokens of the arriving request cached there (routers with uses_prefix)
     kind: str = ""              # the replica's kind in a cluster of pools ("NAME: GPU tp=N ..."; pools.py)
+    lora: int = 2               # the arriving request's LoRA adapter there: 2 resident (or no adapter), 1 a slot
+                                # to load it into, 0 no free slot (sim/lora.py)
 
 
 class Router(Protocol):
@@ -132,8 +134,38 @@ class PrefixAffinity:
         return best
 
 
+class LoraAffinity:
+    """Adapter-aware routing, as the Gateway API Inference Extension's scheduler filters its pods
+    (gateway-api-inference-extension, pkg/epp/scheduling: a queue filter, then LoRA affinity,
+    then least queue): among the replicas within `slack` outstanding requests of the least
+    loaded, those where the request's adapter is resident, else those with a free adapter slot
+    (`ReplicaSummary.lora`, sim/lora.py), else all of them; then the fewest outstanding, ties
+    round-robin. Without adapters it is least-outstanding."""
+    name, uses_state = "lora-affinity", True
+
+    def __init__(self, seed: int = 0, slack: int = 8) -> None:
+        if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
+            raise KvschedError(f"router lora-affinity: slack must be a whole number >= 0, got {slack!r}")
+        self.slack = slack
+        self._next = 0
+
+    def route(self, i: int, t: float, replicas: Sequence[ReplicaSummary]) -> int:
+        n = len(replicas)
+        low = min(r.outstanding for r in replicas) + self.slack
+        best_state = max(r.lora for r in replicas if r.outstanding <= low)
+        start = self._next % n
+        self._next = start + 1
+        best, best_q = -1, 0
+        for k in range(n):
+            j = (start + k) % n
+            r = replicas[j]
+            if r.outstanding <= low and r.lora == best_state and (best < 0 or r.outstanding < best_q):
+                best, best_q = j, r.outstanding
+        return best
+
+
 ROUTERS: dict[str, type] = {cls.name: cls for cls in (RoundRobin, RandomRouter, LeastOutstanding, LeastKV,
-                                                       LeastPrefill, PrefixAffinity)}
+                                                       LeastPrefill, PrefixAffinity, LoraAffinity)}
 ROUTER_HELP = {
     "round-robin": "replicas in turn",
     "random": "uniform at random (seeded by --seed)",
@@ -141,6 +173,7 @@ ROUTER_HELP = {
     "least-kv": "least KV in use",
     "least-prefill": "fewest queued prefill tokens",
     "prefix-affinity": "weighted score: cached prompt prefix, requests outstanding, KV use",
+    "lora-affinity": "replicas holding the request's LoRA adapter (else a free slot), then fewest outstanding",
 }
 
 

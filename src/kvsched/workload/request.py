@@ -235,6 +235,9 @@ class Workload:
     segments: Segments | None = None
     session_prev: np.ndarray = field(default=None)  # type: ignore[assignment]
     think: np.ndarray = field(default=None)  # type: ignore[assignment]
+    adapter: np.ndarray = field(default=None)  # type: ignore[assignment]    # LoRA adapter per request (-1: none)
+    model_index: np.ndarray = field(default=None)  # type: ignore[assignment]    # index into `models` (-1: the run's)
+    models: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.arrival)
@@ -248,8 +251,14 @@ class Workload:
             object.__setattr__(self, "session_prev", np.full(n, -1, np.int64))
         if self.think is None:
             object.__setattr__(self, "think", np.zeros(n, np.float64))
+        if self.adapter is None:
+            object.__setattr__(self, "adapter", np.full(n, -1, np.int32))
+        if self.model_index is None:
+            object.__setattr__(self, "model_index", np.full(n, -1, np.int16))
+        if n and self.model_index.max() >= len(self.models):
+            raise KvschedError("workload: model index out of range")
         for name in ("prompt", "output", "output_known", "tier_index", "ids", "phase", "concurrency",
-                     "session_prev", "think"):
+                     "session_prev", "think", "adapter", "model_index"):
             if len(getattr(self, name)) != n:
                 raise KvschedError(f"workload: {name} has {len(getattr(self, name))} entries, expected {n}")
         if self.prefix is not None and len(self.prefix) != n:
@@ -421,7 +430,7 @@ class Workload:
         ids, so a workload with sessions is refused."""
         self.refuse_sessions("Workload.take")
         per_request = ("arrival", "prompt", "output", "output_known", "tier_index", "ids", "phase", "concurrency",
-                       "session_prev", "think")
+                       "session_prev", "think", "adapter", "model_index")
         taken = {name: getattr(self, name)[idx] for name in per_request}
         for name in ("prefix", "segments"):
             part = getattr(self, name)

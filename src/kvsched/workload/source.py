@@ -45,6 +45,8 @@ class WorkloadOptions:
     untimed_ok: bool = False            # describe a length-only trace without arrivals
     shared_prefix: str | None = None    # 'TOKENS:SHARE,...': system prompts of synthetic phases
     sessions: str | None = None         # 'turns=T,think=S': multi-turn sessions in synthetic phases
+    adapters: str | None = None         # 'N[:zipf=S][:none=F]': a LoRA adapter per request (workload/tags.py)
+    model_mix: str | None = None        # 'NAME:SHARE,...': a base model per request (workload/tags.py)
 
 
 def base_spec(opts: WorkloadOptions) -> WorkloadSpec:
@@ -93,7 +95,8 @@ def resolve(opts: WorkloadOptions) -> WorkloadSpec:
 
 
 def load(opts: WorkloadOptions) -> Workload:
-    return resolve(opts).build()
+    from kvsched.workload.tags import tag
+    return tag(resolve(opts).build(), opts.seed, opts.adapters, opts.model_mix)
 
 
 def _override(ph: Phase, k: int, opts: WorkloadOptions, arrivals, window) -> Phase:

@@ -1,0 +1,92 @@
+"""What a run costs (docs/control-plane.md, "Cost and energy"): GPU-hours, dollars and joules,
+and per million output tokens (`gpu_hours`, `usd`, `joules`, `usd_per_mtok`,
+`joules_per_mtok` in summary.json).
+
+- GPU-hours: each replica's GPUs (tp x pp x dp) times the seconds it held them: a fixed
+  fleet from t = 0 to the run's end (the last finish or arrival), an autoscaled replica from
+  the decision that started it (its cold start is paid for) to its drain's end.
+- Dollars: GPU-hours times the GPU's price per GPU-hour (prices.py: the bundled table or
+  --prices FILE); None when a GPU has no price.
+- Power: P(u) = P_idle + (P_peak - P_idle) u per GPU, linear in utilisation u, the server
+  power model of Fan, Weber and Barroso, "Power provisioning for a warehouse-sized computer"
+  (ISCA 2007, section 4.1). u is the share of time a batch runs (NVML's utilization.gpu: the
+  share of a sample period during which a kernel ran), so a replica's energy is
+  GPUs x (P_idle x held seconds + (P_peak - P_idle) x busy seconds); cold starts and adapter
+  loads draw idle power. P_peak is the board power of the GPU file (`power`, from datasheets)
+  and P_idle its `idle_power`; the bundled idle figures are an assumption (15% of the board
+  power), not measurements: give yours in a GPU file.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+POWER_MODEL = "P = idle_power + (power - idle_power) x busy share, per GPU (Fan, Weber, Barroso, ISCA 2007)"
+
+
+def run_end(records) -> float:
+    """The last finish or arrival of the run (seconds; 0 for an empty run)."""
+    done = np.isfinite(records.finished)
+    times = [float(records.finished[done].max()) if done.any() else 0.0]
+    if len(records.arrival):
+        times.append(float(np.max(records.arrival)))
+    return max(times)
+
+
+def fleet_summary(holds: Sequence[float], busy: Sequence[float], gpus: Sequence, gpus_per_replica: Sequence[int],
+                  output_tokens: int, prices: dict[str, Any]) -> dict[str, Any]:
+    """The cost and energy figures of replicas that held their GPUs `holds` seconds and ran
+    batches `busy` seconds (module docstring)."""
+    hours = [h * n / 3600 for h, n in zip(holds, gpus_per_replica)]
+    table = prices["per_gpu_hour"]
+    priced = all(g.name in table for g in gpus)
+    usd = sum(h * table[g.name] for h, g in zip(hours, gpus)) if priced else None
+    powered = all(g.power > 0 for g in gpus)
+    joules = sum(n * (g.idle_power * h + (g.power - g.idle_power) * min(b, h))
+                 for h, b, g, n in zip(holds, busy, gpus, gpus_per_replica)) if powered else None
+    mtok = output_tokens / 1e6
+
+    def per(x: float | None) -> float | None:
+        return x / mtok if x is not None and mtok > 0 else None
+    out = {"gpu_hours": sum(hours), "usd": usd, "joules": joules, "usd_per_mtok": per(usd),
+           "joules_per_mtok": per(joules), "power_model": POWER_MODEL,
+           "prices": {"source": prices["source"], "date": prices["date"]}}
+    if not priced:
+        out["prices"]["missing"] = sorted({g.name for g in gpus if g.name not in table})
+    return out
+
+
+def over_time(records, counts: list[tuple[float, list[int]]], bucket_s: float, end: float,
+              ttft_slo_s: float | None, dropped: np.ndarray | None) -> list[dict[str, Any]]:
+    """Per `bucket_s` window of arrivals: requests, completed, shed or abandoned, p99 TTFT (ms),
+    the share meeting the TTFT SLO (dropped requests count as missing it), and the mean
+    replicas up (time-weighted from the fleet's `counts`)."""
+    rows = []
+    arrival, first = records.arrival, records.first_token
+    n_buckets = max(1, math.ceil(end / bucket_s - 1e-12))
+    times = np.array([t for t, _ in counts] + [end])
+    ups = np.array([sum(u) for _, u in counts], np.float64)
+    for b in range(n_buckets):
+        lo, hi = b * bucket_s, (b + 1) * bucket_s
+        mine = (arrival >= lo) & (arrival < hi) & ~records.rejected
+        served = mine & np.isfinite(first)
+        ttft = first[served] - arrival[served]
+        lost = int((dropped[mine] > 0).sum()) if dropped is not None else 0
+        row = {"start_s": lo, "requests": int(mine.sum()), "completed": int((mine & np.isfinite(records.finished)).sum()),
+               "dropped": lost, "p99_ttft_ms": float(np.percentile(ttft, 99)) * 1000 if len(ttft) else None,
+               "slo_attainment": None, "mean_replicas": _mean_between(times, ups, lo, min(hi, end))}
+        if ttft_slo_s is not None and mine.any():
+            row["slo_attainment"] = float((ttft <= ttft_slo_s).sum()) / int(mine.sum())
+        rows.append(row)
+    return rows
+
+
+def _mean_between(times: np.ndarray, values: np.ndarray, lo: float, hi: float) -> float | None:
+    """Time-weighted mean of a step function (values[k] from times[k] to times[k+1]) over [lo, hi)."""
+    if hi <= lo:
+        return None
+    starts, ends = np.maximum(times[:-1], lo), np.minimum(times[1:], hi)
+    w = np.clip(ends - starts, 0, None)
+    return float((values * w).sum() / (hi - lo))
