@@ -43,8 +43,10 @@ class Step:
 
     def __init__(self, at: float, before: int, after: int) -> None:
         self.at, self.before, self.after = at, before, after
+        self.seen = []
 
     def decide(self, t, pools):
+        self.seen.append((t, pools[0]))
         return [self.after if t >= self.at else self.before for _ in pools]
 
 
@@ -68,8 +70,8 @@ def test_a_replica_added_at_100s_with_a_60s_cold_start_takes_traffic_at_160s_and
     at 160 s included), and its GPU-hours count from 100 s: (end + end - 100) / 3600."""
     router = Counting()
     w = Workload.build(np.arange(1, 300, 0.5), 200, 20)
-    r = run(w, replicas=2, router=router, autoscale=Step(100, 1, 2),
-            autoscale_params={"interval_s": 10, "cold_start_s": 60})
+    scaler = Step(100, 1, 2)
+    r = run(w, replicas=2, router=router, autoscale=scaler, autoscale_params={"interval_s": 10, "cold_start_s": 60})
     before = [t for t in router.offered if t < 160]
     assert router.offered.get(160.0) == 2, "the arrival at 160 s is offered the new replica"
     assert not before or max(before) < 160
@@ -79,6 +81,9 @@ def test_a_replica_added_at_100s_with_a_60s_cold_start_takes_traffic_at_160s_and
     end = max(float(r.records.finished.max()), float(arrival.max()))
     assert r.summary["gpu_hours"] == pytest.approx((end + (end - 100)) / 3600, rel=1e-12)
     assert r.summary["autoscale"]["replicas_over_time"] == [[0.0, 1], [100.0, 1], [160.0, 2]]
+    t, sig = scaler.seen[-1]                # the signals at the last decision: arrivals every 0.5 s
+    assert sig.arrival_rate == pytest.approx(2.0, abs=0.05) and sig.up == 2 and sig.starting == 0
+    assert sig.ttft_p99_s > 0 and sig.tpot_mean_s > 0 and 0 <= sig.kv_use <= 2
 
 
 def test_a_drained_replica_takes_no_new_request_and_is_paid_until_its_last_one_leaves():
@@ -137,6 +142,21 @@ def test_autoscale_settings_are_checked():
         run(w, replicas=2, autoscale="slo")
     with pytest.raises(KvschedError, match="prefill/decode"):
         run(w, prefill_replicas=1, decode_replicas=1, autoscale="hpa")
+    with pytest.raises(KvschedError, match="initial=3 is above"):
+        run(w, replicas=2, autoscale="hpa", autoscale_params={"initial": 3})
+    bad = invoke("capacity", "--autoscale", "hpa", "--slo", "ttft:p99:1000", "--num-requests", "20")
+    assert bad.exit_code == 2 and "drop --autoscale" in bad.output
+
+
+def test_the_slo_scaler_measures_each_pool_on_its_own_model_requests():
+    rng = np.random.default_rng(9)
+    w = tag(Workload.build(np.sort(rng.uniform(0, 300, 1500)), rng.integers(300, 1500, 1500),
+                           rng.integers(50, 300, 1500)), 0, None, "llama-3-8b:0.6,qwen2.5-7b:0.4")
+    r = run(w, gpu="l4", pool=("a=l4:3", "b=l4:3:model=qwen2.5-7b"), router="least-outstanding", autoscale="slo",
+            autoscale_params={"ttft_slo_s": 2.0, "cold_start_s": 10})
+    assert len(r.summary["autoscale"]["rate_per_replica"]) == 2 and min(r.summary["autoscale"]["rate_per_replica"]) > 0
+    qwen = np.array(w.models)[w.model_index] == "qwen2.5-7b"
+    assert (r.records.replica[qwen] >= 3).all() and (r.records.replica[~qwen] < 3).all()
 
 
 def test_the_slo_scaler_measures_its_capacity_per_replica_and_runs_deterministically():
@@ -197,6 +217,7 @@ def test_a_3x_spike_keeps_the_paying_tier_within_its_slo_by_shedding_the_free_ti
     assert paid["plain"]["p99_ttft_ms"] > 2000 >= paid["shed"]["p99_ttft_ms"]
     rows = {r["tier"]: r for r in shed["admission"]}
     assert rows["paid"]["shed"] == 0 < rows["free"]["shed"] == shed["shed"]
+    assert {t["name"]: t["shed"] for t in shed["tiers"]} == {"paid": 0, "free": shed["shed"]}
     assert shed["completed"] + shed["shed"] == len(w)
 
 
@@ -215,6 +236,10 @@ def test_abandoned_requests_leave_the_queue_and_are_reported(tmp_path):
     assert status.count("abandoned") == s["abandoned"] and status.count("finished") == s["completed"]
     with pytest.raises(KvschedError, match="closed loop"):
         run(Workload.build(np.zeros(5), 100, 10, concurrency=2), abandon_after=("3",))
+    with pytest.raises(KvschedError, match="on_preempt"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            simulate(Scenario(w, model="llama-3-8b", gpu="l4", abandon_after=("3",)), "slai")
 
 
 # ----- LoRA and several models -------------------------------------------------------------------------

@@ -661,6 +661,9 @@ def simulate(scenario: Scenario, policy: str | Policy = "vllm-v1", policy_params
         from kvsched.sim.spec_decode import spec_summary
         summary.update(spec_summary([r._spec for r in cluster.replicas]))
     summary.update(run_cost(scenario, records, cluster, control, gpus, layouts))
+    if control is not None and control.admission is not None:      # each tier's dropped requests in its row
+        for k, row in enumerate(summary.get("tiers", [])):
+            row["shed"], row["abandoned"] = control.admission.shed[k], control.admission.abandoned[k]
     reports = [p.report() for p in pols if callable(getattr(p, "report", None))]
     if reports:                 # what the policy decided (e.g. WAIT's thresholds), per replica
         summary["policy_report"] = reports[0] if len(pols) == 1 else reports
@@ -699,6 +702,13 @@ def attach_control(cluster: Cluster, scenario: Scenario, ctl: dict[str, Any], ki
                 from kvsched.capacity import rate_at_ttft_slo
                 scaler.rates = [rate_at_ttft_slo(pool_template(scenario, kinds[k] if kinds else None), policy, params,
                                                  scaler.ttft_slo_s) for k in range(len(pools))]
+    adm = ctl["admission"]
+    if adm is not None and any(x is not None for x in adm.patience):
+        kept = [r.name for r in cluster.replicas if r._on_preempt is not None]
+        if kept:
+            raise KvschedError(f"--abandon-after: policy {kept[0]} keeps its own request state (on_preempt), which a "
+                               "request leaving its queue would break; it is modelled for policies without that hook "
+                               "(vllm-v1, vllm-v0, sarathi, orca, request-level, the eb policies)")
     sizes = [adapter_params(m, lora.rank) * BYTES for m in models] if lora else None
     cluster.control = ControlPlane(cluster, pools, autoscale=auto, scaler=scaler, cold_s=cold,
                                    admission=ctl["admission"], lora=lora, adapter_bytes=sizes, gpus=gpus,
@@ -720,14 +730,14 @@ def pool_template(scenario: Scenario, kind) -> Scenario:
     what the SLO scaler's capacity per replica is measured on."""
     import dataclasses
     one = dataclasses.replace(scenario, replicas=1, pool=(), autoscale="", autoscale_params={}, admit=(), shed=(),
-                              abandon_after=(), lora_params={}, report_bucket_s=None)
+                              abandon_after=(), report_bucket_s=None)
     if kind is not None:
         one = dataclasses.replace(one, gpu=kind.pool.gpu, model=kind.pool.model, layout=kind.pool.layout)
     w = one.workload
-    if w.models:                            # the requests of this model only
-        mine = np.flatnonzero(np.array(w.models)[np.maximum(w.model_index, 0)] == (kind.model.name if kind else one.model)
-                              if len(w) else np.zeros(0, bool))
-        w = w.take(mine)
+    if w.models:                            # the requests of this model only (-1: the run's own model)
+        model = kind.model.name if kind else get_model(one.model).name
+        names = np.array([get_model(scenario.model).name, *w.models])
+        w = w.take(np.flatnonzero(names[w.model_index.astype(np.int64) + 1] == model))
         one = dataclasses.replace(one, workload=dataclasses.replace(w, model_index=np.full(len(w), -1, np.int16),
                                                                     models=()))
     return one

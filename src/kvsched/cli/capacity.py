@@ -114,6 +114,11 @@ def _capacity(wopts, hw, copts, policies: str, set_: list[str], slo: list[str], 
     if target is not None and (copts.replicas != 1 or copts.prefill_replicas or copts.decode_replicas):
         raise KvschedError("--rate sizes a cluster of one-replica configurations: drop --replicas and the "
                            "prefill/decode pools, or drop --rate")
+    given = [f for f, v in (("--autoscale", copts.autoscale), ("--admit", copts.admit), ("--shed", copts.shed),
+                            ("--abandon-after", copts.abandon_after)) if v]
+    if given:
+        raise KvschedError(f"capacity searches the rate a fixed set of replicas serves: drop {given[0]} (simulate or "
+                           "sweep run the control plane)")
     wopts = dataclasses.replace(wopts, rate=None)
     if any(isinstance(ph.arrivals, Closed) for ph in resolve(wopts).phases):
         raise KvschedError("capacity searches over the arrival rate: the workload must be open loop, "

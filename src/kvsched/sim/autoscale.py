@@ -53,6 +53,8 @@ class PoolSignals:
     arrival_rate: float         # requests/s arriving at the pool over the window
     ttft_p99_s: float | None    # p99 TTFT of the window's arrivals (unserved ones count as waited so far)
     cold_start_s: float         # a new replica's cold start here
+    tpot_mean_s: float | None = None    # mean time per output token (the mean ITL) of the window's
+                                        # arrivals finished by now
 
     @property
     def current(self) -> int:

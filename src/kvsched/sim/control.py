@@ -44,11 +44,13 @@ class ControlPlane:
         initial = [len(m) for _, _, m in pools]
         if autoscale is not None:
             first = autoscale.initial if autoscale.initial is not None else autoscale.min
-            initial = [min(len(m), first) for _, _, m in pools]
+            initial = [first] * len(pools)
             for name, _, m in pools:
-                if autoscale.min > len(m):
-                    raise KvschedError(f"--autoscale-set min={autoscale.min} is above pool {name}'s {len(m)} replicas "
-                                       "(a pool's COUNT, or --replicas, is the most the scaler may run)")
+                for key in ("min", "initial"):
+                    v = getattr(autoscale, key)
+                    if v is not None and v > len(m):
+                        raise KvschedError(f"--autoscale-set {key}={v} is above pool {name}'s {len(m)} replicas "
+                                           "(a pool's COUNT, or --replicas, is the most the scaler may run)")
         self.fleet = Fleet.of([m for _, _, m in pools], initial)
         self.cold_s = cold_s or [0.0] * len(pools)
         self._gen = [0] * len(c.replicas)
@@ -261,9 +263,13 @@ class ControlPlane:
             kv += used / rep.kv_capacity_blocks
         ttfts = [min(reqs.first[i], t) - a for a, i in win if not self.dropped[i]]
         p99 = float(np.percentile(ttfts, 99)) if ttfts else None
+        out = reqs.output
+        tpots = [(reqs.finished[i] - reqs.first[i]) / (out[i] - 1) for _, i in win
+                 if reqs.finished[i] <= t and out[i] > 1]
         return PoolSignals(self.names[k], len(self._up[k]), len(f.members(k, STARTING)), len(f.members(k, DRAINING)),
                            self.autoscale.min, len(f.pools[k]), waiting, outstanding, kv,
-                           len(win) / min(w, t) if t > 0 else 0.0, p99, self.cold_s[k])
+                           len(win) / min(w, t) if t > 0 else 0.0, p99, self.cold_s[k],
+                           float(np.mean(tpots)) if tpots else None)
 
     def _scale(self, k: int, want: int, t: float) -> None:
         f = self.fleet
