@@ -83,7 +83,8 @@ def spike() -> None:
     print("spike: 4 replicas, 2.7 req/s for 600 s, 8.1 req/s (3x) for 180 s, 2.7 req/s; paid 30% (TTFT SLO 2 s), "
           "free 70% (10 s)")
     print(f"{'admission':<22}{'tier':<6}{'requests':>9}{'completed':>10}{'shed':>6}{'p99 TTFT ms':>13}{'in SLO':>8}")
-    for name, shed in (("none", ()), ("--shed free:ttft=0.5", ("free:ttft=0.5",))):
+    for name, shed in (("none", ()), ("--shed free:ttft=0.5", ("free:ttft=0.5",)),
+                       ("--shed free:kv=0.8", ("free:kv=0.8",))):
         s = run(dataclasses.replace(base, shed=shed)).summary
         dropped = {r["tier"]: r["shed"] for r in s.get("admission", [])}
         for t in s["tiers"]:

@@ -3,6 +3,7 @@ control, shedding and abandonment, LoRA adapters and several models, cost and en
 diurnal arrivals (docs/control-plane.md)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -80,10 +81,11 @@ def test_a_replica_added_at_100s_with_a_60s_cold_start_takes_traffic_at_160s_and
     assert (replica[arrival < 160] == 0).all() and (replica[arrival >= 160] == 1).any()
     end = max(float(r.records.finished.max()), float(arrival.max()))
     assert r.summary["gpu_hours"] == pytest.approx((end + (end - 100)) / 3600, rel=1e-12)
-    assert r.summary["autoscale"]["replicas_over_time"] == [[0.0, 1], [100.0, 1], [160.0, 2]]
+    assert r.summary["autoscale"]["replicas_over_time"] == [[0.0, 1], [160.0, 2]]
     t, sig = scaler.seen[-1]                # the signals at the last decision: arrivals every 0.5 s
     assert sig.arrival_rate == pytest.approx(2.0, abs=0.05) and sig.up == 2 and sig.starting == 0
     assert sig.ttft_p99_s > 0 and sig.tpot_mean_s > 0 and 0 <= sig.kv_use <= 2
+    assert [x[0] for x in sig.replicas] == [0, 1] and sum(x[3] for x in sig.replicas) == sig.kv_use
 
 
 def test_a_drained_replica_takes_no_new_request_and_is_paid_until_its_last_one_leaves():
@@ -91,13 +93,50 @@ def test_a_drained_replica_takes_no_new_request_and_is_paid_until_its_last_one_l
     r = run(w, replicas=2, router="round-robin", autoscale=Step(50, 2, 1),
             autoscale_params={"interval_s": 10, "initial": 2})
     rec = r.records
-    on_1 = rec.replica == 1
-    assert on_1.any() and rec.arrival[on_1].max() < 50             # nothing routed there after the drain
-    drained = float(rec.finished[on_1].max())
-    assert drained >= 50
+    late = rec.arrival >= 50
+    kept = set(rec.replica[late].tolist())
+    assert len(kept) == 1                                           # nothing routed to the drained one after 50 s
+    gone = rec.replica == 1 - kept.pop()
+    assert gone.any() and rec.arrival[gone].max() < 50
+    drained = max(50.0, float(rec.finished[gone].max()))           # off at the decision if already empty
     end = max(float(rec.finished.max()), float(rec.arrival.max()))
     assert r.summary["gpu_hours"] == pytest.approx((end + drained) / 3600, rel=1e-12)
     assert r.summary["autoscale"]["replicas_over_time"][-1] == [pytest.approx(drained), 1]
+
+
+def test_the_hpa_reads_kv_use_during_batches_behind_a_round_robin_router():
+    """The signals are the replicas' state at the decision, mid-batch included (a router that
+    reads no state keeps no batch-start snapshot of its own)."""
+    rng = np.random.default_rng(6)
+    w = Workload.build(np.sort(rng.uniform(0, 120, 2400)), rng.integers(500, 2000, 2400), rng.integers(100, 400, 2400))
+    r = run(w, gpu="l4", replicas=4, router="round-robin", autoscale="hpa",
+            autoscale_params={"metric": "kv", "target": "0.5", "interval_s": "5", "cold_start_s": "5"})
+    assert max(up for _, up in r.summary["autoscale"]["replicas_over_time"]) == 4
+
+
+def test_a_request_waiting_for_an_adapter_slot_goes_in_when_one_frees():
+    """max_loras 2: A (adapter 0) and C (adapter 1, a long output) hold both slots; B (adapter 2)
+    waits, and goes in when A finishes, not when the long C does."""
+    w = dataclasses.replace(Workload.build([0.0, 0.01, 0.5], 100, [200, 2000, 10]),
+                            adapter=np.array([0, 1, 2], np.int32))
+    r = run(w, lora_params={"max_loras": "2"})
+    a_done, c_done, b_first = r.records.finished[0], r.records.finished[1], r.records.first_token[2]
+    assert a_done < b_first < a_done + 0.2 < c_done
+    assert r.summary["lora"]["adapters_waited"] == 1 and r.summary["lora"]["adapter_loads"] == 3
+
+
+def test_a_replica_started_again_is_cold_its_adapters_and_prefix_cache_gone():
+    class Phases:
+        name = "phases"
+
+        def decide(self, t, pools):
+            return [2 if t < 50 or t >= 100 else 1]
+    n = 300
+    w = dataclasses.replace(Workload.build(np.linspace(1, 199, n), 600, 20), adapter=np.zeros(n, np.int32))
+    r = run(w, replicas=2, router="round-robin", autoscale=Phases(),
+            autoscale_params={"interval_s": 10, "cold_start_s": 10, "initial": 2})
+    assert r.summary["autoscale"]["replicas_over_time"] == [[0.0, 2], [50.0, 1], [110.0, 2]]
+    assert r.summary["lora"]["adapter_loads"] == 3                   # adapter 0 loads again on the restarted one
 
 
 def signals(up=2, starting=0, total_kv=1.0, waiting=0, outstanding=0, rate=0.0, p99=None, lo=1, hi=10):
@@ -113,6 +152,14 @@ def test_hpa_is_kubernetes_formula_with_tolerance_and_scale_down_stabilization()
     assert hpa.decide(400, [signals(up=6, total_kv=0.5)]) == [1]      # the window has passed
     q = HpaScaler(metric="queue", target=4)
     assert q.decide(0, [signals(up=2, waiting=17)]) == [5]
+    fresh = HpaScaler(metric="kv", target=0.5)      # not-ready replicas at 0 reverse the direction: kept
+    assert fresh.decide(0, [signals(up=2, starting=2, total_kv=1.3)]) == [4]
+    held = HpaScaler(metric="kv", target=0.5)       # the window's highest never raises the count
+    held.decide(0, [signals(up=6, total_kv=3.0)])
+    assert held.decide(15, [signals(up=3, total_kv=0.5)]) == [3]
+    burst = HpaScaler(metric="kv", target=0.5)      # +100% or +4 a decision, the larger
+    assert burst.decide(0, [signals(up=1, total_kv=10.0, hi=100)]) == [5]
+    assert HpaScaler(metric="kv", target=1e-320).decide(0, [signals(up=1, total_kv=1.0)]) == [5]
 
 
 def test_slo_scaler_forecasts_over_the_cold_start_and_adds_a_replica_when_the_slo_breaks():
@@ -186,12 +233,23 @@ def test_token_bucket_and_concurrency_limits():
     adm.in_cluster[0] -= 1
     assert adm.admit(0, 0.2)
     for text, msg in [("paid", "write TIER"), ("gold:rate=1", "unknown tier"), ("paid:rate=0", "> 0"),
-                      ("paid:concurrency=1.5", "whole number"), ("paid:burst=2", "write TIER")]:
+                      ("paid:concurrency=1.5", "whole number"), ("paid:burst=2", "write TIER"),
+                      ("paid:rate=1:burst=0.5", ">= 1"), ("paid:rate=inf", "finite")]:
         with pytest.raises(KvschedError, match=msg):
             parse_admit(text, ["paid", "free"])
+    slow = Admission(tiers, [parse_admit("free:rate=0.5", ["paid", "free"])], [], [])     # burst max(R, 1)
+    assert slow.admit(1, 0.0) and not slow.admit(1, 1.0) and slow.admit(1, 2.0)
+    with pytest.raises(KvschedError, match="given twice"):
+        Admission(tiers, [parse_admit("free:rate=1", ["free"]), parse_admit("free:rate=2", ["free"])], [], [])
+    both = Admission(tiers, [], [], [parse_abandon("free=5", ["paid", "free"]), parse_abandon("9", ["paid", "free"])])
+    assert both.patience == [9.0, 5.0, 9.0]          # a named tier's own rule over all's, in any order
+    assert parse_shed("free:kv=0.8", ["free"], {"free": None}) == ShedRule("free", None, 0.8)
+    with pytest.raises(KvschedError, match="share of the KV"):
+        parse_shed("free:kv=2", ["free"], {"free": None})
     with pytest.raises(KvschedError, match="no TTFT SLO"):
         parse_shed("free", ["free"], {"free": None})
     assert parse_shed("free:ttft=0.5", ["free"], {"free": None}) == ShedRule("free", 0.5)
+    assert parse_shed("free", ["free"], {"free": 10.0}) == ShedRule("free", 10.0)
     assert parse_abandon("30", []) == ("all", 30.0) and parse_abandon("free=5", ["free"]) == ("free", 5.0)
     assert Limit("all", "rate", 1.0).burst == 0.0
 
@@ -289,6 +347,8 @@ def test_adapters_follow_a_zipf_law_and_models_go_to_their_pools():
     p = np.arange(1, 11) ** -1.2
     assert np.allclose(counts / counts.sum(), p / p.sum(), atol=0.015)
     assert (tag(Workload.build(np.arange(20000.0), 10, 10), 7, "10:zipf=1.2:none=0.25", None).adapter == a).all()
+    from kvsched.workload.tags import parse_model_mix
+    assert parse_model_mix("a:1e308,b:1e308")[1].tolist() == [0.5, 0.5]
     small = w.take(np.arange(300))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -369,6 +429,14 @@ def test_a_diurnal_day_peaks_in_the_afternoon_and_time_scales():
     (["--arrivals", "diurnal:5:1.2"], "amplitude"),
     (["--report-bucket", "0"], "--report-bucket"),
     (["--prices", "/nonexistent/p.toml"], "cannot read"),
+    (["--autoscale", "hpa", "--autoscale-set", "interval_s=1e-300"], "at least 0.001"),
+    (["--autoscale", "hpa", "--autoscale-set", "min=2", "--autoscale-set", "initial=1", "--replicas", "3"],
+     "below min"),
+    (["--autoscale", "slo", "--autoscale-set", "ttft_slo_s=0"], "ttft_slo_s must be a positive"),
+    (["--report-bucket", "1e-6"], "at most 1,000,000"),
+    (["--arrivals", "diurnal:10:0.5:0.1:0.5"], "at least 1 second"),
+    (["--shed", "all:kv=1.5"], "share of the KV"),
+    (["--admit", "all:rate=1", "--admit", "all:rate=2"], "given twice"),
 ])
 def test_bad_control_plane_flags_are_one_line_errors_with_exit_code_2(args, message):
     r = invoke("simulate", "--num-requests", "20", *args)

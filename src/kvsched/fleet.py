@@ -23,6 +23,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvsched.errors import KvschedError
+
+MAX_BUCKETS = 1_000_000     # windows of `over_time` at most
 POWER_MODEL = "P = idle_power + (power - idle_power) x busy share, per GPU (Fan, Weber, Barroso, ISCA 2007)"
 
 
@@ -60,12 +63,23 @@ def fleet_summary(holds: Sequence[float], busy: Sequence[float], gpus: Sequence,
 
 def over_time(records, counts: list[tuple[float, list[int]]], bucket_s: float, end: float,
               ttft_slo_s: float | None, dropped: np.ndarray | None) -> list[dict[str, Any]]:
-    """Per `bucket_s` window of arrivals: requests, completed, shed or abandoned, p99 TTFT (ms),
-    the share meeting the TTFT SLO (dropped requests count as missing it), and the mean
-    replicas up (time-weighted from the fleet's `counts`)."""
+    """Per `bucket_s` window of arrivals: requests, completed, shed or abandoned, p99 TTFT (ms,
+    as the summary's: the client's where it has a client path), the share meeting the TTFT
+    SLO (`ttft_slo_s`, else each request's tier's; dropped requests count as missing it; None
+    when no request has one), and the mean replicas up (time-weighted from the fleet's
+    `counts`)."""
     rows = []
-    arrival, first = records.arrival, records.first_token
+    arrival = records.arrival
+    first = records.client.times(records)[0] if records.client is not None else records.first_token   # as the summary's
     n_buckets = max(1, math.ceil(end / bucket_s - 1e-12))
+    if n_buckets > MAX_BUCKETS:
+        raise KvschedError(f"--report-bucket {bucket_s:g} s cuts a run of {end:.6g} s into {n_buckets:,} windows; "
+                           f"at most {MAX_BUCKETS:,}")
+    if ttft_slo_s is None and records.tiers:            # each request against its tier's TTFT SLO
+        slos = np.array([math.nan if t.ttft_slo is None else t.ttft_slo for t in records.tiers] + [math.nan])
+        bound = slos[records.tier_index]
+    else:
+        bound = np.full(len(arrival), math.nan if ttft_slo_s is None else ttft_slo_s)
     times = np.array([t for t, _ in counts] + [end])
     ups = np.array([sum(u) for _, u in counts], np.float64)
     for b in range(n_buckets):
@@ -73,12 +87,14 @@ def over_time(records, counts: list[tuple[float, list[int]]], bucket_s: float, e
         mine = (arrival >= lo) & (arrival < hi) & ~records.rejected
         served = mine & np.isfinite(first)
         ttft = first[served] - arrival[served]
+        judged = mine & np.isfinite(bound)
         lost = int((dropped[mine] > 0).sum()) if dropped is not None else 0
         row = {"start_s": lo, "requests": int(mine.sum()), "completed": int((mine & np.isfinite(records.finished)).sum()),
                "dropped": lost, "p99_ttft_ms": float(np.percentile(ttft, 99)) * 1000 if len(ttft) else None,
                "slo_attainment": None, "mean_replicas": _mean_between(times, ups, lo, min(hi, end))}
-        if ttft_slo_s is not None and mine.any():
-            row["slo_attainment"] = float((ttft <= ttft_slo_s).sum()) / int(mine.sum())
+        if judged.any():
+            ok = judged & served & (first - arrival <= bound)
+            row["slo_attainment"] = int(ok.sum()) / int(judged.sum())
         rows.append(row)
     return rows
 

@@ -298,7 +298,7 @@ CLUSTER_FLAGS = {
     "autoscale": (str, typer.Option("", "--autoscale", help="a scaler in the loop: hpa (Kubernetes HPA on KV use or queue) or slo (replicas for the forecast rate at one replica's capacity at the TTFT SLO); --replicas or a pool's COUNT is the most it runs (docs/control-plane.md)")),
     "autoscale_set": (list[str], typer.Option([], "--autoscale-set", help="scaler parameter key=value (repeatable): interval_s, window_s, min, initial, start_s, storage_gbps, cold_start_s; hpa: metric (kv|queue|outstanding), target, tolerance, down_stabilization_s; slo: ttft_slo_s, rate_per_replica, headroom, down_stabilization_s")),
     "admit": (list[str], typer.Option([], "--admit", help="admission limit per tier: TIER:rate=R[:burst=B] (token bucket) or TIER:concurrency=N; TIER a tier's name or all (repeatable)")),
-    "shed": (list[str], typer.Option([], "--shed", help="shed a tier's arrivals whose predicted TTFT breaks TIER[:ttft=S] (default its TTFT SLO); repeatable")),
+    "shed": (list[str], typer.Option([], "--shed", help="shed a tier's arrivals: TIER[:ttft=S][:kv=F], when the predicted TTFT on the chosen replica is above S (default the tier's TTFT SLO) or its KV use is at least F; repeatable")),
     "abandon_after": (list[str], typer.Option([], "--abandon-after", help="clients give up without a first token after [TIER=]S seconds (repeatable)")),
     "lora_set": (list[str], typer.Option([], "--lora-set", help="LoRA serving key=value (with --adapters): max_loras (slots per replica, 8), rank (16), load_gbps (2)")),
     "prices": (Optional[Path], typer.Option(None, "--prices", help="a TOML price table ([per_gpu_hour] GPU = USD) replacing the bundled one's entries (usd_per_mtok; capacity --candidate)")),

@@ -28,11 +28,14 @@ ROWS = [
     ("prefix_hit_rate", "prefix hit rate (tokens)"), ("prefix_block_hit_rate", "prefix hit rate (blocks)"),
     ("prefill_tokens_saved", "prefill tokens saved"), ("prefix_evictions", "cached blocks evicted"),
     ("tier_reads", "KV tiers read (--kv-tier)"), ("tier_loads", "loads from KV tiers"),
+    ("shed", "shed (--admit, --shed)"), ("abandoned", "abandoned (--abandon-after)"),
+    ("gpu_hours", "GPU-hours"), ("usd", "USD"), ("usd_per_mtok", "USD per M output tokens"),
+    ("joules_per_mtok", "joules per M output tokens"),
 ]
 OPTIONAL = {"engine_mean_ttft_ms", "engine_mean_e2el_ms", "replicas", "router", "prefill_replicas", "decode_replicas", "decode_policy", "mean_transfer_ms",
             "p99_transfer_ms", "prefill_busy_fraction", "decode_busy_fraction", "prefix_hit_rate",
             "prefix_block_hit_rate", "prefill_tokens_saved", "prefix_evictions", "tier_reads",
-            "tier_loads"}   # shown when present
+            "tier_loads", "shed", "abandoned"}   # shown when present
 PERCENT = {"mean_kv_usage", "peak_kv_usage", "prefix_hit_rate", "prefix_block_hit_rate", "prefill_busy_fraction", "decode_busy_fraction",
            "busy_fraction", "ttft_slo_attainment", "tbt_slo_attainment", "itl_slo_attainment"}
 REPLICA_ROWS = 32         # per-replica rows a terminal table shows (JSON and files hold all)
@@ -44,6 +47,7 @@ REPLICA_COLUMNS = [("replica", "replica"), ("role", "role"), ("completed", "comp
 # per-tier figures (summary["tiers"]): key, short column label, label in comparison rows;
 # p99_tbt_first_zero_ms only when the run asked for it, SLO shares only for tiers that set SLOs
 TIER_COLUMNS = [("name", "tier", "tier"), ("requests", "requests", "requests"), ("completed", "done", "completed"),
+                ("shed", "shed", "shed"), ("abandoned", "abandoned", "abandoned"),
                 ("median_ttft_ms", "p50 TTFT ms", "median TTFT ms"), ("p99_ttft_ms", "p99 TTFT ms", "p99 TTFT ms"),
                 ("p99_itl_ms", "p99 ITL ms", "p99 ITL ms"),
                 ("p99_tbt_first_zero_ms", "p99 TBT0 ms", "p99 TBT with first-token 0s ms"),

@@ -2,10 +2,11 @@
 "Admission and shedding").
 
 - `--admit TIER:rate=R[:burst=B]`: a token bucket per tier (R requests/s refill, B deep,
-  default B = R x 1 s, full at t = 0); an arrival that finds it empty is shed.
+  B >= 1 as a request takes a whole token, default max(R, 1), full at t = 0); an arrival
+  that finds less than one token is shed.
 - `--admit TIER:concurrency=N`: at most N of the tier's requests in the cluster (arrived,
   not finished); an arrival over the limit is shed.
-- `--shed TIER[:ttft=S]`: an arrival whose predicted TTFT on the replica the router chose
+- `--shed TIER[:ttft=S][:kv=F]`: an arrival whose predicted TTFT on the replica the router chose
   is above S (default the tier's TTFT SLO) is shed. The prediction is the wait ahead plus the
   request's own prompt over the replica's prefill rate (tokens/s of a full chunk, from its
   batch-time model). The wait ahead is the larger of two estimates: the replica's queued
@@ -13,6 +14,10 @@
   replica gives), and the head-of-line delay, how long the request at the head of its queue
   has waited (Ibrahim and Whitt, "Real-time delay estimation based on delay history", MSOM
   2009: the HOL predictor), which sees the waits that KV and sequence limits cause.
+  `:kv=F` also sheds while the chosen replica's KV use is at least F, as the Gateway API
+  Inference Extension's saturation detector marks a pod saturated at a KV-cache utilisation
+  threshold (its default 0.8): a queue-based prediction cannot see the wait that the running
+  requests' decodes will cause once their KV fills the cache.
 - `--abandon-after S` (or `TIER=S`, repeatable): a client gives up S seconds after its
   arrival when it has no first token; a request still waiting then leaves the replica's
   queue. One already admitted is served (vLLM would abort it on disconnect; a waiting one is
@@ -44,7 +49,8 @@ class Limit:
 @dataclass(frozen=True)
 class ShedRule:
     tier: str
-    ttft_s: float | None        # None: the tier's TTFT SLO
+    ttft_s: float | None        # None: the tier's TTFT SLO (when kv is None)
+    kv: float | None = None     # shed when the chosen replica's KV use is at least this share
 
 
 def _tier(text: str, flag: str, tiers: Sequence[str]) -> str:
@@ -53,46 +59,57 @@ def _tier(text: str, flag: str, tiers: Sequence[str]) -> str:
     return text
 
 
-def _number(flag: str, key: str, text: str, whole: bool = False) -> float:
+def _number(flag: str, key: str, text: str, whole: bool = False, least: float = 0.0) -> float:
     try:
         v = int(text) if whole else float(text)
     except ValueError:
         raise KvschedError(f"{flag}: {key}={text!r} is not a {'whole number' if whole else 'number'}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise KvschedError(f"{flag}: {key} must be > 0, got {text}")
+    if not (v > least and math.isfinite(v)) or (least and v < least):
+        raise KvschedError(f"{flag}: {key} must be a finite number {'>= ' + format(least, 'g') if least else '> 0'}, "
+                           f"got {text}")
     return v
 
 
-def parse_admit(text: str, tiers: Sequence[str]) -> Limit:
-    flag = f"--admit {text!r}"
+def _options(text: str, flag: str, keys: tuple[str, ...], form: str) -> tuple[str, dict[str, str]]:
     tier, *opts = str(text).split(":")
-    kv = {}
+    got: dict[str, str] = {}
     for o in opts:
         k, eq, v = o.partition("=")
-        if not eq or k not in ("rate", "burst", "concurrency") or k in kv:
-            raise KvschedError(f"{flag}: write TIER:rate=R[:burst=B] or TIER:concurrency=N")
-        kv[k] = v
+        if not eq or k not in keys or k in got:
+            raise KvschedError(f"{flag}: write {form}")
+        got[k] = v
+    return tier, got
+
+
+def parse_admit(text: str, tiers: Sequence[str]) -> Limit:
+    """`--admit TIER:rate=R[:burst=B]` (B >= 1: a request takes a whole token; default
+    max(R, 1)) or `TIER:concurrency=N`."""
+    flag, form = f"--admit {text!r}", "TIER:rate=R[:burst=B] or TIER:concurrency=N"
+    tier, kv = _options(text, flag, ("rate", "burst", "concurrency"), form)
     if ("rate" in kv) == ("concurrency" in kv) or ("burst" in kv and "rate" not in kv):
-        raise KvschedError(f"{flag}: write TIER:rate=R[:burst=B] or TIER:concurrency=N")
+        raise KvschedError(f"{flag}: write {form}")
     tier = _tier(tier, flag, tiers)
     if "concurrency" in kv:
         return Limit(tier, "concurrency", _number(flag, "concurrency", kv["concurrency"], True))
     rate = _number(flag, "rate", kv["rate"])
-    return Limit(tier, "rate", rate, _number(flag, "burst", kv["burst"]) if "burst" in kv else rate)
+    burst = _number(flag, "burst", kv["burst"], least=1.0) if "burst" in kv else max(rate, 1.0)
+    return Limit(tier, "rate", rate, burst)
 
 
 def parse_shed(text: str, tiers: Sequence[str], slos: dict[str, float | None]) -> ShedRule:
-    flag = f"--shed {text!r}"
-    tier, colon, rest = str(text).partition(":")
+    """`--shed TIER[:ttft=S][:kv=F]`: S seconds of predicted TTFT (default the tier's TTFT SLO
+    when no kv is given), F in (0, 1] of KV use on the chosen replica."""
+    flag, form = f"--shed {text!r}", "TIER[:ttft=SECONDS][:kv=SHARE]"
+    tier, got = _options(text, flag, ("ttft", "kv"), form)
     tier = _tier(tier, flag, tiers)
-    if colon:
-        k, eq, v = rest.partition("=")
-        if k != "ttft" or not eq:
-            raise KvschedError(f"{flag}: write TIER[:ttft=SECONDS]")
-        return ShedRule(tier, _number(flag, "ttft", v))
-    if tier == ALL or slos.get(tier) is None:
+    kv = _number(flag, "kv", got["kv"]) if "kv" in got else None
+    if kv is not None and kv > 1:
+        raise KvschedError(f"{flag}: kv is a share of the KV cache in (0, 1], got {got['kv']}")
+    if "ttft" in got:
+        return ShedRule(tier, _number(flag, "ttft", got["ttft"]), kv)
+    if kv is None and (tier == ALL or slos.get(tier) is None):
         raise KvschedError(f"{flag}: tier {tier} has no TTFT SLO to shed at: give TIER:ttft=SECONDS")
-    return ShedRule(tier, None)
+    return ShedRule(tier, None if kv is not None else slos[tier], kv)
 
 
 def parse_abandon(text: str, tiers: Sequence[str]) -> tuple[str, float]:
@@ -103,38 +120,46 @@ def parse_abandon(text: str, tiers: Sequence[str]) -> tuple[str, float]:
 
 class Admission:
     """The per-tier limits, shedding rules and patience of one run, as arrays by tier index
-    (index len(tiers): requests without a tier)."""
+    (index len(tiers): requests without a tier). A rule for `all` applies to every tier that
+    has no rule of its own of that flag; two rules of one flag for one tier are an error."""
 
     def __init__(self, tiers: Sequence, limits: Sequence[Limit], shed: Sequence[ShedRule],
                  abandon: Sequence[tuple[str, float]]) -> None:
         names = [t.name for t in tiers]
         n = len(names) + 1
 
-        def index(tier: str) -> list[int]:
-            return list(range(n)) if tier == ALL else [names.index(tier)]
-        self.bucket: list[list[float] | None] = [None] * n      # [tokens, rate, burst, last t]
-        self.limit: list[int | None] = [None] * n
-        self.ttft: list[float | None] = [None] * n
-        self.patience: list[float | None] = [None] * n
-        for lim in limits:
-            for k in index(lim.tier):
-                if lim.kind == "rate":
-                    self.bucket[k] = [lim.burst, lim.value, lim.burst, 0.0]
-                else:
-                    self.limit[k] = int(lim.value)
-        for rule in shed:
-            for k in index(rule.tier):
-                self.ttft[k] = rule.ttft_s if rule.ttft_s is not None else tiers[k].ttft_slo
-        for tier, s in abandon:
-            for k in index(tier):
-                self.patience[k] = s
+        def spread(flag: str, rules: list, tier_of) -> list:
+            """Each tier index's rule: its own, else all's (None: none)."""
+            out: list = [None] * n
+            seen = set()
+            for rule in sorted(rules, key=lambda r: tier_of(r) != ALL):     # all's first, then named
+                tier = tier_of(rule)
+                if tier in seen:
+                    raise KvschedError(f"{flag}: tier {tier} is given twice")
+                seen.add(tier)
+                for k in (range(n) if tier == ALL else [names.index(tier)]):
+                    out[k] = rule
+            return out
+        rates = spread("--admit (rate)", [x for x in limits if x.kind == "rate"], lambda x: x.tier)
+        seats = spread("--admit (concurrency)", [x for x in limits if x.kind == "concurrency"], lambda x: x.tier)
+        sheds = spread("--shed", list(shed), lambda x: x.tier)
+        waits = spread("--abandon-after", list(abandon), lambda x: x[0])
+        self.bucket = [None if x is None else [x.burst, x.value, x.burst, 0.0] for x in rates]  # tokens, rate, burst, t
+        self.limit = [None if x is None else int(x.value) for x in seats]
+        self.ttft = [None if x is None else x.ttft_s for x in sheds]
+        self.kv = [None if x is None else x.kv for x in sheds]
+        self.patience = [None if x is None else x[1] for x in waits]
         self.in_cluster = [0] * n
         self.shed = [0] * n
         self.abandoned = [0] * n
 
     @property
     def active(self) -> bool:
-        return any(x is not None for x in (*self.bucket, *self.limit, *self.ttft, *self.patience))
+        return any(x is not None for x in (*self.bucket, *self.limit, *self.ttft, *self.kv, *self.patience))
+
+    def sheds(self, k: int) -> bool:
+        """Whether tier k's arrivals are judged on the chosen replica (`--shed`)."""
+        return self.ttft[k] is not None or self.kv[k] is not None
 
     def admit(self, k: int, t: float) -> bool:
         """Whether tier k's arrival at t passes its bucket and concurrency limit (taking a
@@ -153,6 +178,13 @@ class Admission:
         self.in_cluster[k] += 1
         return True
 
-    def breaks_slo(self, k: int, predicted_ttft: float) -> bool:
-        bound = self.ttft[k]
-        return bound is not None and predicted_ttft > bound
+    def undo(self, k: int) -> None:
+        """Tier k's arrival, admitted by `admit`, is shed after all: its token and seat back."""
+        self.in_cluster[k] -= 1
+        b = self.bucket[k]
+        if b is not None:
+            b[0] = min(b[2], b[0] + 1.0)
+
+    def breaks_slo(self, k: int, predicted_ttft: float, kv_use: float) -> bool:
+        bound, kv = self.ttft[k], self.kv[k]
+        return bound is not None and predicted_ttft > bound or kv is not None and kv_use >= kv

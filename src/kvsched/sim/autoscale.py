@@ -11,11 +11,14 @@ starting ones (newest first) and drains up ones (fewest outstanding first), neve
 
 Built-in scalers:
 - `hpa`: Kubernetes' Horizontal Pod Autoscaler algorithm (kubernetes.io/docs/tasks/run-
-  application/horizontal-pod-autoscale, "Algorithm details"): desired = ceil(current x
-  metric / target), skipped within a tolerance of 10% of the target; replicas not yet ready
-  count as using nothing when scaling up (so desired = ceil(sum of the ready replicas'
-  metric / target)), and a scale-down takes the highest recommendation of the last
-  `down_stabilization_s` (default 300 s, Kubernetes' scaleDown stabilizationWindowSeconds).
+  application/horizontal-pod-autoscale, "Algorithm details"; `HpaScaler.recommend`):
+  desired = ceil(current x metric / target), skipped within a tolerance of 10% of the target;
+  on a scale-up, replicas not yet ready count as using nothing, and if that reverses the
+  direction or falls within tolerance the count stays. A scale-down takes the highest
+  recommendation of the last `down_stabilization_s` (default 300 s, Kubernetes'
+  scaleDown stabilizationWindowSeconds); a scale-up is at most the larger of +100% and +4
+  replicas a decision (Kubernetes' default scale-up policies per 15 s, the default interval;
+  with another interval the limit is still per decision).
   The metric is vLLM's `kv_cache_usage_perc` (`kv`), `num_requests_waiting` (`queue`) or
   waiting + running (`outstanding`), per ready replica.
 - `slo`: replicas for the forecast arrival rate at one replica's capacity at the SLO (what
@@ -55,6 +58,7 @@ class PoolSignals:
     cold_start_s: float         # a new replica's cold start here
     tpot_mean_s: float | None = None    # mean time per output token (the mean ITL) of the window's
                                         # arrivals finished by now
+    replicas: tuple = ()        # each up replica's (index, waiting, outstanding, KV use), the sums' parts
 
     @property
     def current(self) -> int:
@@ -67,9 +71,21 @@ class Scaler(Protocol):
     def decide(self, t: float, pools: Sequence[PoolSignals]) -> list[int]: ...
 
 
+MOST = 1 << 30          # a recommendation past any pool (kept finite: a scaler's ratio may be huge)
+
+
+def ceil_count(x: float) -> int:
+    """ceil(x) as a replica count, MOST for anything above it (inf included)."""
+    return math.ceil(x - 1e-9) if x < MOST else MOST
+
+
 @dataclass
 class _Stabilized:
-    """Kubernetes' scale-down stabilization: the highest recommendation of the window."""
+    """Kubernetes' stabilization (pkg/controller/podautoscaler/horizontal.go,
+    `stabilizeRecommendationWithBehaviors`): the current count, raised to the lowest
+    recommendation of the scale-up window (0 s by default: the new one) and lowered to the
+    highest of the scale-down window; and the default scale-up limit, the larger of +100% and
+    +4 replicas per 15 s period (`behavior.scaleUp.policies`)."""
     down_stabilization_s: float = 300.0
     _history: list = field(default_factory=list, repr=False)
 
@@ -80,7 +96,8 @@ class _Stabilized:
         h.append((t, desired))
         while h and h[0][0] < t - self.down_stabilization_s:
             h.popleft()
-        return desired if desired >= current else max(d for _, d in h)
+        out = min(max(current, desired), max(d for _, d in h))
+        return min(out, max(2 * current, current + 4))
 
 
 @dataclass
@@ -101,10 +118,22 @@ class HpaScaler(_Stabilized):
         out = []
         for k, p in enumerate(pools):
             total = {"kv": p.kv_use, "queue": p.waiting, "outstanding": p.outstanding}[self.metric]
-            ratio = total / (p.up * self.target) if p.up else 1.0
-            desired = p.current if abs(ratio - 1) <= self.tolerance else math.ceil(total / self.target - 1e-9)
-            out.append(self.stabilize(t, k, desired, p.current))
+            out.append(self.stabilize(t, k, self.recommend(total, p.up, p.current), p.current))
         return out
+
+    def recommend(self, total: float, ready: int, current: int) -> int:
+        """Kubernetes' replica calculator (pkg/controller/podautoscaler/replica_calculator.go):
+        the ready replicas' usage ratio; within tolerance, no change; a scale-up with replicas
+        not yet ready counts them at 0 and keeps the count if that reverses the direction or
+        falls within tolerance; else ceil(ratio x current)."""
+        ratio = total / (ready * self.target) if ready else 1.0
+        if abs(ratio - 1) <= self.tolerance:
+            return current
+        if ratio > 1 and current > ready:
+            ratio = total / (current * self.target)
+            if ratio <= 1 or abs(ratio - 1) <= self.tolerance:
+                return current
+        return ceil_count(ratio * current)
 
 
 @dataclass
@@ -134,7 +163,8 @@ class SloScaler(_Stabilized):
             if not per > 0:
                 raise KvschedError(f"--autoscale slo: one replica of pool {p.name} meets the TTFT SLO at no rate "
                                    "(its capacity is 0 req/s); loosen ttft_slo_s or give rate_per_replica")
-            desired = math.ceil(forecast / (per * self.headroom) - 1e-9)
+            each = per * self.headroom
+            desired = ceil_count(forecast / each) if each > 0 else MOST
             if self.ttft_slo_s is not None and p.ttft_p99_s is not None and p.ttft_p99_s > self.ttft_slo_s:
                 desired = max(desired, p.current + 1)
             out.append(self.stabilize(t, k, desired, p.current))
@@ -204,6 +234,11 @@ def parse_autoscale(name: Any, assignments: dict[str, Any]) -> AutoscaleConfig:
     for key in ("interval_s", "window_s", "storage_gbps"):
         if key in common:
             _positive(key, common[key])
+    for key in ("interval_s", "window_s"):
+        if common.get(key, 1.0) < 1e-3:
+            raise KvschedError(f"--autoscale-set {key} must be at least 0.001 seconds, got {common[key]}")
+    if common.get("initial") is not None and common["initial"] < common.get("min", 1):
+        raise KvschedError(f"--autoscale-set initial={common['initial']} is below min={common.get('min', 1)}")
     for key in ("start_s", "cold_start_s"):
         if common.get(key, 0.0) < 0:
             raise KvschedError(f"--autoscale-set {key} must be >= 0 seconds, got {common[key]}")
@@ -213,6 +248,8 @@ def parse_autoscale(name: Any, assignments: dict[str, Any]) -> AutoscaleConfig:
                                f"got {common[key]}")
     if "down_stabilization_s" in own and own["down_stabilization_s"] < 0:
         raise KvschedError("--autoscale-set down_stabilization_s must be >= 0 seconds")
+    if "ttft_slo_s" in own:
+        _positive("ttft_slo_s", own["ttft_slo_s"])
     cfg = AutoscaleConfig(name, **common, params=tuple(sorted(own.items())))
     cfg.build()                                             # the scaler's own checks, now
     return cfg
@@ -246,7 +283,10 @@ class Fleet:
         return [r for r in self.pools[pool] if self.state[r] == state]
 
     def note(self, t: float) -> None:
-        self.counts.append((t, [len(self.members(k, UP)) for k in range(len(self.pools))]))
+        """The replicas up per pool from t on (kept only when they change)."""
+        up = [len(self.members(k, UP)) for k in range(len(self.pools))]
+        if not self.counts or self.counts[-1][1] != up:
+            self.counts.append((t, up))
 
     def stop(self, r: int, t: float) -> None:
         """Replica r gives its GPUs back at t."""

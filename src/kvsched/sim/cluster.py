@@ -313,11 +313,12 @@ class Cluster:
             self.control.start()
         index = single.index if single is not None else -1
         # a replica may run several decode-only batches in one step() until the next thing that
-        # happens elsewhere; a closed loop and sessions react to each batch's finishes
+        # happens elsewhere; a closed loop, sessions and the control plane (slots and seats freed,
+        # drains ending) react to each batch's finishes
         chain = closed is None and turns is None
         check = invariants.enabled()            # KVSCHED_CHECK=1: the invariants after every step
         for r in reps:                          # replicas whose steady batches may run ahead
-            r.runs_ahead = chain and r._steady and not self.shared_tiers
+            r.runs_ahead = chain and r._steady and not self.shared_tiers and self.control is None
         if self._tables is not None:
             return run_apart(self, progress, wall0)
         ahead = routed_ahead(self, chain)

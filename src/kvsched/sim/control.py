@@ -77,6 +77,7 @@ class ControlPlane:
         self.ticks: list[dict[str, Any]] = []
         for rep in c.replicas:
             rep._on_done = self._chain(rep._on_done, rep.index)
+            rep.track_start = True              # `summary_at` during a batch: the signals and shedding read it
 
     # ----- set-up -------------------------------------------------------------------------------
     def _pools_of_models(self, w, pools) -> list[list[int]]:
@@ -114,8 +115,9 @@ class ControlPlane:
         candidates = [c.replicas[r] for k in self._eligible[m] for r in self._up[k]]
         k = c._route(c.router, candidates, i, t, self._lora_states(candidates, i))
         rep = candidates[k]
-        if adm is not None and adm.ttft[tier] is not None and adm.breaks_slo(tier, self._predicted_ttft(rep, i, t)):
-            adm.in_cluster[tier] -= 1
+        if adm is not None and adm.sheds(tier) and adm.breaks_slo(
+                tier, self._predicted_ttft(rep, i, t), rep.summary_at(t)[1] / rep.kv_capacity_blocks):
+            adm.undo(tier)
             self._drop(i, t, SHED, None)
             return
         reqs.replica[i] = rep.index
@@ -252,15 +254,13 @@ class ControlPlane:
         w = self.autoscale.window_s
         while win and win[0][0] < t - w:
             win.popleft()
-        waiting = outstanding = 0
-        kv = 0.0
+        each = []
         for r in self._up[k]:
             rep = c.replicas[r]
             out, used, _ = rep.summary_at(t)
             extra = len(self.residency[r].waiting) if self.residency is not None else 0
-            waiting += len(rep._queue) + extra
-            outstanding += out
-            kv += used / rep.kv_capacity_blocks
+            each.append((r, len(rep._queue) + extra, out, used / rep.kv_capacity_blocks))
+        waiting, outstanding, kv = sum(x[1] for x in each), sum(x[2] for x in each), sum(x[3] for x in each)
         ttfts = [min(reqs.first[i], t) - a for a, i in win if not self.dropped[i]]
         p99 = float(np.percentile(ttfts, 99)) if ttfts else None
         out = reqs.output
@@ -269,7 +269,7 @@ class ControlPlane:
         return PoolSignals(self.names[k], len(self._up[k]), len(f.members(k, STARTING)), len(f.members(k, DRAINING)),
                            self.autoscale.min, len(f.pools[k]), waiting, outstanding, kv,
                            len(win) / min(w, t) if t > 0 else 0.0, p99, self.cold_s[k],
-                           float(np.mean(tpots)) if tpots else None)
+                           float(np.mean(tpots)) if tpots else None, tuple(each))
 
     def _scale(self, k: int, want: int, t: float) -> None:
         f = self.fleet
@@ -287,7 +287,7 @@ class ControlPlane:
         elif want < cur:
             extra = cur - want
             for r in sorted(starting, key=lambda r: f.since[r], reverse=True)[:extra]:
-                f.stop(r, t)
+                self._stop(r, t)
                 extra -= 1
             c = self.cluster
             for r in sorted(up, key=lambda r: (c.replicas[r].summary_at(t)[0], -r))[:extra]:
@@ -315,9 +315,19 @@ class ControlPlane:
         rep = self.cluster.replicas[r]
         waiting = len(self.residency[r].waiting) if self.residency is not None else 0
         if f.state[r] == DRAINING and rep.outstanding == 0 and not rep.pulls and not waiting:
-            f.stop(r, t)
+            self._stop(r, t)
             self._refresh()
             f.note(t)
+
+    def _stop(self, r: int, t: float) -> None:
+        """Replica r gives its GPUs back at t: a later start is a cold one, its prefix cache and
+        adapters gone."""
+        self.fleet.stop(r, t)
+        rep = self.cluster.replicas[r]
+        if rep.cache is not None:
+            rep.cache.clear()
+        if self.residency is not None:
+            self.residency[r].clear()
 
     # ----- the run's figures --------------------------------------------------------------------------
     def summary(self, end: float) -> dict[str, Any]:

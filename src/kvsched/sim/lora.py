@@ -44,6 +44,8 @@ class LoraConfig:
     load_gbps: float = 2.0      # GB/s an adapter loads at (storage or host memory to GPU)
 
     def __post_init__(self) -> None:
+        if isinstance(self.load_gbps, bool):
+            raise KvschedError(f"--lora-set load_gbps must be a number, got {self.load_gbps!r}")
         for key in ("max_loras", "rank"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 16:
@@ -104,6 +106,11 @@ class Residency:
 
     def unpin(self, a: int) -> None:
         self.pins[a] -= 1
+
+    def clear(self) -> None:
+        """The replica is off: nothing resident (it holds no request)."""
+        assert not self.waiting and not any(self.pins.values()), "a replica with requests is never off"
+        self.pins.clear()
 
     @property
     def pinned(self) -> int:

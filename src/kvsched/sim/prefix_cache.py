@@ -92,6 +92,16 @@ class PrefixCache:
         self.evictions = 0
         self.spill = None           # the tiers below (sim/kv_tiers.py, Offload): evicted or computed blocks go down
 
+    def clear(self) -> None:
+        """Forget every cached block (the replica is off; a cold start begins empty). Only when
+        no request holds blocks here."""
+        assert not self.held, "a replica with requests is never off"
+        self.map.clear()
+        self.dups.clear()
+        self.free_q.clear()
+        self.queued = 0
+        self._keys.clear()
+
     # ----- keys ------------------------------------------------------------------------
     def keys(self, i: int, n: int, keep: bool = True) -> list[int]:
         """Keys of request i's first n (or more) blocks; memoised while the request lives here

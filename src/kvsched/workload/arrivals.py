@@ -224,6 +224,7 @@ class Sinusoid:
 
 DAY = 86400.0
 NOISE_BUCKETS = 288             # noise windows per period: 5 minutes of a day
+MAX_NOISE = 1_000_000           # noise windows drawn at most (they repeat after)
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ class Diurnal:
     is bundled, and the phase and the default amplitude here are a documented choice, not a
     fit. noise is log-normal per 1/288 of the period (5 minutes of a day), exp(s Z -
     s^2 / 2) with Z standard normal (mean 1), drawn from the workload's random stream; the
-    windows repeat after as many as the requests need. `period` below 86400 runs a day
+    windows repeat after as many as the requests need (at most 1,000,000). `period` below 86400 runs a day
     faster (time-scaled: `diurnal:MEAN:A:NOISE:864` is a day in 864 s)."""
     mean: float
     amplitude: float = 0.6
@@ -248,8 +249,8 @@ class Diurnal:
             raise KvschedError(f"arrivals: diurnal amplitude must be in [0, 1), got {self.amplitude}")
         if not (0 <= self.noise <= 2):
             raise KvschedError(f"arrivals: diurnal noise (log-normal sigma) must be in [0, 2], got {self.noise}")
-        if not (self.period > 0 and math.isfinite(self.period)):
-            raise KvschedError(f"arrivals: diurnal period must be > 0 seconds, got {self.period}")
+        if not (self.period >= 1 and math.isfinite(self.period)):
+            raise KvschedError(f"arrivals: diurnal period must be at least 1 second, got {self.period}")
 
     @property
     def mean_rate(self) -> float:
@@ -257,7 +258,7 @@ class Diurnal:
 
     def times(self, rng, n):
         width = self.period / NOISE_BUCKETS
-        count = max(NOISE_BUCKETS, math.ceil(2 * n / self.mean / width) + 1)
+        count = int(min(MAX_NOISE, max(NOISE_BUCKETS, 2 * n / self.mean / width + 1)))
         z = rng.standard_normal(count)
         noise = np.exp(self.noise * z - self.noise ** 2 / 2)
         w = 2 * math.pi / self.period

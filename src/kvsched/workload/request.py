@@ -255,8 +255,10 @@ class Workload:
             object.__setattr__(self, "adapter", np.full(n, -1, np.int32))
         if self.model_index is None:
             object.__setattr__(self, "model_index", np.full(n, -1, np.int16))
-        if n and self.model_index.max() >= len(self.models):
+        if n and not -1 <= self.model_index.min() <= self.model_index.max() < len(self.models):
             raise KvschedError("workload: model index out of range")
+        if n and self.adapter.min() < -1:
+            raise KvschedError("workload: adapter must be -1 (none) or an adapter's number >= 0")
         for name in ("prompt", "output", "output_known", "tier_index", "ids", "phase", "concurrency",
                      "session_prev", "think", "adapter", "model_index"):
             if len(getattr(self, name)) != n:

@@ -59,7 +59,7 @@ def parse_model_mix(text: str) -> tuple[tuple[str, ...], np.ndarray]:
             raise KvschedError(f"--model-mix {text!r}: {name} given twice")
         names.append(name)
         shares.append(x)
-    p = np.array(shares)
+    p = np.array(shares) / max(shares)          # first to 1 at most: huge shares do not overflow
     return tuple(names), p / p.sum()
 
 
