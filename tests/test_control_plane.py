@@ -139,6 +139,27 @@ def test_a_replica_started_again_is_cold_its_adapters_and_prefix_cache_gone():
     assert r.summary["lora"]["adapter_loads"] == 3                   # adapter 0 loads again on the restarted one
 
 
+def test_replicas_drained_during_their_last_batch_are_paid_to_its_end_and_free_their_adapters():
+    """Scale-downs every 0.3 s land inside batches; with adapters, a replica goes off only once
+    its last batch has ended and its adapters are unpinned (no request left behind)."""
+    r = invoke("simulate", "--gpu", "l4", "--replicas", "4", "--router", "least-outstanding", "--autoscale", "hpa",
+               "--autoscale-set", "metric=queue", "--autoscale-set", "target=1", "--autoscale-set", "cold_start_s=0",
+               "--autoscale-set", "interval_s=0.3", "--autoscale-set", "down_stabilization_s=0", "--rate", "3",
+               "--prompt-len", "uniform:2000:6000", "--output-len", "fixed:1", "--num-requests", "400",
+               "--adapters", "4", "--seed", "1", "--json")
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert s["completed"] == 400 and len(s["autoscale"]["replicas_over_time"]) > 4
+
+
+def test_shed_arrivals_count_in_the_demand_the_scaler_sees():
+    scaler = Step(1e9, 1, 1)
+    w = Workload.build(np.arange(0.0, 60, 0.1), 100, 5, tier_index=0, tiers=(Tier("free"),))
+    r = run(w, replicas=2, autoscale=scaler, admit=("free:rate=1",), autoscale_params={"interval_s": 10})
+    assert r.summary["shed"] > 400
+    assert scaler.seen[-1][1].arrival_rate == pytest.approx(10.0, rel=0.05)     # offered, not admitted (1/s)
+
+
 def signals(up=2, starting=0, total_kv=1.0, waiting=0, outstanding=0, rate=0.0, p99=None, lo=1, hi=10):
     return PoolSignals("p", up, starting, 0, lo, hi, waiting, outstanding, total_kv, rate, p99, 30.0)
 
@@ -150,6 +171,7 @@ def test_hpa_is_kubernetes_formula_with_tolerance_and_scale_down_stabilization()
     assert hpa.decide(30, [signals(up=3, starting=1, total_kv=2.6)]) == [6]   # ceil(2.6 / 0.5): not-ready count 0
     assert hpa.decide(45, [signals(up=6, total_kv=0.5)]) == [6]       # scale-down: the window's highest (6)
     assert hpa.decide(400, [signals(up=6, total_kv=0.5)]) == [1]      # the window has passed
+    assert HpaScaler(metric="queue", target=10).recommend(20, 4, 8) == 2     # down: the ready replicas' ratio
     q = HpaScaler(metric="queue", target=4)
     assert q.decide(0, [signals(up=2, waiting=17)]) == [5]
     fresh = HpaScaler(metric="kv", target=0.5)      # not-ready replicas at 0 reverse the direction: kept
@@ -213,7 +235,7 @@ def test_the_slo_scaler_measures_its_capacity_per_replica_and_runs_deterministic
               autoscale_params={"ttft_slo_s": 2.0, "interval_s": 15, "cold_start_s": 20, "initial": 2})
     a, b = run(w, **kw), run(w, **kw)
     auto = a.summary["autoscale"]
-    assert auto["rate_per_replica"][0] > 0 and len(auto["replicas_over_time"]) > 2
+    assert auto["rate_per_replica"][0] > 0 and max(up for _, up in auto["replicas_over_time"]) > 2
     assert {k: v for k, v in a.summary.items() if k != "wall_seconds"} == \
         {k: v for k, v in b.summary.items() if k != "wall_seconds"}
     rows = a.summary["over_time"]
@@ -239,6 +261,7 @@ def test_token_bucket_and_concurrency_limits():
             parse_admit(text, ["paid", "free"])
     slow = Admission(tiers, [parse_admit("free:rate=0.5", ["paid", "free"])], [], [])     # burst max(R, 1)
     assert slow.admit(1, 0.0) and not slow.admit(1, 1.0) and slow.admit(1, 2.0)
+    assert parse_admit("free:rate=0.5:burst=1", ["free"]).burst == 1.0
     with pytest.raises(KvschedError, match="given twice"):
         Admission(tiers, [parse_admit("free:rate=1", ["free"]), parse_admit("free:rate=2", ["free"])], [], [])
     both = Admission(tiers, [], [], [parse_abandon("free=5", ["paid", "free"]), parse_abandon("9", ["paid", "free"])])
@@ -287,6 +310,7 @@ def test_abandoned_requests_leave_the_queue_and_are_reported(tmp_path):
         r = simulate(Scenario(w, model="llama-3-8b", gpu="l4", abandon_after=("3",)))
     s = r.summary
     assert s["abandoned"] > 0 and s["completed"] + s["abandoned"] == len(w)
+    assert (r.records.arrival == w.arrival).all()                   # an abandoned request keeps its arrival
     ttft = r.records.first_token - r.records.arrival
     assert np.nanmax(np.where(np.isfinite(ttft), ttft, np.nan)) > 0
     r.write(tmp_path / "out")
@@ -433,7 +457,8 @@ def test_a_diurnal_day_peaks_in_the_afternoon_and_time_scales():
     (["--autoscale", "hpa", "--autoscale-set", "min=2", "--autoscale-set", "initial=1", "--replicas", "3"],
      "below min"),
     (["--autoscale", "slo", "--autoscale-set", "ttft_slo_s=0"], "ttft_slo_s must be a positive"),
-    (["--report-bucket", "1e-6"], "at most 1,000,000"),
+    (["--report-bucket", "1e-6"], "more than 1,000,000"),
+    (["--report-bucket", "1e-320"], "more than 1,000,000"),
     (["--arrivals", "diurnal:10:0.5:0.1:0.5"], "at least 1 second"),
     (["--shed", "all:kv=1.5"], "share of the KV"),
     (["--admit", "all:rate=1", "--admit", "all:rate=2"], "given twice"),

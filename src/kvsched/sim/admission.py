@@ -64,7 +64,7 @@ def _number(flag: str, key: str, text: str, whole: bool = False, least: float = 
         v = int(text) if whole else float(text)
     except ValueError:
         raise KvschedError(f"{flag}: {key}={text!r} is not a {'whole number' if whole else 'number'}") from None
-    if not (v > least and math.isfinite(v)) or (least and v < least):
+    if not (math.isfinite(v) and (v >= least if least else v > 0)):
         raise KvschedError(f"{flag}: {key} must be a finite number {'>= ' + format(least, 'g') if least else '> 0'}, "
                            f"got {text}")
     return v

@@ -93,10 +93,11 @@ class _Stabilized:
         while len(self._history) <= k:
             self._history.append(deque())
         h = self._history[k]
-        h.append((t, desired))
-        while h and h[0][0] < t - self.down_stabilization_s:
+        while h and h[0][0] <= t - self.down_stabilization_s:   # Kubernetes keeps those after the cutoff
             h.popleft()
-        out = min(max(current, desired), max(d for _, d in h))
+        highest = max([desired, *(d for _, d in h)])          # the new one always counts
+        h.append((t, desired))
+        out = min(max(current, desired), highest)
         return min(out, max(2 * current, current + 4))
 
 
@@ -133,7 +134,8 @@ class HpaScaler(_Stabilized):
             ratio = total / (current * self.target)
             if ratio <= 1 or abs(ratio - 1) <= self.tolerance:
                 return current
-        return ceil_count(ratio * current)
+            return ceil_count(ratio * current)
+        return ceil_count(ratio * ready)            # not a scale-up with unready ones: the ready alone
 
 
 @dataclass
@@ -283,8 +285,10 @@ class Fleet:
         return [r for r in self.pools[pool] if self.state[r] == state]
 
     def note(self, t: float) -> None:
-        """The replicas up per pool from t on (kept only when they change)."""
+        """The replicas up per pool from t on (kept only when they change; one entry an instant)."""
         up = [len(self.members(k, UP)) for k in range(len(self.pools))]
+        if self.counts and self.counts[-1][0] == t:
+            self.counts.pop()
         if not self.counts or self.counts[-1][1] != up:
             self.counts.append((t, up))
 

@@ -108,20 +108,23 @@ class ControlPlane:
         c, reqs = self.cluster, self.reqs
         tier = reqs.tier[i] if reqs.tier[i] >= 0 else self.tiers
         adm = self.admission
+        m = int(reqs.workload.model_index[i])
         if adm is not None and not adm.admit(tier, t):
+            pools = self._eligible[m]               # offered to the model's pools: demand the scalers see
+            for k in pools:
+                self._window[k].append((t, i, 1 / len(pools)))
             self._drop(i, t, SHED, None)
             return
-        m = int(reqs.workload.model_index[i])
         candidates = [c.replicas[r] for k in self._eligible[m] for r in self._up[k]]
         k = c._route(c.router, candidates, i, t, self._lora_states(candidates, i))
         rep = candidates[k]
+        self._window[self.pool_of[rep.index]].append((t, i, 1.0))
         if adm is not None and adm.sheds(tier) and adm.breaks_slo(
                 tier, self._predicted_ttft(rep, i, t), rep.summary_at(t)[1] / rep.kv_capacity_blocks):
             adm.undo(tier)
             self._drop(i, t, SHED, None)
             return
         reqs.replica[i] = rep.index
-        self._window[self.pool_of[rep.index]].append((t, i))
         if adm is not None and adm.patience[tier] is not None:
             c._push(t + adm.patience[tier], CONTROL_EVENT, self._give_up, i)
         a = self.adapter[i]
@@ -134,10 +137,11 @@ class ControlPlane:
                 reqs.status[i] = WAITING
                 reqs.in_flight += 1
                 rep.outstanding += 1                # the router sees it as outstanding there
+                snapshot_add(rep, t, 1, 0)
                 return
             self._count(rep.index, i, 1)
             if loads:                               # the GPU stalls while the adapter loads
-                rep.now = max(rep.now, t) + self.load_s[rep.index]
+                self._stall(rep, t)
         else:
             self._count(rep.index, i, 1)
         rep.accept(i, t)
@@ -165,10 +169,16 @@ class ControlPlane:
         return ahead + self.reqs.target[i] / rate
 
     # ----- requests leaving -----------------------------------------------------------------------
+    def _stall(self, rep, t: float) -> None:
+        """Replica `rep` loads an adapter from t (after its current batch): its clock moves on;
+        routers see its state as of now meanwhile."""
+        if rep.now <= t:
+            rep._snap = (rep.outstanding, rep.kv.used, rep.prefill_backlog)
+        rep.now = max(rep.now, t) + self.load_s[rep.index]
+
     def _drop(self, i: int, t: float, why: int, rep) -> None:
         reqs = self.reqs
         reqs.status[i] = REJECTED
-        reqs.arrival[i] = t
         reqs.remaining -= 1
         self.dropped[i] = why
         adm = self.admission
@@ -190,8 +200,10 @@ class ControlPlane:
             except ValueError:
                 return                              # not in the queue (a side state): served
             rep.prefill_backlog -= reqs.target[i]
+            snapshot_add(rep, t, 0, -reqs.target[i])
             self._release(rep, i)
         rep.outstanding -= 1
+        snapshot_add(rep, t, -1, 0)
         reqs.in_flight -= 1
         self.admission.in_cluster[reqs.tier[i] if reqs.tier[i] >= 0 else self.tiers] -= 1
         self._drop(i, t, ABANDONED, rep)
@@ -221,10 +233,11 @@ class ControlPlane:
                     continue                        # vLLM skips it and looks at the next
                 res.waiting.remove(i)
                 rep.outstanding -= 1                # accept counts it again
+                snapshot_add(rep, t, -1, 0)
                 self.reqs.in_flight -= 1
                 self._count(rep.index, i, 1)
                 if loads:
-                    rep.now = max(rep.now, t) + self.load_s[rep.index]
+                    self._stall(rep, t)
                 rep.accept(i, t)
             self.cluster._touch(rep)
         self._check_drained(rep.index, t)
@@ -261,14 +274,15 @@ class ControlPlane:
             extra = len(self.residency[r].waiting) if self.residency is not None else 0
             each.append((r, len(rep._queue) + extra, out, used / rep.kv_capacity_blocks))
         waiting, outstanding, kv = sum(x[1] for x in each), sum(x[2] for x in each), sum(x[3] for x in each)
-        ttfts = [min(reqs.first[i], t) - a for a, i in win if not self.dropped[i]]
+        ttfts = [min(reqs.first[i], t) - a for a, i, _ in win if not self.dropped[i]]
         p99 = float(np.percentile(ttfts, 99)) if ttfts else None
         out = reqs.output
-        tpots = [(reqs.finished[i] - reqs.first[i]) / (out[i] - 1) for _, i in win
+        tpots = [(reqs.finished[i] - reqs.first[i]) / (out[i] - 1) for _, i, _ in win
                  if reqs.finished[i] <= t and out[i] > 1]
+        offered = sum(x for _, _, x in win)
         return PoolSignals(self.names[k], len(self._up[k]), len(f.members(k, STARTING)), len(f.members(k, DRAINING)),
                            self.autoscale.min, len(f.pools[k]), waiting, outstanding, kv,
-                           len(win) / min(w, t) if t > 0 else 0.0, p99, self.cold_s[k],
+                           offered / min(w, t) if t > 0 else 0.0, p99, self.cold_s[k],
                            float(np.mean(tpots)) if tpots else None, tuple(each))
 
     def _scale(self, k: int, want: int, t: float) -> None:
@@ -311,13 +325,22 @@ class ControlPlane:
         f.note(t)
 
     def _check_drained(self, r: int, t: float) -> None:
+        """A draining replica with nothing left is off at t; one whose last batch is still
+        running (its requests counted out at the batch's start) is looked at again at its end."""
         f = self.fleet
         rep = self.cluster.replicas[r]
         waiting = len(self.residency[r].waiting) if self.residency is not None else 0
-        if f.state[r] == DRAINING and rep.outstanding == 0 and not rep.pulls and not waiting:
-            self._stop(r, t)
-            self._refresh()
-            f.note(t)
+        if f.state[r] != DRAINING or rep.outstanding or rep.pulls or waiting or self.lora_counts[r][1]:
+            return
+        if rep.now > t:
+            self.cluster._push(rep.now, CONTROL_EVENT, self._recheck, r)
+            return
+        self._stop(r, t)
+        self._refresh()
+        f.note(t)
+
+    def _recheck(self, t: float, r: int) -> None:
+        self._check_drained(r, t)
 
     def _stop(self, r: int, t: float) -> None:
         """Replica r gives its GPUs back at t: a later start is a cold one, its prefix cache and
@@ -359,6 +382,13 @@ class ControlPlane:
 
 
 CONTROL_EVENT = 5           # sim/cluster.py's event kind for the control plane's work
+
+
+def snapshot_add(rep, t: float, outstanding: int, backlog: int) -> None:
+    """A change at t to what routers see of `rep` during its batch (`Replica.summary_at`)."""
+    if t < rep.now:
+        out, kv, pre = rep._snap
+        rep._snap = (out + outstanding, kv, pre + backlog)
 
 
 def reset_clocks(rep) -> None:
