@@ -704,11 +704,8 @@ def attach_control(cluster: Cluster, scenario: Scenario, ctl: dict[str, Any], ki
                                                  scaler.ttft_slo_s) for k in range(len(pools))]
     adm = ctl["admission"]
     if adm is not None and any(x is not None for x in adm.patience):
-        kept = [r.name for r in cluster.replicas if r._on_preempt is not None]
-        if kept:
-            raise KvschedError(f"--abandon-after: policy {kept[0]} keeps its own request state (on_preempt), which a "
-                               "request leaving its queue would break; it is modelled for policies without that hook "
-                               "(vllm-v1, vllm-v0, sarathi, orca, request-level, the eb policies)")
+        for rep in cluster.replicas:                # a request leaving its queue would break that state
+            refuse_own_state(rep, "--abandon-after")
     sizes = [adapter_params(m, lora.rank) * BYTES for m in models] if lora else None
     cluster.control = ControlPlane(cluster, pools, autoscale=auto, scaler=scaler, cold_s=cold,
                                    admission=ctl["admission"], lora=lora, adapter_bytes=sizes, gpus=gpus,
@@ -750,12 +747,12 @@ def run_cost(scenario: Scenario, records, cluster: Cluster, control, gpus: list,
     from kvsched.prices import read_prices
     end = fleet.run_end(records)
     scaled = control is not None and control.scaler is not None
-    holds = control.holds(end) if scaled else [end] * len(cluster.replicas)
+    holds = control.fleet.hours(end) if scaled else [end] * len(cluster.replicas)
     out_tokens = int(records.output[np.isfinite(records.finished)].sum())
     out = fleet.fleet_summary(holds, [r.busy for r in cluster.replicas], gpus, [lay.gpus for lay in layouts],
                               out_tokens, read_prices(scenario.prices))
     if control is not None:
-        out.update(control.summary(end))
+        out.update(control.summary())
     bucket = scenario.report_bucket_s
     if bucket is None and scaled:
         bucket = 3600.0
@@ -766,15 +763,21 @@ def run_cost(scenario: Scenario, records, cluster: Cluster, control, gpus: list,
     return out
 
 
+def refuse_own_state(rep, flag: str) -> None:
+    """`flag` moves requests behind the policy's back: refused for a policy with an `on_preempt`
+    hook, which keeps its own state per request."""
+    if rep._on_preempt is not None:
+        raise KvschedError(f"{flag}: policy {rep.name} keeps its own request state (on_preempt); it is "
+                           "modelled for policies without that hook (vllm-v1, vllm-v0, sarathi, orca, request-level, "
+                           "the eb policies)")
+
+
 def attach_host_swap(rep, tier, kv_bytes_per_token: int) -> None:
     """--preemption swap on replica `rep`: its host tier (sim/host_swap.py). A policy with an
     `on_preempt` hook keeps its own state for a preempted request (it expects it back in the
     queue, where a swap keeps it out), so it is refused."""
     from kvsched.sim.host_swap import HostSwap
-    if rep._on_preempt is not None:
-        raise KvschedError(f"--preemption swap: policy {rep.name} keeps its own request state (on_preempt); it is "
-                           "modelled for policies without that hook (vllm-v1, vllm-v0, sarathi, orca, request-level, "
-                           "the eb policies)")
+    refuse_own_state(rep, "--preemption swap")
     rep._swap = rep._side = HostSwap(tier, rep.block_size * kv_bytes_per_token)
 
 

@@ -306,9 +306,3 @@ class Fleet:
                 s += max(0.0, end - self.since[r])
             out.append(s)
         return out
-
-
-def fixed_holds(replicas: int, end: float) -> list[float]:
-    """A fixed fleet: every replica holds its GPUs from 0 to the run's end."""
-    return [end] * replicas
-

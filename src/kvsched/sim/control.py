@@ -19,6 +19,7 @@ from kvsched.cost.shape import BatchShape
 from kvsched.errors import KvschedError
 from kvsched.sim.admission import ABANDONED, SHED, Admission
 from kvsched.sim.autoscale import DRAINING, OFF, STARTING, UP, AutoscaleConfig, Fleet, PoolSignals
+from kvsched.sim.cluster import CONTROL as CONTROL_EVENT
 from kvsched.sim.lora import LoraConfig, LoraCost, Residency
 from kvsched.sim.requests import INF, REJECTED, WAITING
 
@@ -56,6 +57,8 @@ class ControlPlane:
         self._gen = [0] * len(c.replicas)
         self._up: list[list[int]] = []
         self._eligible = self._pools_of_models(w, pools)
+        self._candidates: list[list] = []      # per model: the replicas up that serve it (`_refresh`)
+        self._model = w.model_index.tolist()
         self._refresh()
         self.admission = admission if admission is not None and admission.active else None
         self.tiers = len(w.tiers)
@@ -74,7 +77,7 @@ class ControlPlane:
                 reset_clocks(rep)
         self._prefill_rate = [prefill_rate(r) for r in c.replicas] if self.admission else None
         self._window: list[deque] = [deque() for _ in pools]       # (arrival t, request) routed to each pool
-        self.ticks: list[dict[str, Any]] = []
+        self.decisions = 0
         for rep in c.replicas:
             rep._on_done = self._chain(rep._on_done, rep.index)
             rep.track_start = True              # `summary_at` during a batch: the signals and shedding read it
@@ -106,23 +109,23 @@ class ControlPlane:
     # ----- arrivals -----------------------------------------------------------------------------
     def arrive(self, i: int, t: float) -> None:
         c, reqs = self.cluster, self.reqs
-        tier = reqs.tier[i] if reqs.tier[i] >= 0 else self.tiers
+        tier = self._tier(i)
         adm = self.admission
-        m = int(reqs.workload.model_index[i])
+        m = self._model[i]
         if adm is not None and not adm.admit(tier, t):
             pools = self._eligible[m]               # offered to the model's pools: demand the scalers see
             for k in pools:
                 self._window[k].append((t, i, 1 / len(pools)))
-            self._drop(i, t, SHED, None)
+            self._drop(i, t, SHED)
             return
-        candidates = [c.replicas[r] for k in self._eligible[m] for r in self._up[k]]
+        candidates = self._candidates[m]
         k = c._route(c.router, candidates, i, t, self._lora_states(candidates, i))
         rep = candidates[k]
         self._window[self.pool_of[rep.index]].append((t, i, 1.0))
         if adm is not None and adm.sheds(tier) and adm.breaks_slo(
                 tier, self._predicted_ttft(rep, i, t), rep.summary_at(t)[1] / rep.kv_capacity_blocks):
             adm.undo(tier)
-            self._drop(i, t, SHED, None)
+            self._drop(i, t, SHED)
             return
         reqs.replica[i] = rep.index
         if adm is not None and adm.patience[tier] is not None:
@@ -176,14 +179,17 @@ class ControlPlane:
             rep._snap = (rep.outstanding, rep.kv.used, rep.prefill_backlog)
         rep.now = max(rep.now, t) + self.load_s[rep.index]
 
-    def _drop(self, i: int, t: float, why: int, rep) -> None:
+    def _tier(self, i: int) -> int:
+        """Request i's tier index in the admission's arrays (len(tiers): none)."""
+        k = self.reqs.tier[i]
+        return k if k >= 0 else self.tiers
+
+    def _drop(self, i: int, t: float, why: int) -> None:
         reqs = self.reqs
         reqs.status[i] = REJECTED
         reqs.remaining -= 1
         self.dropped[i] = why
-        adm = self.admission
-        k = reqs.tier[i] if reqs.tier[i] >= 0 else self.tiers
-        (adm.shed if why == SHED else adm.abandoned)[k] += 1
+        (self.admission.shed if why == SHED else self.admission.abandoned)[self._tier(i)] += 1
 
     def _give_up(self, t: float, i: int) -> None:
         """Request i's client gives up at t unless it has a first token or is admitted."""
@@ -205,14 +211,14 @@ class ControlPlane:
         rep.outstanding -= 1
         snapshot_add(rep, t, -1, 0)
         reqs.in_flight -= 1
-        self.admission.in_cluster[reqs.tier[i] if reqs.tier[i] >= 0 else self.tiers] -= 1
-        self._drop(i, t, ABANDONED, rep)
+        self.admission.in_cluster[self._tier(i)] -= 1
+        self._drop(i, t, ABANDONED)
         self._after_leaving(rep, t)
 
     def _left(self, t: float, i: int, r: int) -> None:
         """Request i finished on replica r at t."""
         if self.admission is not None:
-            self.admission.in_cluster[self.reqs.tier[i] if self.reqs.tier[i] >= 0 else self.tiers] -= 1
+            self.admission.in_cluster[self._tier(i)] -= 1
         rep = self.cluster.replicas[r]
         self._release(rep, i)
         self._after_leaving(rep, t)
@@ -244,7 +250,10 @@ class ControlPlane:
 
     # ----- autoscaling -----------------------------------------------------------------------------
     def _refresh(self) -> None:
+        """The replicas up, per pool and per model (what arrivals are routed among)."""
         self._up = [self.fleet.members(k, UP) for k in range(len(self.fleet.pools))]
+        reps = self.cluster.replicas
+        self._candidates = [[reps[r] for k in pools for r in self._up[k]] for pools in self._eligible]
 
     def _tick(self, t: float) -> None:
         sig = [self._signals(k, t) for k in range(len(self.fleet.pools))]
@@ -255,9 +264,7 @@ class ControlPlane:
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
                 raise KvschedError(f"scaler {self.scaler.name} returned {n!r} replicas for pool {s.name}")
             self._scale(k, min(max(int(n), s.min), s.max), t)
-        self.ticks.append({"t": t, "up": [s.up for s in sig], "starting": [s.starting for s in sig],
-                           "want": [int(n) for n in want], "arrival_rate": [s.arrival_rate for s in sig],
-                           "ttft_p99_s": [s.ttft_p99_s for s in sig]})
+        self.decisions += 1
         if self.reqs.done < self.reqs.remaining:
             self.cluster._push(t + self.autoscale.interval_s, CONTROL_EVENT, self._tick)
 
@@ -353,7 +360,7 @@ class ControlPlane:
             self.residency[r].clear()
 
     # ----- the run's figures --------------------------------------------------------------------------
-    def summary(self, end: float) -> dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.admission is not None:
             names = [t.name for t in self.reqs.workload.tiers] + ["(none)"]
@@ -371,17 +378,12 @@ class ControlPlane:
             out["autoscale"] = {"scaler": self.scaler.name, "interval_s": self.autoscale.interval_s,
                                 "cold_start_s": dict(zip(self.names, self.cold_s)),
                                 "replicas_over_time": [[t, *ups] for t, ups in self.fleet.counts],
-                                "pools": self.names, "decisions": len(self.ticks)}
+                                "pools": self.names, "decisions": self.decisions}
             rates = getattr(self.scaler, "rates", None) or getattr(self.scaler, "rate_per_replica", None)
             if rates:
                 out["autoscale"]["rate_per_replica"] = rates if isinstance(rates, list) else [rates] * len(self.names)
         return out
 
-    def holds(self, end: float) -> list[float]:
-        return self.fleet.hours(end)
-
-
-CONTROL_EVENT = 5           # sim/cluster.py's event kind for the control plane's work
 
 
 def snapshot_add(rep, t: float, outstanding: int, backlog: int) -> None:
